@@ -1,0 +1,213 @@
+"""TrainConfig: every knob of a `dflash train` run, loaded from YAML and overridden by CLI flags.
+
+Resolution order: dataclass defaults < YAML file < CLI overrides (only flags the user actually gave).
+The resolved config is written as JSON into every checkpoint and into RUN_DIR/config.json so a run can be
+reproduced and resumed; a resume refuses a config that differs in a field that changes the math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from dflash.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run. Defaults are the DFlash paper's (reference/dflash-method.md sections 0 and 3)."""
+
+    cache: str
+    """Path of the hidden-state cache (written by `dflash extract`)."""
+    model: str
+    """Target model folder; only its embedding and LM head are read (frozen), plus its tokenizer for the mask id."""
+    output: str
+    """Run folder: checkpoints/, metrics.jsonl, config.json, drafter/ (the export of the finished run)."""
+
+    # --- drafter shape (the hidden size comes from the cache, num_target_layers from the target) ---
+    taps: tuple[int, ...] | None = None
+    """Target layer ids to feed the drafter, a subset of the cache's taps; None = all taps of the cache."""
+    num_layers: int = 5
+    """Drafter decoder layers (paper: 5; 8 for Qwen3-Coder-30B-A3B)."""
+    num_attention_heads: int | None = None
+    """Drafter query heads; None = the DrafterConfig default (32), shrunk to fit small hidden sizes."""
+    num_key_value_heads: int | None = None
+    """Drafter KV heads; None = the DrafterConfig default (8), shrunk to fit small hidden sizes."""
+    head_dim: int | None = None
+    """Drafter head dim; None = the DrafterConfig default (128), or hidden/heads for small hidden sizes."""
+    intermediate_size: int | None = None
+    """Drafter MLP width; None = 3 x hidden size (Qwen3-8B drafter: 12288 = 3 x 4096)."""
+    block_size: int = 16
+    """Tokens per block: the anchor plus block_size-1 masked slots (paper: 16; 10 for LLaMA-3.1-8B)."""
+    rope_theta: float = 1e7
+    """Drafter RoPE base (1e6 for Qwen3 drafters, 1e7 for Qwen3.5)."""
+    mask_token_id: int | None = None
+    """Id whose frozen target embedding fills the masked slots. None = the tokenizer's mask token if it has
+    one, else its pad token if that is not also eos; otherwise set it (e.g. an unused id). Qwen3: 151669."""
+    gamma: float | None = None
+    """Loss decay exp(-(k-1)/gamma) per block position; None = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3."""
+
+    # --- optimisation ---
+    lr: float = 6e-4
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (SpecForge's paper-aligned config uses 0)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas (torch defaults; the paper does not state them)."""
+    warmup_ratio: float = 0.04
+    """Fraction of all optimizer steps spent in linear warmup."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    epochs: int = 6
+    """Passes over the cache; ignored when `steps` is set."""
+    steps: int | None = None
+    """Total optimizer steps (may span epochs); None = `epochs` full epochs."""
+    batch_tokens: int = 16384
+    """Token budget of one micro-batch per rank (context tokens of the packed samples)."""
+    grad_accum: int = 1
+    """Micro-batches per rank per optimizer step; a step covers world_size x grad_accum micro-batches."""
+    num_anchors: int = 512
+    """Anchors (blocks) sampled per sequence, resampled every epoch (paper: 512)."""
+    seed: int = 0
+    """Seeds the model init, the per-epoch shuffle and the per-(epoch, sample) anchor draws."""
+    dtype: str = "auto"
+    """Compute dtype for autocast: auto = bfloat16 on CUDA, float32 on CPU; or bfloat16 / float32."""
+    loss_chunk_blocks: int = 128
+    """Blocks per LM-head cross-entropy chunk (bounds the logits memory)."""
+
+    # --- loader ---
+    num_readers: int = 2
+    """Reader threads filling pinned host buffers."""
+    prefetch: int = 4
+    """Micro-batches read ahead (host buffers in flight)."""
+    verify_checksums: bool = True
+    """Check the crc32c of every cache chunk read."""
+
+    # --- bookkeeping ---
+    log_every: int = 10
+    """Optimizer steps between metric logs (the only steps that synchronise the host with the GPU)."""
+    save_every: int = 500
+    """Optimizer steps between checkpoints (a final one is always written)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept in RUN_DIR/checkpoints."""
+    peak_flops: float | None = None
+    """Peak FLOP/s per device for MFU; None = 790e12 on CUDA (H200 bf16 dense), no MFU on CPU."""
+    stop_after_steps: int | None = None
+    """Stop (with a checkpoint) after this many steps of this invocation; for tests of resume. None = run to the end."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_layers", "block_size", "epochs", "batch_tokens", "grad_accum", "num_anchors",
+                  "num_readers", "prefetch", "log_every", "save_every", "keep_checkpoints", "loss_chunk_blocks")
+        if self.block_size < 2:
+            raise ConfigError(f"block_size={self.block_size}: a block needs the anchor plus at least one slot (>= 2)")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"steps={self.steps}: must be >= 1 (or unset to train `epochs` epochs)")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError(f"lr={self.lr}, grad_clip={self.grad_clip}, weight_decay={self.weight_decay}: "
+                              "lr must be > 0, grad_clip and weight_decay >= 0")
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ConfigError(f"dtype={self.dtype!r}: choose auto, bfloat16 or float32")
+        if self.taps is not None and len(self.taps) == 0:
+            raise ConfigError("taps=(): give at least one tap layer id, or leave it unset for all cached taps")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ConfigError(f"gamma={self.gamma}: must be > 0")
+
+    def resolved_gamma(self) -> float:
+        """The paper's gamma for the block size (A.1: 7 for B=16, 5 for B=10, 4 for B=8)."""
+        if self.gamma is not None:
+            return self.gamma
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, self.block_size / 2.3)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Fields that may differ between a run and its resume (paths, bookkeeping); anything else changes the math.
+RESUME_MUTABLE = frozenset({"cache", "model", "output", "log_every", "save_every", "keep_checkpoints",
+                            "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps"})
+
+
+def _positive(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r}: must be a positive integer")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    # YAML and JSON give lists; the frozen config keeps tuples so it hashes and compares by value.
+    if name in ("taps", "betas") and value is not None:
+        if isinstance(value, (int, float)):
+            value = [value]
+        return tuple(value)
+    return value
+
+
+def config_from_dict(data: Mapping[str, Any]) -> TrainConfig:
+    """Build a TrainConfig from a flat mapping, naming unknown keys and type problems."""
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown train config keys {unknown}; valid keys: {sorted(_FIELDS)}")
+    try:
+        return TrainConfig(**{k: _coerce(k, v) for k, v in data.items()})
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"train config: {e}") from e
+
+
+def load_train_config(yaml_path: str | pathlib.Path | None, overrides: Mapping[str, Any]) -> TrainConfig:
+    """Defaults < YAML < overrides. `overrides` holds only the values the user gave (None values are dropped)."""
+    data: dict[str, Any] = {}
+    if yaml_path is not None:
+        import yaml
+
+        path = pathlib.Path(yaml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of TrainConfig fields")
+        data.update(loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return config_from_dict(data)
+
+
+def check_resume_compatible(saved: Mapping[str, Any], current: TrainConfig) -> None:
+    """Raise ConfigError naming the first field that differs in a way that would break an exact resume."""
+    now = json.loads(json.dumps(current.to_json()))
+    for name in sorted(_FIELDS):
+        if name in RESUME_MUTABLE:
+            continue
+        if json.loads(json.dumps(saved.get(name))) != now[name]:
+            raise ConfigError(
+                f"--resume with a different {name!r}: the checkpoint has {saved.get(name)!r}, this run has "
+                f"{now[name]!r}. Resume with the original settings, or start a new run in an empty folder.")
+
+
+def default_config_field_help() -> dict[str, str]:
+    """Field name -> first docstring line, for `--help` texts (taken from this module's source)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            out[prev.target.id] = str(node.value.value).strip().splitlines()[0]  # type: ignore[union-attr]
+    return out
+
+
+__all__ = ["TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible", "RESUME_MUTABLE",
+           "default_config_field_help"]

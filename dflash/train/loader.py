@@ -1,0 +1,296 @@
+"""Training data loader: epoch plans (shuffle, token-budget micro-batches, DDP partition) and the streaming
+loader that reads them from the cache with reader threads, pinned host buffers and a side-stream H2D copy.
+
+Shapes: T = packed context tokens of a micro-batch, N = samples, K = taps, D = hidden size.
+
+Plan (pure, host-only, identical on every rank): permute the samples with a generator seeded by (seed, epoch),
+pack them in that order into micro-batches of at most `batch_tokens` context tokens (a first-fit over a few open
+bins, so lengths stay mixed but bins fill well), then cut the micro-batch list into optimizer steps of
+world_size x grad_accum micro-batches; micro-batch j of a step goes to rank j % world_size. The last step is
+padded with empty micro-batches, so every rank runs the same number of steps and micro-batches and every sample
+is seen exactly once per epoch. The packing does not depend on world_size, so 1 rank with grad_accum = W x A sees
+the same global batches as W ranks with grad_accum = A.
+
+Tradeoff: the budget counts context tokens only; block tokens (anchors x block size) scale with the number of
+loss tokens, so a micro-batch of many short samples costs more than its budget suggests.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------------------------- pure planning
+
+
+def epoch_permutation(num_samples: int, *, seed: int, epoch: int) -> np.ndarray:
+    """Deterministic permutation of range(num_samples) for (seed, epoch); int64 [N]."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 0x5EED])))
+    return rng.permutation(num_samples).astype(np.int64)
+
+
+def pack_micro_batches(order: np.ndarray, lengths: np.ndarray, *, batch_tokens: int,
+                       open_bins: int = 4) -> list[np.ndarray]:
+    """Pack sample indices, visited in `order`, into micro-batches of sum(length) <= batch_tokens.
+
+    First fit over the `open_bins` most recent bins: a sample goes into the first open bin with room; when none
+    has room the oldest bin is closed. A sample longer than the budget gets a micro-batch of its own. The result
+    is deterministic and keeps the shuffled mix of lengths within every micro-batch.
+    """
+    assert open_bins >= 1
+    closed: list[list[int]] = []
+    bins: list[list[int]] = []
+    fill: list[int] = []
+    for idx in order.tolist():
+        n = int(lengths[idx])
+        if n >= batch_tokens:
+            closed.append([idx])
+            continue
+        for b in range(len(bins)):
+            if fill[b] + n <= batch_tokens:
+                bins[b].append(idx)
+                fill[b] += n
+                break
+        else:
+            if len(bins) == open_bins:
+                closed.append(bins.pop(0))
+                fill.pop(0)
+            bins.append([idx])
+            fill.append(n)
+    closed.extend(bins)
+    return [np.asarray(b, dtype=np.int64) for b in closed]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochPlan:
+    """The micro-batches of one epoch, per optimizer step and rank."""
+
+    epoch: int
+    world_size: int
+    grad_accum: int
+    steps: tuple[tuple[np.ndarray, ...], ...]
+    """steps[s] = the world_size x grad_accum micro-batches of step s (sample indices; empty ones pad the end)."""
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def rank_step(self, rank: int, step: int) -> list[np.ndarray]:
+        """The grad_accum micro-batches rank `rank` runs at `step` (round robin over the step's micro-batches)."""
+        return list(self.steps[step][rank::self.world_size])
+
+
+def plan_epoch(lengths: np.ndarray, *, seed: int, epoch: int, batch_tokens: int, world_size: int,
+               grad_accum: int) -> EpochPlan:
+    """Shuffle, pack and partition one epoch (see the module docstring). `lengths`: int64 [N] tokens per sample."""
+    assert world_size >= 1 and grad_accum >= 1
+    order = epoch_permutation(len(lengths), seed=seed, epoch=epoch)
+    micro = pack_micro_batches(order, lengths, batch_tokens=batch_tokens)
+    per_step = world_size * grad_accum
+    num_steps = -(-len(micro) // per_step)
+    micro += [EMPTY] * (num_steps * per_step - len(micro))
+    steps = tuple(tuple(micro[s * per_step:(s + 1) * per_step]) for s in range(num_steps))
+    return EpochPlan(epoch=epoch, world_size=world_size, grad_accum=grad_accum, steps=steps)
+
+
+def steps_per_epoch(lengths: np.ndarray, *, batch_tokens: int, world_size: int, grad_accum: int) -> int:
+    """Optimizer steps in one epoch; the same for every epoch (the bin count can vary by a few across epochs,
+    so this uses epoch 0 and the trainer re-plans each epoch; schedule lengths use this number)."""
+    return plan_epoch(lengths, seed=0, epoch=0, batch_tokens=batch_tokens, world_size=world_size,
+                      grad_accum=grad_accum).num_steps
+
+
+def anchor_seed(*, seed: int, epoch: int, sample_id: int) -> int:
+    """A 63-bit seed for the anchor generator of one sample in one epoch: independent of rank, step and
+    batch composition, so DDP and resume draw the same anchors."""
+    return int(np.random.SeedSequence([seed, epoch, sample_id, 0xA7C]).generate_state(1, np.uint64)[0] >> 1)
+
+
+# ------------------------------------------------------------------------------------------- streaming loader
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the compute device. An empty micro-batch (padding of the last step) has N = 0."""
+
+    sample_ids: np.ndarray       # int64 [N] (host)
+    lengths: np.ndarray          # int64 [N] (host)
+    input_ids_T: torch.Tensor    # int64 [T]
+    loss_mask_T: torch.Tensor    # bool [T]
+    hidden_TKD: torch.Tensor     # compute dtype [T,K,D]
+    extra: Any = None            # whatever the trainer's host_fn computed in the reader thread (e.g. anchors)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def is_empty(self) -> bool:
+        return len(self.sample_ids) == 0
+
+
+@dataclass
+class _HostBatch:
+    packed: Any                  # PackedSamples or None (empty)
+    extra: Any
+    buffers: Any                 # pinned PackedBuffers to give back after the H2D copy, or None
+
+
+@dataclass
+class LoaderStats:
+    """Host time spent waiting for the next micro-batch (the loader stall) since the last reset."""
+
+    wait_s: float = 0.0
+    batches: int = 0
+    last_reset: float = field(default_factory=time.perf_counter)
+
+    def reset(self) -> None:
+        self.wait_s, self.batches, self.last_reset = 0.0, 0, time.perf_counter()
+
+
+class StreamingLoader:
+    """Streams this rank's micro-batches of one epoch plan, from `start_step` on.
+
+    Reader threads call `reader.read_many` into pinned host buffers (pinned only when CUDA is available; on CPU
+    each read allocates and the tensors are used in place). The main thread copies a finished host batch to the
+    device with one non_blocking copy per array on a side stream, makes the compute stream wait for it,
+    `record_stream`s the device tensors and hands the buffer back once the copy's event has fired. fp8 bits are
+    dequantised on the device. Nothing here synchronises the host with the GPU.
+    """
+
+    def __init__(self, reader: Any, plan: EpochPlan, *, rank: int, start_step: int, taps: Sequence[int],
+                 device: torch.device, dtype: torch.dtype, num_readers: int = 2, prefetch: int = 4,
+                 host_fn: Callable[[Any, int], Any] | None = None) -> None:
+        self.reader, self.plan, self.rank = reader, plan, rank
+        self.taps, self.device, self.dtype = tuple(taps), device, dtype
+        self.host_fn = host_fn
+        self.stats = LoaderStats()
+        self._work: list[np.ndarray] = [mb for s in range(start_step, plan.num_steps)
+                                        for mb in plan.rank_step(rank, s)]
+        self._pos = 0
+        self._cuda = device.type == "cuda"
+        self._prefetch = max(1, prefetch)
+        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, num_readers), thread_name_prefix="dflash-reader")
+        self._futures: list[cf.Future] = []
+        self._free: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        if self._cuda:
+            self._side = torch.cuda.Stream(device=device)
+            max_tokens = max([int(reader.index.length[mb].sum()) for mb in self._work] + [1])
+            for _ in range(self._prefetch):
+                self._free.put((_alloc_pinned(reader, max_tokens, len(self.taps)), None))
+        self._next_submit = 0
+        self._fill()
+
+    # --- reader side
+
+    def _fill(self) -> None:
+        while self._next_submit < len(self._work) and len(self._futures) < self._prefetch:
+            self._futures.append(self._pool.submit(self._read, self._work[self._next_submit]))
+            self._next_submit += 1
+
+    def _read(self, indices: np.ndarray) -> _HostBatch:
+        if len(indices) == 0:
+            return _HostBatch(packed=None, extra=None, buffers=None)
+        buffers = None
+        if self._cuda:
+            buffers, event = self._free.get()
+            if event is not None:
+                event.synchronize()  # the previous H2D copy out of this buffer must finish before we overwrite it
+        packed = self.reader.read_many(indices, taps=self.taps, out=buffers)
+        extra = self.host_fn(packed, self.plan.epoch) if self.host_fn is not None else None
+        return _HostBatch(packed=packed, extra=extra, buffers=buffers)
+
+    # --- consumer side
+
+    def __len__(self) -> int:
+        return len(self._work)
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        while self._pos < len(self._work):
+            yield self.next()
+
+    def next(self) -> MicroBatch:
+        assert self._pos < len(self._work), "loader exhausted"
+        t0 = time.perf_counter()
+        host: _HostBatch = self._futures.pop(0).result()
+        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.batches += 1
+        self._pos += 1
+        self._fill()
+        return self._to_device(host)
+
+    def _to_device(self, host: _HostBatch) -> MicroBatch:
+        d = self.device
+        if host.packed is None:
+            k = len(self.taps)
+            hidden_size = int(self.reader.hidden_size)
+            return MicroBatch(sample_ids=EMPTY, lengths=EMPTY, input_ids_T=torch.zeros(0, dtype=torch.long, device=d),
+                              loss_mask_T=torch.zeros(0, dtype=torch.bool, device=d),
+                              hidden_TKD=torch.zeros(0, k, hidden_size, dtype=self.dtype, device=d), extra=None)
+        p = host.packed
+        arrays = {"input_ids": _as_tensor(p.input_ids), "loss_mask": _as_tensor(p.loss_mask), "hidden": p.hidden}
+        if p.scales is not None:
+            arrays["scales"] = p.scales
+        if self._cuda:
+            main = torch.cuda.current_stream(d)
+            with torch.cuda.stream(self._side):
+                dev = {k: v.to(d, non_blocking=True) for k, v in arrays.items()}
+                event = torch.cuda.Event()
+                event.record(self._side)
+            main.wait_stream(self._side)
+            for t in dev.values():
+                t.record_stream(main)  # the caching allocator must not recycle these while main still uses them
+            self._free.put((host.buffers, event))
+        else:
+            dev = arrays
+        hidden = _decode_hidden(dev["hidden"], dev.get("scales"), self.dtype)
+        return MicroBatch(sample_ids=np.asarray(p.sample_ids, dtype=np.int64),
+                          lengths=np.asarray(p.lengths, dtype=np.int64),
+                          input_ids_T=dev["input_ids"].long(), loss_mask_T=dev["loss_mask"].bool(),
+                          hidden_TKD=hidden, extra=host.extra)
+
+    def close(self) -> None:
+        for f in self._futures:
+            f.cancel()
+        self._futures.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "StreamingLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_tensor(a: Any) -> torch.Tensor:
+    return a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _decode_hidden(hidden: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Storage bits -> compute dtype, on whatever device `hidden` is (the GPU in training)."""
+    if scales is not None or hidden.dtype == torch.uint8:
+        from dflash.cache.format import dequantize_fp8
+
+        assert scales is not None, "fp8 bits without scales"
+        return dequantize_fp8(hidden, scales, dtype=dtype)
+    if hidden.dtype in (torch.uint16, torch.int16):
+        hidden = hidden.view(torch.bfloat16)
+    return hidden.to(dtype)
+
+
+def _alloc_pinned(reader: Any, max_tokens: int, num_taps: int) -> Any:
+    from dflash.cache.reader import PackedBuffers
+
+    return PackedBuffers.allocate(max_tokens=max_tokens, num_taps=num_taps, hidden_size=int(reader.hidden_size),
+                                  storage=reader.storage, pin_memory=True)
