@@ -1,0 +1,174 @@
+"""The DFlash drafter (z-lab `DFlashDraftModel`, method doc 1.1): fc + hidden_norm over the concatenated
+target taps, then N Qwen3-style layers with KV injection, then a final norm.
+
+Shapes: T = context tokens (C in attention.py), K = taps, D = hidden size, Q = block (query) tokens,
+h = heads, d = head_dim.
+
+Semantics (z-lab dflash/model.py):
+  ctx = hidden_norm(fc(cat taps))                              computed once, shared by every layer
+  per layer: x' = input_layernorm(x)
+             q = q_norm(q_proj(x'))                            queries: block tokens only
+             k = k_norm(cat(k_proj(ctx), k_proj(x')))          keys/values: [context; block]
+             v = cat(v_proj(ctx), v_proj(x'))
+             RoPE(full head_dim, rope_theta) on q at block positions, on k at [context; block] positions
+             x = x + o_proj(attention(q, k, v, mask))          non-causal
+             x = x + down_proj(silu(gate_proj(y)) * up_proj(y)),  y = post_attention_layernorm(x)
+  out = norm(x)
+The context is neither re-normed per layer nor updated layer to layer. There is no embedding and no LM head:
+the caller embeds the block with the frozen target embedding and applies the frozen target head.
+Tradeoff: everything is unbatched ("packed"): several sequences share one token axis and the mask keeps
+them apart, so no padding is spent on ragged sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.drafter.attention import (BlockLayout, choose_backend, dense_block_attention,
+                                      flex_block_attention, flex_block_mask)
+from dflash.drafter.config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(pos_N: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [N, d] for absolute positions (Qwen3RotaryEmbedding, default rope type, fp32 math)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos_N.device, dtype=torch.int64)
+                                .float() / head_dim))
+    freqs_Nf = pos_N.float()[:, None] * inv_freq[None]
+    emb_Nd = torch.cat([freqs_Nf, freqs_Nf], dim=-1)
+    return emb_Nd.cos().to(dtype), emb_Nd.sin().to(dtype)
+
+
+def apply_rope(x_hNd: torch.Tensor, cos_Nd: torch.Tensor, sin_Nd: torch.Tensor) -> torch.Tensor:
+    half = x_hNd.shape[-1] // 2
+    rotated = torch.cat([-x_hNd[..., half:], x_hNd[..., :half]], dim=-1)
+    return x_hNd * cos_Nd + rotated * sin_Nd
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
+        self.q_proj = nn.Linear(H, nh * d, bias=False)
+        self.k_proj = nn.Linear(H, nkv * d, bias=False)
+        self.v_proj = nn.Linear(H, nkv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, H, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x_QD: torch.Tensor, ctx_TD: torch.Tensor, *, rope_q, rope_k, attend) -> torch.Tensor:
+        Q, T, d = x_QD.shape[0], ctx_TD.shape[0], self.head_dim
+        q_hQd = self.q_norm(self.q_proj(x_QD).view(Q, self.num_heads, d)).transpose(0, 1)
+        k_KD = torch.cat([self.k_proj(ctx_TD), self.k_proj(x_QD)], dim=0)
+        v_KD = torch.cat([self.v_proj(ctx_TD), self.v_proj(x_QD)], dim=0)
+        k_hKd = self.k_norm(k_KD.view(T + Q, self.num_kv_heads, d)).transpose(0, 1)
+        v_hKd = v_KD.view(T + Q, self.num_kv_heads, d).transpose(0, 1)
+        q_hQd = apply_rope(q_hQd, *rope_q)
+        k_hKd = apply_rope(k_hKd, *rope_k)
+        out_hQd = attend(q_hQd, k_hKd, v_hKd)
+        return self.o_proj(out_hQd.transpose(0, 1).reshape(Q, self.num_heads * d))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x_QD, ctx_TD, *, rope_q, rope_k, attend):
+        x_QD = x_QD + self.self_attn(self.input_layernorm(x_QD), ctx_TD, rope_q=rope_q, rope_k=rope_k,
+                                     attend=attend)
+        return x_QD + self.mlp(self.post_attention_layernorm(x_QD))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable part of a DFlash drafter; parameter names match the published checkpoints."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_backend = "auto"       # 'auto' (flex on CUDA, dense elsewhere), 'dense' or 'flex'
+        self.dense_chunk_tokens = 2048   # query tokens per dense-path chunk (bounds mask and score memory)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Qwen3PreTrainedModel init (what SpecForge trains from): normal(0, 0.02) linears, unit norms."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def context(self, target_hidden_TKD: torch.Tensor) -> torch.Tensor:
+        """hidden_norm(fc(concat taps)) -> [T, D]. Taps are concatenated in target_layer_ids order."""
+        T = target_hidden_TKD.shape[0]
+        return self.hidden_norm(self.fc(target_hidden_TKD.reshape(T, -1)))
+
+    def forward(self, block_embeds_QD: torch.Tensor, ctx_TD: torch.Tensor, *, q_pos: torch.Tensor,
+                kv_pos: torch.Tensor, mask: BlockLayout | None = None) -> torch.Tensor:
+        """Final-normed drafter outputs for the block tokens, [Q, D].
+
+        block_embeds_QD: frozen target embeddings of the block tokens ([x_a, MASK...] per block).
+        ctx_TD: output of `context()`; q_pos [Q] and kv_pos [T+Q] absolute positions.
+        mask: None = every query sees every key (one block over its visible context, z-lab decode step);
+        a BlockLayout = the packed-training mask (block_attention_mask), run with flex on CUDA or
+        chunked dense SDPA elsewhere.
+        """
+        assert kv_pos.shape[0] == ctx_TD.shape[0] + block_embeds_QD.shape[0], "kv_pos must cover [ctx; block]"
+        dtype, cfg = block_embeds_QD.dtype, self.cfg
+        rope_q = rope_cos_sin(q_pos, head_dim=cfg.head_dim, theta=cfg.rope_theta, dtype=dtype)
+        rope_k = rope_cos_sin(kv_pos, head_dim=cfg.head_dim, theta=cfg.rope_theta, dtype=dtype)
+        attend = self._attention_fn(mask, block_embeds_QD.device)
+        ctx_TD = ctx_TD.to(dtype)
+        x_QD = block_embeds_QD
+        for layer in self.layers:
+            x_QD = layer(x_QD, ctx_TD, rope_q=rope_q, rope_k=rope_k, attend=attend)
+        return self.norm(x_QD)
+
+    def _attention_fn(self, mask: BlockLayout | None, device: torch.device):
+        if mask is None:
+            return lambda q, k, v: F.scaled_dot_product_attention(q[None], k[None], v[None],
+                                                                  enable_gqa=True)[0]
+        backend = choose_backend(device, self.attn_backend)
+        if backend == "flex":
+            block_mask = flex_block_mask(mask)       # built once per forward, shared by all layers
+            compiled = device.type == "cuda"
+            return lambda q, k, v: flex_block_attention(q, k, v, block_mask, compiled=compiled)
+        chunk = self.dense_chunk_tokens
+        return lambda q, k, v: dense_block_attention(q, k, v, mask, chunk_tokens=chunk)

@@ -1,0 +1,178 @@
+"""The DFlash training objective as pure functions: anchors, blocks, labels, loss weights, mask, loss.
+
+Shapes: S = tokens of one sequence, J = blocks (anchors), B = block size, N = supervised rows (J*B
+flattened block tokens), H = hidden size, V = vocabulary, C = packed context tokens.
+
+Semantics (method doc 2, SpecForge dflash_family_model.py): anchors are positions a in [0, S-2] with
+loss_mask[a] and loss_mask[a+1], up to 512 per sequence, uniformly without replacement, sorted. Block j is
+[x_a, MASK x (B-1)] at positions a..a+B-1; slot k is labelled with input_ids[a+k] (no shift) and weighted
+(k>0) * (a+k<S) * loss_mask[a+k] * exp(-(k-1)/gamma). The loss is the weighted mean sum(CE*w)/sum(w).
+Tradeoff: everything returns tensors (no .item()) so a training step never syncs the GPU; callers
+.item() on log steps only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from dflash.drafter.attention import BlockLayout, block_attention_mask, dense_mask
+from dflash.errors import ConfigError
+
+__all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "chunked_ce_loss",
+           "decay_weights", "default_gamma", "dense_mask", "packed_layout", "sample_anchors"]
+
+IGNORE_INDEX = -100
+"""Label of block slots past the end of the sequence (their weight is 0 as well)."""
+
+_PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}   # method doc 2 / paper App. A.1
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay gamma for a block size (7 for 16, 5 for 10, 4 for 8); else 7 * block_size / 16."""
+    return _PAPER_GAMMA.get(block_size, 7.0 * block_size / 16)
+
+
+def sample_anchors(loss_mask_S: torch.Tensor, *, num_anchors: int = 512,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Sorted anchor positions [J], J = min(num_anchors, #valid), drawn without replacement.
+
+    A position a is valid when a <= S-2 and both loss_mask[a] and loss_mask[a+1] are set (the anchor token
+    is a response token and slot 1 has a supervised label). Randomness comes only from `generator`
+    (drawn on the generator's device); the result lives on loss_mask_S's device.
+    """
+    if num_anchors < 1:
+        raise ConfigError(f"num_anchors={num_anchors}: must be >= 1 (the paper uses 512)")
+    mask_S = loss_mask_S.bool()
+    valid = mask_S[:-1] & mask_S[1:]
+    candidates = valid.nonzero().flatten()
+    n = min(num_anchors, candidates.numel())
+    perm = torch.randperm(candidates.numel(), generator=generator, device=generator.device)[:n]
+    return candidates[perm.to(candidates.device)].sort().values
+
+
+def decay_weights(*, block_size: int, gamma: float) -> torch.Tensor:
+    """[B] float32 loss weight per block slot: 0 for slot 0 (the given anchor), exp(-(k-1)/gamma) for k>=1."""
+    if gamma <= 0:
+        raise ConfigError(f"gamma={gamma}: must be > 0 (7 for block 16, 5 for 10, 4 for 8)")
+    k_B = torch.arange(block_size, dtype=torch.float32)
+    w_B = torch.exp(-(k_B - 1) / gamma)
+    w_B[0] = 0.0
+    return w_B
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The draft blocks of one sequence."""
+
+    block_ids_JB: torch.Tensor   # int64 [J,B]: [x_a, MASK, ..., MASK]
+    positions_JB: torch.Tensor   # int64 [J,B]: a + k
+    labels_JB: torch.Tensor      # int64 [J,B]: input_ids[a+k], IGNORE_INDEX where a+k >= S
+    weights_JB: torch.Tensor     # float32 [J,B]: (k>0) * (a+k<S) * loss_mask[a+k] * exp(-(k-1)/gamma)
+
+
+def build_blocks(input_ids_S: torch.Tensor, loss_mask_S: torch.Tensor, anchors_J: torch.Tensor, *,
+                 block_size: int, mask_token_id: int, gamma: float | None = None) -> Blocks:
+    """Inputs, positions, labels and loss weights of the blocks anchored at `anchors_J`.
+
+    gamma defaults to the paper's value for the block size (default_gamma).
+    """
+    S, device = input_ids_S.shape[0], input_ids_S.device
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    anchors_J = anchors_J.to(device=device, dtype=torch.int64)
+    k_B = torch.arange(block_size, device=device)
+    pos_JB = anchors_J[:, None] + k_B[None]
+    inside_JB = pos_JB < S
+    safe_JB = pos_JB.clamp(max=S - 1)
+    labels_JB = torch.where(inside_JB, input_ids_S.long()[safe_JB], IGNORE_INDEX)
+    block_ids_JB = torch.full_like(pos_JB, mask_token_id)
+    block_ids_JB[:, 0] = input_ids_S.long()[anchors_J]
+    decay_B = decay_weights(block_size=block_size, gamma=gamma).to(device)
+    weights_JB = decay_B[None] * inside_JB * loss_mask_S.to(torch.float32)[safe_JB]
+    return Blocks(block_ids_JB=block_ids_JB, positions_JB=pos_JB, labels_JB=labels_JB, weights_JB=weights_JB)
+
+
+def packed_layout(*, lengths: Sequence[int] | torch.Tensor, anchors: Sequence[torch.Tensor],
+                  block_size: int) -> BlockLayout:
+    """Layout of a packed batch: sequences of `lengths` concatenated as context, then every sequence's
+    blocks in order (anchors[i] holds sequence i's anchors)."""
+    lengths_N = torch.as_tensor(lengths, dtype=torch.int64)
+    assert len(anchors) == lengths_N.shape[0], "one anchor tensor per sequence"
+    device = anchors[0].device if len(anchors) else lengths_N.device
+    lengths_N = lengths_N.to(device)
+    seq_N = torch.arange(lengths_N.shape[0], device=device)
+    ctx_seq_C = seq_N.repeat_interleave(lengths_N)
+    starts_N = torch.cumsum(lengths_N, 0) - lengths_N
+    ctx_pos_C = torch.arange(ctx_seq_C.shape[0], device=device) - starts_N[ctx_seq_C]
+    block_seq_J = torch.cat([torch.full((a.shape[0],), i, dtype=torch.int64, device=device)
+                             for i, a in enumerate(anchors)])
+    anchor_J = torch.cat([a.to(device=device, dtype=torch.int64) for a in anchors])
+    return BlockLayout(ctx_seq_C=ctx_seq_C, ctx_pos_C=ctx_pos_C, block_seq_J=block_seq_J,
+                       anchor_J=anchor_J, block_size=block_size)
+
+
+@dataclass(frozen=True)
+class CELoss:
+    """Loss and metrics of one batch; all tensors, nothing synced to the host."""
+
+    loss: torch.Tensor              # scalar: sum(CE*w) / sum(w) (0 when nothing is supervised)
+    weighted_ce_sum: torch.Tensor   # scalar: sum(CE*w), for exact averaging across ranks or steps
+    weight_sum: torch.Tensor        # scalar: sum(w)
+    correct_B: torch.Tensor         # float32 [B]: supervised slots where argmax == label, per slot k
+    count_B: torch.Tensor           # float32 [B]: supervised slots (w > 0), per slot k
+    accept_len_sum: torch.Tensor    # scalar: sum over blocks of 1 + leading correct slots
+    num_blocks: torch.Tensor        # scalar: J
+
+    @property
+    def accept_len(self) -> torch.Tensor:
+        """Mean accepted length over blocks (SpecForge compute_accept_len + 1): a proxy for tau."""
+        return self.accept_len_sum / self.num_blocks.clamp(min=1)
+
+
+def _chunk_terms(hidden_nH, lm_head_VH, labels_n, weights_n):
+    logits_nV = (hidden_nH @ lm_head_VH.T).float()
+    ce_n = F.cross_entropy(logits_nV, labels_n, ignore_index=IGNORE_INDEX, reduction="none")
+    correct_n = logits_nV.argmax(-1) == labels_n
+    return (ce_n * weights_n).sum(), correct_n
+
+
+def chunked_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: torch.Tensor,
+                    weights_N: torch.Tensor, *, chunk: int = 2048, block_size: int) -> CELoss:
+    """Weighted CE of the frozen LM head over drafter outputs, `chunk` rows at a time.
+
+    Rows are block tokens in block order (N = J*B). Each chunk's logits are recomputed in backward
+    (torch.utils.checkpoint), so [N, V] logits never exist at once: at N=8192, V=248320 they would be
+    8.1 GB in fp32.
+    """
+    N = hidden_NH.shape[0]
+    assert N % block_size == 0, "rows must be whole blocks"
+    if chunk < 1:
+        raise ConfigError(f"chunk={chunk}: must be >= 1 rows")
+    weights_N = weights_N.to(torch.float32)
+    use_ckpt = torch.is_grad_enabled() and (hidden_NH.requires_grad or lm_head_VH.requires_grad)
+    ce_sum = hidden_NH.new_zeros((), dtype=torch.float32)
+    correct = []
+    for i in range(0, N, chunk):
+        args = (hidden_NH[i:i + chunk], lm_head_VH, labels_N[i:i + chunk], weights_N[i:i + chunk])
+        part, correct_n = checkpoint(_chunk_terms, *args, use_reentrant=False) if use_ckpt \
+            else _chunk_terms(*args)
+        ce_sum = ce_sum + part
+        correct.append(correct_n)
+    weight_sum = weights_N.sum()
+    loss = ce_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
+
+    supervised_JB = (weights_N > 0).view(-1, block_size)
+    correct_JB = torch.cat(correct).view(-1, block_size) if correct else supervised_JB.clone()
+    hit_JB = correct_JB & supervised_JB
+    # SpecForge compute_accept_len: unsupervised slots neither break nor extend the chain.
+    chain_JB = (correct_JB | ~supervised_JB)[:, 1:].long().cumprod(dim=1) * supervised_JB[:, 1:]
+    accept_J = 1.0 + chain_JB.sum(dim=1).float()
+    return CELoss(loss=loss, weighted_ce_sum=ce_sum, weight_sum=weight_sum,
+                  correct_B=hit_JB.float().sum(0), count_B=supervised_JB.float().sum(0),
+                  accept_len_sum=accept_J.sum(),
+                  num_blocks=torch.tensor(float(supervised_JB.shape[0]), device=hidden_NH.device))
+
