@@ -1,0 +1,205 @@
+"""Anchors, blocks, labels, loss weights and the chunked CE of dflash.train.objective (method doc 2)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.errors import ConfigError
+from dflash.train.objective import (IGNORE_INDEX, block_attention_mask, build_blocks, chunked_ce_loss,
+                                    decay_weights, default_gamma, dense_mask, packed_layout, sample_anchors)
+
+PAPER_DECAY_GAMMA7 = [1.000, 0.867, 0.751, 0.651, 0.565, 0.490, 0.424, 0.368, 0.319, 0.276, 0.240, 0.208,
+                      0.180, 0.156, 0.135]
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def valid_positions(mask):
+    return {a for a in range(len(mask) - 1) if mask[a] and mask[a + 1]}
+
+
+# ---------------------------------------------------------------------------------------------- anchors
+
+def test_anchors_only_valid_sorted_unique_and_capped():
+    # prompt 0..19, response 20..299, a hole (e.g. a user turn) at 100..109
+    mask = torch.zeros(300, dtype=torch.uint8)
+    mask[20:300] = 1
+    mask[100:110] = 0
+    valid = valid_positions(mask.tolist())
+    a = sample_anchors(mask, num_anchors=64, generator=gen())
+    assert a.dtype == torch.int64 and a.shape == (64,)
+    assert set(a.tolist()) <= valid
+    assert len(set(a.tolist())) == 64
+    assert torch.equal(a, a.sort().values)
+    assert 99 not in a.tolist() and 299 not in a.tolist()   # a+1 unsupervised / a = S-1
+
+
+def test_anchors_take_every_valid_position_when_response_is_short():
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 1, 1])
+    a = sample_anchors(mask, num_anchors=512, generator=gen())
+    assert a.tolist() == [3, 4, 5, 8]   # 6 is excluded (7 unsupervised), 9 has no a+1
+
+
+def test_anchors_reach_the_end_of_the_sequence():
+    mask = torch.ones(40, dtype=torch.bool)
+    a = sample_anchors(mask, num_anchors=39, generator=gen())
+    assert a.tolist() == list(range(39))   # includes S-2 = 38
+    hits = set()
+    for seed in range(200):
+        hits.update(sample_anchors(mask, num_anchors=4, generator=gen(seed)).tolist())
+    assert 38 in hits and 37 in hits
+
+
+def test_anchors_none_valid_and_single_token():
+    assert sample_anchors(torch.tensor([1, 0, 1, 0]), generator=gen()).numel() == 0
+    assert sample_anchors(torch.tensor([1]), generator=gen()).numel() == 0
+
+
+def test_anchors_deterministic_per_generator_and_uniform():
+    mask = torch.ones(200, dtype=torch.bool)
+    a1 = sample_anchors(mask, num_anchors=16, generator=gen(7))
+    a2 = sample_anchors(mask, num_anchors=16, generator=gen(7))
+    a3 = sample_anchors(mask, num_anchors=16, generator=gen(8))
+    assert torch.equal(a1, a2) and not torch.equal(a1, a3)
+    counts = torch.zeros(199)
+    g = gen(1)
+    for _ in range(300):
+        counts[sample_anchors(mask, num_anchors=20, generator=g)] += 1
+    # expected 300*20/199 ~ 30 per position; uniform draws stay well inside [10, 55]
+    assert counts.min() >= 10 and counts.max() <= 55
+
+
+def test_anchors_reject_bad_count():
+    with pytest.raises(ConfigError, match="num_anchors"):
+        sample_anchors(torch.ones(5), num_anchors=0, generator=gen())
+
+
+# ----------------------------------------------------------------------------------------------- blocks
+
+def test_decay_weights_match_the_paper():
+    w = decay_weights(block_size=16, gamma=7.0)
+    assert w.shape == (16,) and w[0] == 0
+    assert [round(x, 3) for x in w[1:].tolist()] == PAPER_DECAY_GAMMA7
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    with pytest.raises(ConfigError, match="gamma"):
+        decay_weights(block_size=16, gamma=0)
+
+
+def test_build_blocks_inputs_positions_labels_weights():
+    S, B, MASK = 12, 4, 99
+    ids = torch.arange(100, 100 + S)
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1])
+    anchors = torch.tensor([2, 3, 9, 10])
+    blk = build_blocks(ids, mask, anchors, block_size=B, mask_token_id=MASK, gamma=7.0)
+    assert blk.block_ids_JB.tolist() == [[102, 99, 99, 99], [103, 99, 99, 99], [109, 99, 99, 99],
+                                         [110, 99, 99, 99]]
+    assert blk.positions_JB.tolist() == [[2, 3, 4, 5], [3, 4, 5, 6], [9, 10, 11, 12], [10, 11, 12, 13]]
+    # no shift: slot k is labelled with the token at its own position a+k
+    assert blk.labels_JB.tolist() == [[102, 103, 104, 105], [103, 104, 105, 106],
+                                      [109, 110, 111, IGNORE_INDEX], [110, 111, IGNORE_INDEX, IGNORE_INDEX]]
+    d = [0.0] + [math.exp(-(k - 1) / 7) for k in range(1, B)]
+    expected = [[0, d[1], d[2], 0],          # position 5 is not a response token
+                [0, d[1], 0, d[3]],          # slot 2 -> position 5 unsupervised, slot 3 -> 6 supervised
+                [0, d[1], d[2], 0],          # position 12 is past the end
+                [0, d[1], 0, 0]]
+    assert torch.allclose(blk.weights_JB, torch.tensor(expected), atol=1e-6)
+    assert (blk.weights_JB[:, 0] == 0).all()   # slot 0 (the given anchor) is never supervised
+
+
+def test_build_blocks_default_gamma_is_the_papers():
+    ids, mask = torch.arange(40), torch.ones(40)
+    blk = build_blocks(ids, mask, torch.tensor([0]), block_size=16, mask_token_id=1)
+    assert [round(x, 3) for x in blk.weights_JB[0, 1:].tolist()] == PAPER_DECAY_GAMMA7
+
+
+# ------------------------------------------------------------------------------------------------- mask
+
+def test_block_attention_mask_semantics():
+    # seq 0 of length 5, seq 1 of length 4; blocks: seq0@1, seq0@3, seq1@2 (B=2)
+    lay = packed_layout(lengths=[5, 4], anchors=[torch.tensor([1, 3]), torch.tensor([2])], block_size=2)
+    m = dense_mask(lay)
+    C = 9
+    assert m.shape == (6, C + 6)
+    ctx = m[:, :C].int().tolist()
+    assert ctx[0] == ctx[1] == [1, 0, 0, 0, 0, 0, 0, 0, 0]      # positions < 1 of seq 0 only
+    assert ctx[2] == ctx[3] == [1, 1, 1, 0, 0, 0, 0, 0, 0]      # strictly before anchor 3
+    assert ctx[4] == ctx[5] == [0, 0, 0, 0, 0, 1, 1, 0, 0]      # seq 1 positions 0,1
+    blocks = m[:, C:].int().tolist()
+    assert blocks == [[1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0],
+                      [0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]]     # bidirectional in-block, no cross-block
+    # the predicate is elementwise on scalars too (how flex attention's mask_mod calls it)
+    t = torch.tensor
+    assert block_attention_mask(q_seq=t(0), q_anchor=t(3), q_block=t(1), kv_seq=t(0), kv_pos=t(2),
+                                kv_block=t(-1)).item()
+    assert not block_attention_mask(q_seq=t(0), q_anchor=t(3), q_block=t(1), kv_seq=t(0), kv_pos=t(3),
+                                    kv_block=t(-1)).item()
+
+
+# --------------------------------------------------------------------------------------------------- CE
+
+def _ce_case(seed=0, J=6, B=4, H=16, V=40):
+    g = gen(seed)
+    hidden = torch.randn(J * B, H, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (J * B,), generator=g)
+    labels[-1] = IGNORE_INDEX
+    weights = torch.rand(J * B, generator=g, dtype=torch.float64).float()
+    weights[::B] = 0
+    weights[-1] = 0
+    return hidden, head, labels, weights, B
+
+
+def test_chunked_ce_equals_unchunked_value_and_gradient():
+    hidden, head, labels, weights, B = _ce_case()
+    safe = labels.clamp(min=0)
+    ref_ce = F.cross_entropy(hidden @ head.T, safe, reduction="none")
+    ref = (ref_ce * weights).sum() / weights.sum()
+    ref_grad, = torch.autograd.grad(ref, hidden)
+    for chunk in (1, 5, 8, 1000):
+        out = chunked_ce_loss(hidden, head, labels, weights, chunk=chunk, block_size=B)
+        grad, = torch.autograd.grad(out.loss, hidden)
+        assert torch.allclose(out.loss.double(), ref, atol=1e-6), chunk
+        assert torch.allclose(grad, ref_grad, atol=1e-7), chunk
+        assert torch.allclose(out.weight_sum, weights.sum())
+
+
+def test_chunked_ce_head_gradient_when_head_is_trainable():
+    hidden, head, labels, weights, B = _ce_case(seed=3)
+    head.requires_grad_(True)
+    ref = (F.cross_entropy(hidden @ head.T, labels.clamp(min=0), reduction="none") * weights).sum() / weights.sum()
+    g_ref, = torch.autograd.grad(ref, head)
+    g, = torch.autograd.grad(chunked_ce_loss(hidden, head, labels, weights, chunk=7, block_size=B).loss, head)
+    assert torch.allclose(g, g_ref, atol=1e-7)
+
+
+def test_accuracy_and_accept_length():
+    B, V = 4, 5
+    # one-hot hidden + identity head: argmax = the hot index
+    pred = torch.tensor([[0, 1, 2, 3],     # all of slots 1..3 correct -> accept 1+3
+                         [0, 1, 0, 3],     # slot 2 wrong -> accept 1+1
+                         [0, 0, 2, 3],     # slot 1 wrong -> accept 1
+                         [0, 1, 2, 0]])    # slot 3 unsupervised (weight 0): chain neither breaks nor grows
+    labels = torch.tensor([[0, 1, 2, 3]] * 4)
+    weights = torch.ones(4, B)
+    weights[:, 0] = 0
+    weights[3, 3] = 0
+    hidden = F.one_hot(pred.flatten(), V).float()
+    out = chunked_ce_loss(hidden, torch.eye(V), labels.flatten(), weights.flatten(), chunk=3, block_size=B)
+    assert out.count_B.tolist() == [0, 4, 4, 3]
+    assert out.correct_B.tolist() == [0, 3, 3, 3]
+    assert out.accept_len_sum.item() == 4 + 2 + 1 + 3
+    assert out.accept_len.item() == pytest.approx(10 / 4)
+    assert out.num_blocks.item() == 4
+
+
+def test_ce_with_nothing_supervised_is_zero_not_nan():
+    hidden = torch.randn(8, 4, requires_grad=True)
+    out = chunked_ce_loss(hidden, torch.randn(6, 4), torch.zeros(8, dtype=torch.long), torch.zeros(8),
+                          chunk=3, block_size=4)
+    assert out.loss.item() == 0.0
+    out.loss.backward()
+    assert torch.isfinite(hidden.grad).all()
