@@ -1,0 +1,91 @@
+"""Run the target only up to its deepest tap and return the tapped residual streams.
+
+Shapes: B = batch, S = sequence (padded), K = taps, D = hidden size.
+
+We call the text model's own forward (so each layer type gets exactly the masks, rotary embeddings and
+position ids transformers builds for it: Llama, Qwen3.5 hybrid GDN/attention, ...) with its `layers`
+temporarily cut to layers 0..max(tap) and its final norm replaced by Identity, and we never call the LM
+head. Forward hooks on the tapped layers capture their outputs. Later layers therefore cost nothing:
+on the 27B shape with taps (1, 16, 31, 46, 61) this skips 2 of 64 layers plus the 248K-vocab head.
+
+Right padding needs no attention mask: every layer (attention and Gated-DeltaNet) is causal, so real
+tokens never see the pads that follow them (tests check this per architecture). Passing a mask is allowed
+but makes transformers build a dense 4D mask and, for GDN layers, zero the padded inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from dflash.errors import ConfigError
+from dflash.target.taps import validate_tap_layer_ids
+
+
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack (has embed_tokens, layers, norm) inside a causal LM or a multimodal model."""
+    candidates = [model, getattr(model, "model", None)]
+    for c in list(candidates):
+        if c is not None:
+            candidates.append(getattr(c, "language_model", None))
+    for c in candidates:
+        if c is not None and all(hasattr(c, a) for a in ("embed_tokens", "layers", "norm")):
+            return c
+    raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} (expected .model.layers)")
+
+
+class TappedForward:
+    """Callable: input ids [B, S] -> tapped hidden states [B, S, K, D] in the model's dtype.
+
+    Tap k is the output of decoder layer k, i.e. HF `output_hidden_states[k + 1]` (for the last layer that
+    tensor is final-normed, so a tap on the last layer gets the norm applied, as in HF). Not thread-safe (it
+    swaps modules of the shared model for the duration of a call); use one per process.
+    """
+
+    def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int]) -> None:
+        self.model = model
+        self.decoder = text_decoder(model)
+        self.num_layers = len(self.decoder.layers)
+        self.tap_layer_ids = validate_tap_layer_ids(tap_layer_ids, num_layers=self.num_layers)
+        self.num_layers_run = max(self.tap_layer_ids) + 1
+        # Built once; swapped in per call. Holds the same layer objects, so no weights are copied.
+        self._kept_layers = nn.ModuleList(list(self.decoder.layers)[: self.num_layers_run])
+
+    @contextmanager
+    def _truncated(self) -> Iterator[None]:
+        dec = self.decoder
+        full_layers, norm = dec.layers, dec.norm
+        dec.layers, dec.norm = self._kept_layers, nn.Identity()
+        try:
+            yield
+        finally:
+            dec.layers, dec.norm = full_layers, norm
+
+    def __call__(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids_BS.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids_BS.shape)}")
+        captured: dict[int, torch.Tensor] = {}
+
+        def make_hook(k: int):
+            def hook(_module, _args, output):
+                captured[k] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [self._kept_layers[k].register_forward_hook(make_hook(k)) for k in self.tap_layer_ids]
+        with torch.inference_mode():
+            try:
+                with self._truncated():
+                    self.decoder(input_ids=input_ids_BS, attention_mask=attention_mask_BS, use_cache=False)
+            finally:
+                for h in handles:
+                    h.remove()
+            if self.num_layers_run == self.num_layers:
+                # HF's hidden_states[L] is the *final-normed* output of the last layer (transformers 5
+                # replaces the last entry by the norm output), and z-lab/SpecForge train on that tensor.
+                last = self.num_layers - 1
+                captured[last] = self.decoder.norm(captured[last])
+        return torch.stack([captured[k] for k in self.tap_layer_ids], dim=2)
