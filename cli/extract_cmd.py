@@ -1,0 +1,68 @@
+"""`dflash extract`: run the target over conversations on every GPU and write the hidden-state cache."""
+
+from __future__ import annotations
+
+import click
+
+
+def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give comma-separated decoder-layer ids, e.g. 1,16,31,46,61") from None
+
+
+@click.command("extract")
+@click.option("--model", "model", required=True,
+              help="Target model: a local Hugging Face folder (config.json, weights, tokenizer).")
+@click.option("--data", "data", required=True, multiple=True,
+              help="Conversation source (.jsonl, .json, .parquet or a datasets save_to_disk folder); repeat "
+                   "for several. Sample ids follow the order given, so keep it when resuming.")
+@click.option("--output", "output", required=True,
+              help="Cache directory. A new or empty one is created; an existing cache with the same "
+                   "fingerprint is resumed (committed samples are skipped).")
+@click.option("--taps", callback=_parse_taps, default=None,
+              help="Comma-separated decoder-layer ids to cache, ascending (tap k = HF hidden_states[k+1]). "
+                   "Default: the 5 DFlash taps spread from layer 1 to L-3.")
+@click.option("--storage", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
+              help="bf16 stores the exact bf16 values; fp8 stores e4m3 with a float32 scale per token and "
+                   "tap (about half the bytes).")
+@click.option("--max-length", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Truncate samples to this many tokens (a sample left with no assistant token is skipped).")
+@click.option("--gpus", "--procs", "num_procs", type=click.IntRange(min=1), default=None,
+              help="Processes to run, one per GPU (default: all visible GPUs, or 1 on CPU). On CPU, N "
+                   "processes share the cores via gloo. Ignored under torchrun.")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="Token budget per forward pass, padding included; must be >= --max-length.")
+@click.option("--shard-tokens", type=click.IntRange(min=1), default=1 << 16, show_default=True,
+              help="Tokens per committed shard: smaller loses less work on a crash, larger makes fewer files.")
+@click.option("--no-thinking", is_flag=True, default=False,
+              help="Render the chat template with enable_thinking=False (Qwen3-style templates).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              show_default=True, help="Dtype the target runs in.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="auto: one GPU per process when CUDA is available, else CPU.")
+@click.option("--dry-run", is_flag=True, default=False,
+              help="Print samples, tokens, bytes on disk and an ETA, then stop without loading the model.")
+@click.option("--no-progress", is_flag=True, default=False, help="Do not draw the progress bar.")
+def command(model, data, output, taps, storage, max_length, num_procs, batch_tokens, shard_tokens, no_thinking,
+            dtype, device, dry_run, no_progress) -> None:
+    """Run the target model over conversation data and write the hidden-state cache.
+
+    Prints the plan (samples, tokens, bytes on disk, ETA) before any model work and refuses to start when
+    the destination lacks the space. Interrupted runs resume where they stopped, with any process count.
+    """
+    import logging
+
+    from dflash.extract.driver import ExtractConfig
+    from dflash.extract.launch import launch
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = ExtractConfig(
+        model=model, data=tuple(data), output=output, taps=taps, storage=storage, max_length=max_length,
+        batch_tokens=batch_tokens, shard_tokens=shard_tokens,
+        template_kwargs={"enable_thinking": False} if no_thinking else {},
+        dtype=dtype, device=device, dry_run=dry_run, show_progress=not no_progress)
+    launch(cfg, num_procs=num_procs, echo=click.echo)

@@ -1,0 +1,308 @@
+"""The per-rank extraction loop: pad a planned batch, run the target up to its deepest tap, pack the real
+tokens on the device, encode (bf16 bits or fp8 + scales) on the device, copy to pinned host memory
+asynchronously, and hand the bytes to the CacheWriter, whose thread writes and commits shards.
+
+Shapes: B = rows in a batch, S = padded length, T = real tokens written, K = taps, D = hidden size.
+
+Overlap on CUDA: the device->host copy of batch i runs on a side stream and is only waited for after the
+kernels of batch i+1 are queued, so the GPU never idles on the copy; the writer's bounded queue is the only
+place the loop blocks on the disk, and that time is reported as "waiting on disk".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflash.cache.format import STORAGE_DTYPES
+from dflash.errors import ConfigError
+from dflash.extract.plan import PlannedBatch
+from dflash.extract.progress import BYTES, PADDED, SAMPLES, TOKENS, WAIT_S, ProgressReporter, RankCounters
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractConfig:
+    """One `dflash extract` run."""
+
+    model: str
+    """Target model folder (HF format) or hub name."""
+    data: tuple[str, ...]
+    """Conversation sources (.jsonl/.json/.parquet/datasets folders), in order; sample ids follow it."""
+    output: str
+    """Cache directory: created, or resumed when it holds a cache with the same fingerprint."""
+    taps: tuple[int, ...] | None = None
+    """Decoder-layer ids to cache (HF hidden_states[id+1]); None = the 5 DFlash default taps."""
+    storage: str = "bf16"
+    """"bf16" (exact) or "fp8" (e4m3 + a float32 scale per token and tap; half the bytes)."""
+    max_length: int = 4096
+    """Longer samples are truncated to this many tokens (skipped if no assistant token remains)."""
+    batch_tokens: int = 16384
+    """Token budget per forward pass, padding included (sorted-by-length batches)."""
+    shard_tokens: int = 1 << 16
+    """Tokens per committed shard: the unit of atomic commit and of work lost on a crash."""
+    template_kwargs: dict = field(default_factory=dict)
+    """Chat-template kwargs, e.g. {"enable_thinking": False} for --no-thinking."""
+    dtype: str = "bfloat16"
+    """Target compute dtype."""
+    device: str = "auto"
+    """"auto" (cuda:LOCAL_RANK when CUDA is available, else cpu), "cpu" or "cuda"."""
+    dry_run: bool = False
+    """Print the plan (samples, tokens, bytes, ETA) and stop."""
+    report_every: int = 4
+    """Batches between progress reductions across ranks."""
+    queue_depth: int = 4
+    """Batches the writer queue holds before the loop blocks (host memory: depth x batch bytes)."""
+    show_progress: bool = True
+    """Draw the tqdm bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ConfigError("data: give at least one --data source")
+        if self.storage not in STORAGE_DTYPES:
+            raise ConfigError(f"storage={self.storage!r}: use one of {', '.join(STORAGE_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.max_length < 1:
+            raise ConfigError(f"max_length={self.max_length}: must be >= 1")
+        if self.batch_tokens < self.max_length:
+            raise ConfigError(f"batch_tokens={self.batch_tokens} < max_length={self.max_length}: a batch must "
+                              f"fit the longest sample; raise --batch-tokens to at least {self.max_length}")
+        if self.shard_tokens < 1:
+            raise ConfigError(f"shard_tokens={self.shard_tokens}: must be >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device={self.device!r}: use auto, cpu or cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractResult:
+    """What a run did (the same on every rank after the final reduction)."""
+
+    num_samples: int
+    num_tokens: int
+    num_padded_tokens: int
+    bytes_written: int
+    wait_s: float
+    """Seconds waiting on the writer queue, averaged over ranks."""
+    seconds: float
+    num_committed_before: int
+    skip_counts: dict
+    dry_run: bool
+
+
+def resolve_device(cfg: ExtractConfig, *, local_rank: int) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device=cuda but CUDA is not available")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+             echo=print) -> ExtractResult:
+    """Run this rank's share. With world_size > 1, torch.distributed (gloo) must be initialized; a dry
+    run with world_size > 1 and no process group plans for world_size ranks and stops."""
+    from dflash.extract.eta import estimate_eta
+    from dflash.extract.preflight import build_preflight
+    from dflash.extract.progress import format_plan
+    from dflash.extract.space import check_free_space
+
+    t0 = time.perf_counter()
+    distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
+    device = resolve_device(cfg, local_rank=local_rank)
+    pre = build_preflight(cfg, world_size=world_size)
+    plan = pre.plan
+    if rank == 0:
+        lens = [len(s.input_ids) for s in pre.samples]
+        shapes = [(len(b.members), b.padded_len) for bs in plan.rank_batches for b in bs]
+        eta = estimate_eta(config=pre.config, deepest_tap=max(pre.fingerprint.tap_layer_ids), batch_shapes=shapes,
+                           world_size=world_size, device=device, dtype=DTYPES[cfg.dtype]) if shapes else None
+        echo(format_plan(num_samples=len(lens), num_committed=plan.num_committed, num_todo=plan.num_todo,
+                         num_tokens=plan.num_tokens_todo, padded_tokens=plan.num_padded_tokens,
+                         cache_bytes=pre.cache_bytes, eta=eta, world_size=world_size, device=str(device),
+                         skips_text=pre.skips.summary()))
+        echo(f"taps: {list(pre.fingerprint.tap_layer_ids)}, storage {cfg.storage}, target_greedy "
+             f"{pre.fingerprint.target_greedy} ({pre.target_greedy_reason})")
+    check_free_space(cfg.output, needed_bytes=pre.cache_bytes.total)
+    if cfg.dry_run:
+        return _result(cfg, pre, torch.zeros(5, dtype=torch.float64), t0, world_size, dry_run=True)
+
+    from dflash.cache import CacheWriter
+    from dflash.target import TappedForward, load_target
+
+    model, _ = load_target(cfg.model, device=device, dtype=DTYPES[cfg.dtype])
+    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids)
+    pad_id = pre.tokenizer.pad_token_id if pre.tokenizer.pad_token_id is not None else 0
+    my_batches = plan.rank_batches[rank]
+    counters = RankCounters()
+    reporter = ProgressReporter(rank=rank, world_size=world_size if distributed else 1,
+                                total_samples=plan.num_todo, total_tokens=plan.num_tokens_todo,
+                                enabled=cfg.show_progress)
+
+    def open_writer():
+        return CacheWriter(cfg.output, pre.fingerprint, rank=rank, shard_tokens=cfg.shard_tokens,
+                           queue_depth=cfg.queue_depth)
+
+    # Rank 0 creates the cache (manifest) before the others open it, so they never race on creation.
+    writer = open_writer() if rank == 0 else None
+    if distributed:
+        dist.barrier()
+    writer = writer or open_writer()
+    with writer:
+        loop = _BatchLoop(samples=pre.samples, tapped=tapped, device=device, storage=cfg.storage, pad_id=pad_id,
+                          writer=writer, counters=counters)
+        for r in range(plan.num_rounds):
+            if r < len(my_batches):
+                loop.step(my_batches[r])
+            if (r + 1) % cfg.report_every == 0:
+                counters.bytes_written = _bytes_written(writer)
+                reporter.report(counters)
+        loop.flush()
+    counters.bytes_written = _bytes_written(writer)
+    totals = reporter.close(counters)
+    if distributed:
+        dist.barrier()
+    result = _result(cfg, pre, totals, t0, world_size if distributed else 1, dry_run=False)
+    if rank == 0:
+        echo(format_summary(result, skips_text=pre.skips.summary()))
+    return result
+
+
+def _bytes_written(writer) -> int:
+    stats = writer.stats
+    return int(getattr(stats, "bytes_written", getattr(stats, "bytes", 0)))
+
+
+def _result(cfg, pre, totals: torch.Tensor, t0: float, world_size: int, *, dry_run: bool) -> ExtractResult:
+    return ExtractResult(
+        num_samples=int(totals[SAMPLES]), num_tokens=int(totals[TOKENS]), num_padded_tokens=int(totals[PADDED]),
+        bytes_written=int(totals[BYTES]), wait_s=float(totals[WAIT_S]) / max(world_size, 1),
+        seconds=time.perf_counter() - t0, num_committed_before=pre.plan.num_committed,
+        skip_counts=dict(pre.skips.counts), dry_run=dry_run)
+
+
+def format_summary(result: ExtractResult, *, skips_text: str) -> str:
+    from dflash.extract.progress import format_seconds
+    from dflash.extract.space import format_bytes
+
+    rate = result.num_tokens / result.seconds if result.seconds else 0.0
+    return "\n".join([
+        f"done: {result.num_samples:,} samples, {result.num_tokens:,} tokens "
+        f"({result.num_padded_tokens:,} with padding), {format_bytes(result.bytes_written)} written "
+        f"in {format_seconds(result.seconds)} ({rate:,.0f} tok/s; waiting on disk {result.wait_s:.1f}s per rank)",
+        f"resumed: {result.num_committed_before:,} samples were already in the cache",
+        skips_text,
+    ])
+
+
+@dataclass(kw_only=True)
+class _Pending:
+    """A batch whose device->host copy may still be running."""
+
+    event: object | None
+    sample_ids: np.ndarray
+    lengths: np.ndarray
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    hidden: torch.Tensor
+    scales: torch.Tensor | None
+    padded_tokens: int
+
+
+class _BatchLoop:
+    """Forward + pack + encode + async copy of one batch; hands the previous batch to the writer."""
+
+    def __init__(self, *, samples, tapped, device: torch.device, storage: str, pad_id: int, writer,
+                 counters: RankCounters) -> None:
+        self.samples, self.tapped, self.device, self.storage = samples, tapped, device, storage
+        self.pad_id, self.writer, self.counters = pad_id, writer, counters
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pending: _Pending | None = None
+
+    def step(self, batch: PlannedBatch) -> None:
+        staged = self._forward_pack(batch)
+        self.flush()  # the previous batch: its copy overlapped with this batch's kernels
+        self.pending = staged
+
+    def flush(self) -> None:
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        if p.event is not None:
+            p.event.synchronize()
+        t = time.perf_counter()
+        self.writer.append(sample_ids=p.sample_ids, lengths=p.lengths, input_ids=p.input_ids,
+                           loss_mask=p.loss_mask, hidden=p.hidden, scales=p.scales)
+        self.counters.wait_s += time.perf_counter() - t  # append blocks only when the queue is full
+        self.counters.samples += len(p.sample_ids)
+        self.counters.tokens += int(p.lengths.sum())
+        self.counters.padded_tokens += p.padded_tokens
+
+    def _forward_pack(self, batch: PlannedBatch) -> _Pending:
+        rows = [self.samples[i] for i in batch.members]
+        B, S = len(rows), batch.padded_len
+        ids_BS = np.full((B, S), self.pad_id, dtype=np.int64)
+        flat: list[np.ndarray] = []  # positions (row * S + t) of the real tokens we write, in sample order
+        for j, s in enumerate(rows):
+            n = len(s.input_ids)
+            ids_BS[j, :n] = s.input_ids
+            if batch.write[j]:
+                flat.append(j * S + np.arange(n, dtype=np.int64))
+        written = [s for s, w in zip(rows, batch.write) if w]
+        index_T = torch.from_numpy(np.concatenate(flat))
+        input_BS = torch.from_numpy(ids_BS)
+        if self.cuda:
+            input_BS = input_BS.pin_memory().to(self.device, non_blocking=True)
+            index_T = index_T.pin_memory().to(self.device, non_blocking=True)
+        # No attention mask: every layer is causal, so right padding never reaches a real token.
+        hidden_BSKD = self.tapped(input_BS, None)
+        K, D = hidden_BSKD.shape[2], hidden_BSKD.shape[3]
+        # Gather with a host-built index instead of boolean masking: no device sync to learn T.
+        hidden_TKD = hidden_BSKD.reshape(B * S, K, D).index_select(0, index_T)
+        bits_TKD, scales_TK = _encode(hidden_TKD, self.storage)
+        event = None
+        if self.cuda:
+            bits_host = torch.empty(bits_TKD.shape, dtype=bits_TKD.dtype, pin_memory=True)
+            scales_host = (torch.empty(scales_TK.shape, dtype=scales_TK.dtype, pin_memory=True)
+                           if scales_TK is not None else None)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                bits_host.copy_(bits_TKD, non_blocking=True)
+                bits_TKD.record_stream(self.copy_stream)
+                if scales_TK is not None:
+                    scales_host.copy_(scales_TK, non_blocking=True)
+                    scales_TK.record_stream(self.copy_stream)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            bits_TKD, scales_TK = bits_host, scales_host
+        return _Pending(
+            event=event,
+            sample_ids=np.array([s.sample_id for s in written], dtype=np.int64),
+            lengths=np.array([len(s.input_ids) for s in written], dtype=np.int64),
+            input_ids=np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in written]),
+            loss_mask=np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in written]),
+            hidden=bits_TKD, scales=scales_TK, padded_tokens=B * S)
+
+
+def _encode(hidden_TKD: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from dflash.cache.format import encode_hidden
+
+    with torch.inference_mode():
+        return encode_hidden(hidden_TKD, storage)
+
+
+def set_cpu_threads(world_size: int) -> None:
+    """Split the cores between local CPU ranks unless the user pinned OMP_NUM_THREADS (why: N ranks with
+    all cores each oversubscribe the machine and run slower than one)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world_size, 1)))

@@ -1,0 +1,81 @@
+"""A FLOPs-based time estimate printed before extraction starts (no model weights needed).
+
+FLOPs = 2 x (parameters of decoder layers 0..deepest tap) x padded tokens, plus causal attention
+(2 matmuls x 2 FLOPs x S^2/2 x heads x head_dim per full-attention layer and sequence). Throughput = a
+matmul timed on the run's device and dtype x an efficiency factor: on an H200 the 27B target forward reached
+~437-481 TFLOP/s of a ~790 TFLOP/s matmul peak (DESIGN.md), so 0.55; on CPU the same factor is a guess.
+The estimate ignores the disk; the progress bar's live ETA replaces it once batches run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+EFFICIENCY = 0.55
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtaEstimate:
+    flops: float
+    """Total forward FLOPs of the planned batches (padding included)."""
+    flops_per_s: float
+    """Measured matmul rate x EFFICIENCY x ranks."""
+    seconds: float
+    how: str
+    """One line saying how the number was made (printed next to it)."""
+
+
+def layer_param_counts(config) -> list[int]:
+    """Parameters per decoder layer, from a meta-device instance (no memory, no weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = model.get_decoder().layers
+    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+
+
+def forward_flops(*, config, deepest_tap: int, batch_shapes: list[tuple[int, int]],
+                  layer_params: list[int]) -> float:
+    """batch_shapes: (rows, padded length) per batch; counts layers 0..deepest_tap only."""
+    text = getattr(config, "text_config", None) or config
+    params = sum(layer_params[: deepest_tap + 1])
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * len(layer_params)
+    num_attn = sum(1 for t in layer_types[: deepest_tap + 1] if "linear" not in str(t))
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    attn_width = text.num_attention_heads * head_dim
+    total = 0.0
+    for rows, length in batch_shapes:
+        total += 2.0 * params * rows * length
+        total += num_attn * rows * 2 * 2 * (length * length / 2) * attn_width
+    return total
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a square matmul on `device` (median of a few runs after a warm-up)."""
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        (a @ b).sum().item()  # .item(): forces completion on CUDA
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / float(np.median(times[1:]))
+
+
+def estimate_eta(*, config, deepest_tap: int, batch_shapes: list[tuple[int, int]], world_size: int,
+                 device: torch.device, dtype: torch.dtype) -> EtaEstimate:
+    flops = forward_flops(config=config, deepest_tap=deepest_tap, batch_shapes=batch_shapes,
+                          layer_params=layer_param_counts(config))
+    peak = measure_matmul_flops(device, dtype)
+    rate = peak * EFFICIENCY * world_size
+    how = (f"FLOPs-based guess: {flops / 1e12:.3g} TFLOP at {EFFICIENCY} x measured {device.type} "
+           f"{str(dtype).removeprefix('torch.')} matmul {peak / 1e12:.3g} TFLOP/s x {world_size} rank(s)")
+    return EtaEstimate(flops=flops, flops_per_s=rate, seconds=flops / rate if rate else 0.0, how=how)
