@@ -15,6 +15,7 @@ from dflash.errors import DflashError
 # Each module cli/<name>.py defines `command` (a click.Command or click.Group).
 COMMAND_MODULES = (
     "cache_cmd",
+    "extract_cmd",
 )
 
 
