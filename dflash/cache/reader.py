@@ -1,0 +1,243 @@
+"""CacheReader: the sample index of a cache and reads of any samples and any subset of its taps.
+
+Shapes: T = packed tokens, N = samples, K' = selected taps, D = hidden size.
+
+The index comes from the commit logs and each shard's small `samples` array; hidden data is not touched
+until a read. Reads go straight to the shard files (shardfile.py): per sample and tap one pread of the
+contiguous token chunks, a crc32c check per chunk, one copy into the caller's (pinned) buffer. Threads help
+on fast disks because pread, crc32c and numpy copies release the GIL. The store stays plain zarr.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash.cache import commit as cm
+from dflash.cache.format import STORED_TORCH_DTYPE, Fingerprint, decode_bf16, dequantize_fp8
+from dflash.cache.shardfile import ArrayFile
+from dflash.errors import CacheFormatError, ConfigError
+
+log = logging.getLogger(__name__)
+_ARRAY_CACHE = 1024  # parsed shard indexes kept (hidden index: 16 B per chunk, ~160 KB per 64k-token shard)
+
+
+@dataclass
+class SampleIndex:
+    """All int64 [N], sorted by sample_id; shard indexes shard_names."""
+
+    sample_id: np.ndarray
+    length: np.ndarray
+    num_loss_tokens: np.ndarray
+    shard: np.ndarray
+    offset: np.ndarray
+    shard_names: list[str]
+
+
+@dataclass
+class Sample:
+    sample_id: int
+    input_ids: np.ndarray        # int32 [T]
+    loss_mask: np.ndarray        # uint8 [T]
+    hidden: torch.Tensor         # [T,K',D] bf16, or uint8 fp8 bits
+    scales: torch.Tensor | None  # float32 [T,K'] for fp8 bits
+
+
+@dataclass
+class PackedSamples:
+    sample_ids: np.ndarray       # int64 [N]
+    lengths: np.ndarray          # int64 [N]
+    input_ids: np.ndarray        # int32 [T]
+    loss_mask: np.ndarray        # uint8 [T]
+    hidden: torch.Tensor         # [T,K',D] bf16, or uint8 fp8 bits
+    scales: torch.Tensor | None  # float32 [T,K'] for fp8 bits
+
+
+@dataclass
+class PackedBuffers:
+    """Destination buffers (e.g. pinned) for read_many; only the first T rows are used."""
+
+    hidden: torch.Tensor          # uint16 (bf16 storage) or uint8 (fp8) [>=T, K', D]
+    scales: torch.Tensor | None   # float32 [>=T, K'] (fp8)
+    input_ids: torch.Tensor       # int32 [>=T]
+    loss_mask: torch.Tensor       # uint8 [>=T]
+
+    @classmethod
+    def allocate(cls, *, tokens: int, num_taps: int, hidden_size: int, storage: str,
+                 pin_memory: bool = False) -> PackedBuffers:
+        def e(shape, dt):
+            return torch.empty(shape, dtype=dt, pin_memory=pin_memory)
+        return cls(hidden=e((tokens, num_taps, hidden_size), STORED_TORCH_DTYPE[storage]),
+                   scales=e((tokens, num_taps), torch.float32) if storage == "fp8" else None,
+                   input_ids=e((tokens,), torch.int32), loss_mask=e((tokens,), torch.uint8))
+
+
+class CacheReader:
+    def __init__(self, path, *, verify: bool = True, num_threads: int = 1) -> None:
+        """verify: check the crc32c of every chunk read. num_threads: parallel preads in read_many."""
+        self.path = os.fspath(path)
+        self.verify = verify
+        self.num_threads = num_threads
+        self.manifest = cm.read_manifest(self.path)
+        self.fingerprint = Fingerprint.from_json(self.manifest["fingerprint"])
+        self.tap_layer_ids = self.fingerprint.tap_layer_ids
+        self.storage = self.fingerprint.storage
+        self.hidden_size = self.fingerprint.hidden_size
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._arrays: OrderedDict[tuple[int, str], ArrayFile] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self.index = self._build_index(cm.read_commit_logs(self.path))
+
+    def _build_index(self, records: list[cm.CommitRecord]) -> SampleIndex:
+        names = [r.shard for r in records]
+        cols: list[np.ndarray] = []
+        for s, r in enumerate(records):
+            samples = self._array(s, "samples", names).read_all(verify=self.verify)
+            if samples.shape != (r.num_samples, 4) or tuple(samples[:, 0].tolist()) != r.sample_ids:
+                raise CacheFormatError(f"shard {r.shard}: samples array disagrees with its commit line "
+                                       f"in commits/{cm.log_name(r.rank)}")
+            cols.append(np.column_stack([samples, np.full(len(samples), s, np.int64)]))
+        table = np.concatenate(cols) if cols else np.empty((0, 5), np.int64)
+        order = np.argsort(table[:, 0], kind="stable")
+        table = table[order]
+        dup = np.flatnonzero(table[1:, 0] == table[:-1, 0]) + 1
+        if len(dup):
+            # a sample committed twice (e.g. two ranks raced); both copies are identical data
+            log.warning("cache %s: %d sample ids are committed twice; using the first copy", self.path, len(dup))
+            table = np.delete(table, dup, axis=0)
+        return SampleIndex(sample_id=table[:, 0].copy(), offset=table[:, 1].copy(), length=table[:, 2].copy(),
+                           num_loss_tokens=table[:, 3].copy(), shard=table[:, 4].copy(), shard_names=names)
+
+    def _array(self, shard: int, name: str, names: list[str] | None = None) -> ArrayFile:
+        key = (shard, name)
+        with self._lock:
+            a = self._arrays.get(key)
+            if a is not None:
+                self._arrays.move_to_end(key)
+                return a
+        sname = (names or self.index.shard_names)[shard]
+        a = ArrayFile.open(os.path.join(self.path, cm.SHARDS, sname, name), f"shard {sname} array {name}")
+        with self._lock:
+            self._arrays[key] = a
+            while len(self._arrays) > _ARRAY_CACHE:
+                self._arrays.popitem(last=False)
+        return a
+
+    def __len__(self) -> int:
+        return len(self.index.sample_id)
+
+    def tap_positions(self, taps: Sequence[int] | None) -> list[int]:
+        """Layer ids -> positions on the cache's tap axis; ConfigError naming the available taps."""
+        if taps is None:
+            return list(range(len(self.tap_layer_ids)))
+        pos = {t: i for i, t in enumerate(self.tap_layer_ids)}
+        missing = [t for t in taps if t not in pos]
+        if missing:
+            raise ConfigError(f"taps {missing} are not in the cache; it has tap_layer_ids {list(self.tap_layer_ids)}")
+        return [pos[t] for t in taps]
+
+    def read(self, i: int, *, taps: Sequence[int] | None = None, dequantize: bool = False) -> Sample:
+        p = self.read_many([i], taps=taps, dequantize=dequantize)
+        return Sample(sample_id=int(p.sample_ids[0]), input_ids=p.input_ids, loss_mask=p.loss_mask,
+                      hidden=p.hidden, scales=p.scales)
+
+    def read_many(self, indices: Sequence[int], *, taps: Sequence[int] | None = None,
+                  out: PackedBuffers | None = None, dequantize: bool = False) -> PackedSamples:
+        """Samples concatenated along tokens in the given order, into `out` (views of it are returned)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < -len(self) or idx.max() >= len(self)):
+            raise IndexError(f"sample index out of range for a cache of {len(self)} samples")
+        idx = idx % max(len(self), 1)
+        pos = self.tap_positions(taps)
+        lengths = self.index.length[idx]
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        T, Kp, D = int(starts[-1]), len(pos), self.hidden_size
+        if out is None:
+            out = PackedBuffers.allocate(tokens=T, num_taps=Kp, hidden_size=D, storage=self.storage)
+        self._check_out(out, T, Kp)
+        hidden_np = out.hidden[:T].numpy()
+        scales_np = out.scales[:T].numpy() if self.storage == "fp8" else None
+        ids_np, mask_np = out.input_ids[:T].numpy(), out.loss_mask[:T].numpy()
+
+        def task(j: int) -> int:
+            s, off, L, o = int(self.index.shard[idx[j]]), int(self.index.offset[idx[j]]), int(lengths[j]), int(starts[j])
+            return self._read_sample(s, off, L, pos, hidden_np[o:o + L], None if scales_np is None else scales_np[o:o + L],
+                                     ids_np[o:o + L], mask_np[o:o + L])
+
+        if self.num_threads > 1 and len(idx) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="dflash-cache-read")
+            nbytes = sum(self._pool.map(task, range(len(idx))))
+        else:
+            nbytes = sum(task(j) for j in range(len(idx)))
+        with self._lock:
+            self.bytes_read += nbytes
+        hidden = out.hidden[:T]
+        scales = out.scales[:T] if self.storage == "fp8" else None
+        if self.storage == "bf16":
+            hidden = decode_bf16(hidden)
+        elif dequantize:
+            hidden, scales = dequantize_fp8(hidden, scales), None
+        return PackedSamples(sample_ids=self.index.sample_id[idx], lengths=lengths, input_ids=ids_np,
+                             loss_mask=mask_np, hidden=hidden, scales=scales)
+
+    def _check_out(self, out: PackedBuffers, T: int, Kp: int) -> None:
+        want = STORED_TORCH_DTYPE[self.storage]
+        h = out.hidden
+        if h.dtype != want or h.dim() != 3 or h.shape[0] < T or tuple(h.shape[1:]) != (Kp, self.hidden_size) \
+                or not h.is_contiguous():
+            raise ConfigError(f"out.hidden must be contiguous {want} [>={T}, {Kp}, {self.hidden_size}], "
+                              f"got {h.dtype} {tuple(h.shape)}")
+        if self.storage == "fp8" and (out.scales is None or out.scales.dtype != torch.float32
+                                      or out.scales.shape[0] < T or out.scales.shape[1] != Kp):
+            raise ConfigError(f"out.scales must be float32 [>={T}, {Kp}] for an fp8 cache")
+        if out.input_ids.dtype != torch.int32 or out.loss_mask.dtype != torch.uint8 \
+                or out.input_ids.shape[0] < T or out.loss_mask.shape[0] < T:
+            raise ConfigError(f"out.input_ids must be int32 [>={T}] and out.loss_mask uint8 [>={T}]")
+
+    def _read_sample(self, s: int, off: int, L: int, pos: list[int], hidden_TKD: np.ndarray,
+                     scales_TK: np.ndarray | None, ids_T: np.ndarray, mask_T: np.ndarray) -> int:
+        """One sample's rows of every selected tap; returns hidden+scales bytes read."""
+        nbytes = 0
+        h = self._array(s, "hidden")
+        fd = os.open(h.path, os.O_RDONLY)
+        try:
+            for kk, k in enumerate(pos):
+                nbytes += h.read_rows(fd, off, off + L, (k, 0), hidden_TKD[:, kk:kk + 1, :], verify=self.verify)
+        finally:
+            os.close(fd)
+        names = [("input_ids", ids_T), ("loss_mask", mask_T)]
+        if scales_TK is not None:
+            names.append(("scales", None))
+        for name, dst in names:
+            a = self._array(s, name)
+            tmp = np.empty((L, *a.chunk_shape[1:]), a.dtype) if dst is None else dst
+            fd = os.open(a.path, os.O_RDONLY)
+            try:
+                n = a.read_rows(fd, off, off + L, (0,) * (len(a.shape) - 1), tmp, verify=self.verify)
+            finally:
+                os.close(fd)
+            if dst is None:
+                scales_TK[:] = tmp[:, pos]
+                nbytes += n
+        return nbytes
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def __enter__(self) -> CacheReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

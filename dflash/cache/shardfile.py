@@ -1,0 +1,272 @@
+"""Write and read one zarr v3 array stored as a single shard file (sharding_indexed codec), bypassing zarr-python.
+
+Layout of every array we write: the array's one outer chunk (= shard) is the whole array, padded up to a
+multiple of the inner chunk along axis 0. Inner chunks use codecs [bytes(little), crc32c], so each inner chunk
+in the file is its raw bytes followed by a 4-byte little-endian crc32c; the shard index (offset, nbytes uint64
+per inner chunk, C order over the inner-chunk grid) plus its own crc32c sits at the end of the file. The file
+is a valid zarr v3 shard, so `zarr.open_group` reads it; we write and read it directly because zarr-python's
+per-chunk machinery costs more than the disk at GB/s (see benchmarks/bench_cache.py).
+
+The physical order of inner chunks is ours to choose: we write hidden tap-major, so all token chunks of one
+tap are adjacent and reading one sample's tokens of one tap is one contiguous pread.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+
+from dflash.errors import CacheFormatError, OutOfSpaceError
+
+MISSING = np.uint64(0xFFFFFFFFFFFFFFFF)  # zarr: an absent inner chunk (read as fill value)
+CRC_BYTES = 4
+_IOV_MAX = 512  # stay under IOV_MAX (1024 on Linux) with (data, crc) pairs
+
+
+def array_metadata(*, shape: Sequence[int], dtype: str, chunk_shape: Sequence[int]) -> dict:
+    """zarr.json of an array with one shard covering the whole (padded) array and crc32c on every chunk."""
+    ct = chunk_shape[0]
+    shard = [max(1, -(-shape[0] // ct)) * ct, *shape[1:]]
+    bytes_codec = {"name": "bytes", "configuration": {"endian": "little"}}
+    return {
+        "shape": list(shape), "data_type": dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shard}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0,
+        "codecs": [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": list(chunk_shape),
+            "codecs": [bytes_codec, {"name": "crc32c"}],
+            "index_codecs": [bytes_codec, {"name": "crc32c"}],
+            "index_location": "end"}}],
+        "attributes": {}, "zarr_format": 3, "node_type": "array", "storage_transformers": [],
+    }
+
+
+def shard_file_relpath(ndim: int) -> str:
+    """Path of the single shard file inside the array directory: c/0/0/... (default key encoding)."""
+    return "/".join(["c"] + ["0"] * ndim)
+
+
+def write_all(fd: int, buffers: list) -> int:
+    """writev every buffer; ENOSPC becomes OutOfSpaceError. The only place our data bytes reach the OS."""
+    total = 0
+    for i in range(0, len(buffers), _IOV_MAX):
+        part = [memoryview(b).cast("B") for b in buffers[i:i + _IOV_MAX]]
+        want = sum(len(b) for b in part)
+        done = 0
+        while done < want:
+            try:
+                n = os.writev(fd, part)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise OutOfSpaceError(f"no space left on device while writing the cache: {e}") from e
+                raise
+            done += n
+            # rare short write: drop the bytes already written and retry the rest
+            while n > 0 and part:
+                if n >= len(part[0]):
+                    n -= len(part[0])
+                    part.pop(0)
+                else:
+                    part[0] = part[0][n:]
+                    n = 0
+        total += want
+    return total
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_file(path: str, obj: dict) -> int:
+    data = json.dumps(obj, indent=1).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, [data])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(data)
+
+
+def write_array(array_dir: str, *, shape: Sequence[int], dtype: str, chunk_shape: Sequence[int],
+                chunks: Iterable[tuple[tuple[int, ...], np.ndarray]]) -> int:
+    """Write zarr.json and the shard file; `chunks` yields (grid coords, full padded chunk data) in file order.
+
+    Every grid position must be yielded exactly once. Files and the new directories are fsynced. Returns bytes."""
+    grid = [max(1, -(-shape[0] // chunk_shape[0]))] + [s // c for s, c in zip(shape[1:], chunk_shape[1:])]
+    index = np.full((int(np.prod(grid)), 2), MISSING, dtype="<u8")
+    rel = shard_file_relpath(len(shape))
+    os.makedirs(os.path.join(array_dir, os.path.dirname(rel)), exist_ok=True)
+    nbytes = write_json_file(os.path.join(array_dir, "zarr.json"),
+                             array_metadata(shape=shape, dtype=dtype, chunk_shape=chunk_shape))
+    fd = os.open(os.path.join(array_dir, rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        offset, pending = 0, []
+        for coords, data in chunks:
+            raw = memoryview(np.ascontiguousarray(data)).cast("B")
+            crc = crc32c.crc32c(raw).to_bytes(4, "little")
+            index[np.ravel_multi_index(coords, grid)] = (offset, len(raw) + CRC_BYTES)
+            offset += len(raw) + CRC_BYTES
+            pending += [raw, crc]
+            if len(pending) >= _IOV_MAX:
+                write_all(fd, pending)
+                pending = []
+        assert not (index == MISSING).any(), f"write_array {array_dir}: not every chunk was given"
+        idx = index.tobytes()
+        pending += [idx, crc32c.crc32c(idx).to_bytes(4, "little")]
+        write_all(fd, pending)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    # fsync the directories we created so their entries survive a crash (c/0/... chain)
+    d = os.path.join(array_dir, os.path.dirname(rel))
+    while True:
+        fsync_dir(d)
+        if os.path.normpath(d) == os.path.normpath(array_dir):
+            break
+        d = os.path.dirname(d)
+    return nbytes + offset + len(idx) + CRC_BYTES
+
+
+@dataclass
+class ArrayFile:
+    """A parsed shard file of one array: metadata + inner-chunk index. Cheap to keep; holds no fd."""
+
+    path: str               # the shard file
+    label: str              # "shard S array hidden", for error messages
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...]
+    grid: tuple[int, ...]
+    index: np.ndarray       # uint64 [num_chunks, 2] (offset, nbytes incl. crc)
+
+    @classmethod
+    def open(cls, array_dir: str, label: str) -> ArrayFile:
+        try:
+            with open(os.path.join(array_dir, "zarr.json"), "rb") as f:
+                meta = json.loads(f.read())
+        except (OSError, ValueError) as e:
+            raise CacheFormatError(f"{label}: cannot read zarr.json: {e}") from e
+        shape = tuple(meta["shape"])
+        try:
+            (codec,) = meta["codecs"]
+            cfg = codec["configuration"]
+            ok = (codec["name"] == "sharding_indexed" and cfg["index_location"] == "end"
+                  and [c["name"] for c in cfg["codecs"]] == ["bytes", "crc32c"]
+                  and cfg["codecs"][0].get("configuration", {}).get("endian", "little") == "little"
+                  and [c["name"] for c in cfg["index_codecs"]] == ["bytes", "crc32c"])
+            chunk_shape = tuple(cfg["chunk_shape"])
+            shard_shape = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+            ok = ok and shard_shape[0] >= shape[0] and shard_shape[1:] == shape[1:]
+        except (KeyError, ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise CacheFormatError(f"{label}: unsupported zarr layout (expected one crc32c shard per array)")
+        grid = tuple(s // c for s, c in zip(shard_shape, chunk_shape))
+        path = os.path.join(array_dir, shard_file_relpath(len(shape)))
+        n = int(np.prod(grid))
+        size = n * 16 + CRC_BYTES
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                end = os.fstat(fd).st_size
+                raw = os.pread(fd, size, max(0, end - size))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CacheFormatError(f"{label}: cannot read shard file: {e}") from e
+        if len(raw) != size or crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            raise CacheFormatError(f"{label}: shard index checksum mismatch (file {path} truncated or corrupted)")
+        index = np.frombuffer(raw[:-4], dtype="<u8").reshape(n, 2)
+        present = index[:, 0] != MISSING
+        if present.any() and int((index[present, 0] + index[present, 1]).max()) > end - size:
+            raise CacheFormatError(f"{label}: shard index points past the end of {path}")
+        return cls(path=path, label=label, shape=shape, dtype=np.dtype(meta["data_type"]).newbyteorder("<"),
+                   chunk_shape=chunk_shape, grid=grid, index=index)
+
+    def chunk_name(self, lin: int) -> str:
+        return f"{self.label} chunk {tuple(int(c) for c in np.unravel_index(lin, self.grid))}"
+
+    def read_rows(self, fd: int, start: int, stop: int, rest: tuple[int, ...], out: np.ndarray,
+                  *, verify: bool) -> int:
+        """Copy rows [start, stop) of the chunk column `rest` (grid coords of axes 1..) into out
+        [stop-start, *chunk_shape[1:]]. Contiguous chunks are read with one pread. Returns bytes read."""
+        cr = self.chunk_shape[0]
+        c0, c1 = start // cr, -(-stop // cr)
+        lins = [int(np.ravel_multi_index((c, *rest), self.grid)) for c in range(c0, c1)]
+        chunk_elems = int(np.prod(self.chunk_shape))
+        raw_len = chunk_elems * self.dtype.itemsize
+        nread, i = 0, 0
+        while i < len(lins):
+            off, nb = self.index[lins[i]]
+            if off == MISSING:  # zarr fill value
+                self._place(np.zeros(chunk_elems, self.dtype), c0 + i, start, stop, out)
+                i += 1
+                continue
+            j = i + 1  # extend the run while the next chunk follows in the file
+            while j < len(lins) and self.index[lins[j], 0] == self.index[lins[j - 1], 0] + self.index[lins[j - 1], 1]:
+                j += 1
+            run_len = int(self.index[lins[j - 1], 0] + self.index[lins[j - 1], 1] - off)
+            buf = np.empty(run_len, np.uint8)
+            got = os.preadv(fd, [buf], int(off))
+            nread += got
+            if got != run_len:
+                raise CacheFormatError(f"{self.chunk_name(lins[i])}: short read ({got} of {run_len} bytes)")
+            pos = 0
+            for k in range(i, j):
+                nb = int(self.index[lins[k], 1])
+                if nb != raw_len + CRC_BYTES:
+                    raise CacheFormatError(f"{self.chunk_name(lins[k])}: size {nb} != {raw_len + CRC_BYTES}")
+                data = buf[pos:pos + raw_len]
+                if verify and crc32c.crc32c(data) != int.from_bytes(buf[pos + raw_len:pos + nb].tobytes(), "little"):
+                    raise CacheFormatError(f"{self.chunk_name(lins[k])}: crc32c checksum mismatch "
+                                           f"(file {self.path}); the cache is corrupted")
+                self._place(data.view(self.dtype), c0 + k - i, start, stop, out)
+                pos += nb
+            i = j
+        return nread
+
+    def _place(self, flat: np.ndarray, c: int, start: int, stop: int, out: np.ndarray) -> None:
+        cr = self.chunk_shape[0]
+        chunk = flat.reshape(self.chunk_shape)
+        a, b = max(start, c * cr), min(stop, (c + 1) * cr)
+        out[a - start:b - start] = chunk[a - c * cr:b - c * cr]
+
+    def read_all(self, *, verify: bool = True) -> np.ndarray:
+        """The whole array (small arrays: samples, input_ids)."""
+        out = np.empty(self.shape, self.dtype)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for rest in np.ndindex(*self.grid[1:]):
+                sl = tuple(slice(r * c, (r + 1) * c) for r, c in zip(rest, self.chunk_shape[1:]))
+                self.read_rows(fd, 0, self.shape[0], tuple(rest), out[(slice(None), *sl)], verify=verify)
+        finally:
+            os.close(fd)
+        return out
+
+    def verify_all(self) -> list[str]:
+        """Check every chunk's crc32c; return one message per bad chunk."""
+        bad = []
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for lin in range(len(self.index)):
+                off, nb = (int(x) for x in self.index[lin])
+                if off == int(MISSING):
+                    continue
+                raw = os.pread(fd, nb, off)
+                if len(raw) != nb or crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+                    bad.append(f"{self.chunk_name(lin)}: crc32c checksum mismatch")
+        finally:
+            os.close(fd)
+        return bad

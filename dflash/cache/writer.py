@@ -1,0 +1,337 @@
+"""CacheWriter: packs appended samples into shards and commits them atomically from one background thread.
+
+Shapes: T = packed tokens, N = samples, K = taps, D = hidden size.
+
+The caller (extraction) hands over CPU bytes; a bounded queue decouples it from the disk, and a full queue
+blocks `append` - that is the disk's back-pressure, counted in stats.seconds_blocked. The thread copies each
+batch once, tap-major, into a reused shard buffer [K, tokens, D], so each tap's token chunks are contiguous
+slices written with writev without a second copy. Commit protocol: commit.py.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash.cache import commit as cm
+from dflash.cache.format import (FORMAT_NAME, FORMAT_VERSION, STORED_NUMPY_DTYPE, STORED_TORCH_DTYPE,
+                                 Fingerprint, choose_chunk_tokens, encode_hidden)
+from dflash.cache.shardfile import fsync_dir, write_array, write_json_file
+from dflash.errors import CacheFormatError, ConfigError, OutOfSpaceError
+
+SMALL_CHUNK_TOKENS = 4096   # input_ids / loss_mask chunk: 20 KB, read whole per sample (hidden is ~MBs)
+SCALE_CHUNK_TOKENS = 1024   # scales [T,K] chunk: 20 KB at K=5
+
+
+@dataclass
+class WriteStats:
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    bytes_written: int = 0
+    shards_committed: int = 0
+    seconds_blocked: float = 0.0
+    """Time `append` waited on a full queue (disk back-pressure)."""
+    seconds_committing: float = 0.0
+    """Time the writer thread spent writing and committing shards."""
+
+
+_CLOSE = object()
+
+
+class CacheWriter:
+    def __init__(self, path, fingerprint: Fingerprint, *, rank: int = 0, shard_tokens: int = 1 << 16,
+                 queue_depth: int = 4, chunk_bytes: int = 1 << 19) -> None:
+        """Create the cache at `path` or check an existing one's fingerprint; clean this rank's leftovers.
+
+        chunk_bytes: target size of one (tokens, 1 tap, D) hidden chunk, the read and checksum unit
+        (512 KB: see benchmarks/results/cache_*.json)."""
+        if shard_tokens < 1 or queue_depth < 1 or rank < 0:
+            raise ConfigError(f"shard_tokens={shard_tokens}, queue_depth={queue_depth}, rank={rank} must be positive")
+        self.path, self.fingerprint, self.rank = os.fspath(path), fingerprint, rank
+        self.shard_tokens = shard_tokens
+        self.K, self.D = len(fingerprint.tap_layer_ids), fingerprint.hidden_size
+        self.storage = fingerprint.storage
+        self.np_dtype = np.dtype(STORED_NUMPY_DTYPE[self.storage])
+        self.chunk_tokens = choose_chunk_tokens(hidden_size=self.D, itemsize=self.np_dtype.itemsize,
+                                                chunk_bytes=chunk_bytes)
+        self.stats = WriteStats()
+        self._open_cache()
+        self._seq = self._clean_leftovers()
+        self._log_totals = cm.LogTotals(self.path)
+        # shard being filled (owned by the thread)
+        self._buf_KTD = np.empty((self.K, 0, self.D), self.np_dtype)
+        self._scales_TK = np.empty((0, self.K), np.float32)
+        self._ids_T = np.empty(0, np.int32)
+        self._mask_T = np.empty(0, np.uint8)
+        self._samples: list[tuple[int, int, int, int]] = []  # (id, offset, length, loss tokens)
+        self._tokens = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self._error: BaseException | None = None
+        self._abort = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"dflash-cache-writer-{rank}", daemon=True)
+        self._thread.start()
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def _open_cache(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        lock = cm.CacheLock(self.path)
+        try:
+            with lock:
+                if os.path.exists(os.path.join(self.path, cm.MANIFEST)):
+                    existing = Fingerprint.from_json(cm.read_manifest(self.path)["fingerprint"])
+                    existing.check_matches(self.fingerprint)
+                else:
+                    other = sorted(set(os.listdir(self.path)) - {cm.LOCK})
+                    if other:
+                        raise CacheFormatError(f"{self.path} is not empty ({other[:3]}...) and has no {cm.MANIFEST}: "
+                                               "refusing to write a cache into it; pick a new directory")
+                    for d in (cm.COMMITS, cm.SHARDS, cm.STAGING):
+                        os.makedirs(os.path.join(self.path, d), exist_ok=True)
+                    cm.write_manifest_atomic(self.path, cm.build_manifest(self.fingerprint, []), tag=self._tag)
+        finally:
+            lock.close()
+        for d in (cm.COMMITS, cm.SHARDS, cm.STAGING):
+            os.makedirs(os.path.join(self.path, d), exist_ok=True)
+
+    @property
+    def _tag(self) -> str:
+        return f"{self.rank}-{os.getpid()}"
+
+    def _clean_leftovers(self) -> int:
+        """Remove this rank's staging dirs and uncommitted shards (crash leftovers); return the next seq."""
+        records = cm.truncate_torn_tail(self.path, self.rank)
+        committed = {r.shard for r in records}
+        seqs = [r.seq for r in records]
+        for sub in (cm.STAGING, cm.SHARDS):
+            for name in os.listdir(os.path.join(self.path, sub)):
+                parsed = cm.parse_shard_name(name)
+                if parsed and parsed[0] == self.rank:
+                    seqs.append(parsed[1])
+                    if sub == cm.STAGING or name not in committed:
+                        shutil.rmtree(os.path.join(self.path, sub, name))
+        return max(seqs, default=-1) + 1
+
+    # -- caller side ---------------------------------------------------------------------------------------
+    def append(self, *, sample_ids: np.ndarray, lengths: np.ndarray, input_ids: np.ndarray,
+               loss_mask: np.ndarray, hidden: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Queue a batch of samples (concatenated, no padding). Blocks while the queue is full.
+
+        The writer keeps references to the arrays until it has copied them: do not modify them afterwards."""
+        self._check_usable()
+        sample_ids = np.asarray(sample_ids, np.int64).reshape(-1)
+        lengths = np.asarray(lengths, np.int64).reshape(-1)
+        T = int(lengths.sum())
+        if len(sample_ids) != len(lengths) or (lengths < 1).any():
+            raise ConfigError(f"sample_ids ({len(sample_ids)}) and lengths ({len(lengths)}) must match, lengths >= 1")
+        input_ids = np.asarray(input_ids).reshape(-1)
+        loss_mask = np.asarray(loss_mask).reshape(-1)
+        if input_ids.shape != (T,) or loss_mask.shape != (T,):
+            raise ConfigError(f"input_ids {input_ids.shape} and loss_mask {loss_mask.shape} must be [{T}] = sum(lengths)")
+        if tuple(hidden.shape) != (T, self.K, self.D):
+            raise ConfigError(f"hidden has shape {tuple(hidden.shape)}, expected [T={T}, K={self.K}, D={self.D}]")
+        if hidden.device.type != "cpu":
+            raise ConfigError("hidden must be a CPU tensor (encode on the GPU with encode_hidden, then copy)")
+        if hidden.is_floating_point() and not (self.storage == "bf16" and hidden.dtype == torch.bfloat16):
+            if scales is not None:
+                raise ConfigError("scales are only given with already-encoded fp8 bits (uint8 hidden)")
+            hidden, scales = encode_hidden(hidden, self.storage)
+        elif hidden.dtype == torch.bfloat16:
+            hidden = hidden.view(torch.uint16)
+        if hidden.dtype != STORED_TORCH_DTYPE[self.storage]:
+            raise ConfigError(f"hidden dtype {hidden.dtype} does not match storage {self.storage!r}")
+        if self.storage == "fp8":
+            if scales is None or tuple(scales.shape) != (T, self.K):
+                raise ConfigError(f"fp8 bits need float32 scales [T={T}, K={self.K}]")
+            scales_np = scales.to(torch.float32).contiguous().numpy()
+        else:
+            scales_np = None
+        item = (sample_ids, lengths, input_ids.astype(np.int32, copy=False),
+                loss_mask.astype(np.uint8, copy=False), hidden.numpy(), scales_np)
+        t0 = time.perf_counter()
+        while True:
+            try:
+                self._queue.put(item, timeout=0.05)
+                break
+            except queue.Full:
+                self._check_usable()
+        self.stats.seconds_blocked += time.perf_counter() - t0
+
+    def close(self) -> WriteStats:
+        """Commit the last (partial) shard, join the thread, re-raise its error."""
+        if self._closed:
+            return self.stats
+        self._closed = True
+        while self._thread.is_alive():
+            try:
+                self._queue.put(_CLOSE, timeout=0.05)
+                break
+            except queue.Full:
+                pass
+        self._thread.join()
+        if self._error is not None:
+            self._raise_worker_error()
+        self._update_manifest()
+        return self.stats
+
+    def abort(self) -> None:
+        """Stop the thread and commit nothing more (the shard being filled is dropped)."""
+        self._closed = True
+        self._abort.set()
+        while self._thread.is_alive():
+            try:
+                self._queue.put(_CLOSE, timeout=0.05)
+                break
+            except queue.Full:
+                pass
+        self._thread.join()
+
+    def __enter__(self) -> CacheWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            self._closed = True
+            self._raise_worker_error()
+        if self._closed:
+            raise ConfigError("CacheWriter is closed")
+
+    def _raise_worker_error(self) -> None:
+        err = self._error
+        if isinstance(err, OutOfSpaceError):
+            raise OutOfSpaceError(f"cache writer thread stopped: {err}") from err
+        raise RuntimeError(f"cache writer thread failed: {err!r}") from err
+
+    # -- writer thread -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if self._abort.is_set():
+                    return
+                if item is _CLOSE:
+                    if self._tokens:
+                        self._commit()
+                    return
+                self._add(*item)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller thread
+            self._error = e
+            shutil.rmtree(os.path.join(self.path, cm.STAGING, cm.shard_name(rank=self.rank, seq=self._seq)),
+                          ignore_errors=True)
+
+    def _add(self, ids_N, lengths_N, input_ids_T, loss_mask_T, hidden_TKD, scales_TK) -> None:
+        starts = np.concatenate([[0], np.cumsum(lengths_N)])
+        s, N = 0, len(ids_N)
+        while s < N:
+            if self._tokens and self._tokens + lengths_N[s] > self.shard_tokens:
+                self._commit()
+            e = s + 1  # one sample always fits an empty shard (a long sample makes an oversized shard)
+            while e < N and self._tokens + starts[e + 1] - starts[s] <= self.shard_tokens:
+                e += 1
+            a, b = int(starts[s]), int(starts[e])
+            off, n = self._tokens, b - a
+            self._reserve(off + n)
+            self._buf_KTD[:, off:off + n] = hidden_TKD[a:b].transpose(1, 0, 2)
+            if scales_TK is not None:
+                self._scales_TK[off:off + n] = scales_TK[a:b]
+            self._ids_T[off:off + n] = input_ids_T[a:b]
+            self._mask_T[off:off + n] = loss_mask_T[a:b]
+            for j in range(s, e):
+                o = off + int(starts[j]) - a
+                self._samples.append((int(ids_N[j]), o, int(lengths_N[j]), int(loss_mask_T[starts[j]:starts[j + 1]].sum())))
+            self._tokens += n
+            s = e
+            if self._tokens >= self.shard_tokens:
+                self._commit()
+
+    def _reserve(self, tokens: int) -> None:
+        ct = self.chunk_tokens
+        need = -(-max(tokens, self.shard_tokens) // ct) * ct
+        if self._buf_KTD.shape[1] >= need:
+            return
+        t = self._tokens  # grow: first shard, or a sample longer than shard_tokens
+        buf = np.empty((self.K, need, self.D), self.np_dtype)
+        buf[:, :t] = self._buf_KTD[:, :t]
+        self._buf_KTD = buf
+        for name, shape, dt in (("_scales_TK", (need, self.K), np.float32), ("_ids_T", (need,), np.int32),
+                                ("_mask_T", (need,), np.uint8)):
+            new = np.empty(shape, dt)
+            new[:t] = getattr(self, name)[:t]
+            setattr(self, name, new)
+
+    def _commit(self) -> None:
+        t_start = time.perf_counter()
+        name = cm.shard_name(rank=self.rank, seq=self._seq)
+        stage = os.path.join(self.path, cm.STAGING, name)
+        shutil.rmtree(stage, ignore_errors=True)
+        os.makedirs(stage)
+        T, K, D, ct = self._tokens, self.K, self.D, self.chunk_tokens
+        n_chunks = -(-T // ct)
+        self._buf_KTD[:, T:n_chunks * ct] = 0  # edge-chunk padding: deterministic bytes
+        attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "storage": self.storage,
+                 "tap_layer_ids": list(self.fingerprint.tap_layer_ids), "rank": self.rank, "seq": self._seq}
+        nbytes = write_json_file(os.path.join(stage, "zarr.json"),
+                                 {"attributes": attrs, "zarr_format": 3, "node_type": "group"})
+        buf = self._buf_KTD
+        nbytes += write_array(
+            os.path.join(stage, "hidden"), shape=(T, K, D), dtype=self.np_dtype.name, chunk_shape=(ct, 1, D),
+            chunks=(((c, k, 0), buf[k, c * ct:(c + 1) * ct]) for k in range(K) for c in range(n_chunks)))
+        if self.storage == "fp8":
+            nbytes += _write_small(os.path.join(stage, "scales"), self._scales_TK[:T], SCALE_CHUNK_TOKENS)
+        nbytes += _write_small(os.path.join(stage, "input_ids"), self._ids_T[:T], SMALL_CHUNK_TOKENS)
+        nbytes += _write_small(os.path.join(stage, "loss_mask"), self._mask_T[:T], SMALL_CHUNK_TOKENS)
+        samples = np.array(self._samples, dtype=np.int64).reshape(-1, 4)
+        nbytes += _write_small(os.path.join(stage, "samples"), samples, len(samples))
+        fsync_dir(stage)
+        os.rename(stage, os.path.join(self.path, cm.SHARDS, name))
+        fsync_dir(os.path.join(self.path, cm.SHARDS))
+        record = cm.CommitRecord(shard=name, rank=self.rank, seq=self._seq, num_samples=len(samples),
+                                 num_tokens=T, num_loss_tokens=int(samples[:, 3].sum()), nbytes=nbytes,
+                                 sample_ids=tuple(int(i) for i in samples[:, 0]))
+        cm.append_commit_line(self.path, self.rank, record)  # the shard is visible from here on
+        self._update_manifest()
+        self._seq += 1
+        st = self.stats
+        st.samples += record.num_samples
+        st.tokens += T
+        st.loss_tokens += record.num_loss_tokens
+        st.bytes_written += nbytes
+        st.shards_committed += 1
+        st.seconds_committing += time.perf_counter() - t_start
+        self._samples, self._tokens = [], 0
+
+    def _update_manifest(self) -> None:
+        lock = cm.CacheLock(self.path)
+        try:
+            with lock:
+                manifest = cm.build_manifest(self.fingerprint, [])
+                manifest["totals"] = self._log_totals.refresh()
+                cm.write_manifest_atomic(self.path, manifest, tag=self._tag)
+        finally:
+            lock.close()
+
+
+def _write_small(array_dir: str, data: np.ndarray, chunk_rows: int) -> int:
+    """A small array (ids, mask, scales, samples): pad rows to the chunk and write it chunk by chunk."""
+    chunk_rows = max(1, min(chunk_rows, len(data)))
+    n = -(-len(data) // chunk_rows)
+    padded = np.zeros((n * chunk_rows, *data.shape[1:]), data.dtype)
+    padded[:len(data)] = data
+    chunk_shape = (chunk_rows, *data.shape[1:])
+    return write_array(array_dir, shape=data.shape, dtype=data.dtype.name, chunk_shape=chunk_shape,
+                       chunks=(((c,) + (0,) * (data.ndim - 1), padded[c * chunk_rows:(c + 1) * chunk_rows])
+                               for c in range(n)))
