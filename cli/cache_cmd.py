@@ -1,4 +1,8 @@
-"""`dflash cache ...`: inspect and verify a hidden-state cache (filled in by the cache work)."""
+"""`dflash cache ...`: inspect and verify a hidden-state cache."""
+
+from __future__ import annotations
+
+import json
 
 import click
 
@@ -6,3 +10,41 @@ import click
 @click.group("cache")
 def command() -> None:
     """Inspect and verify a hidden-state cache."""
+
+
+@command.command("info")
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def info(cache: str, as_json: bool) -> None:
+    """Samples, tokens, loss tokens, taps, dtype, shards and bytes of CACHE."""
+    from dflash.cache.verify import cache_info
+
+    d = cache_info(cache)
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    bpt = d["bytes_per_token"]
+    rows = [("samples", f"{d['samples']:,}"), ("tokens", f"{d['tokens']:,}"),
+            ("loss tokens", f"{d['loss_tokens']:,}"),
+            ("taps", f"{d['num_taps']} {d['tap_layer_ids']}"), ("hidden size", str(d["hidden_size"])),
+            ("storage", d["storage"]), ("shards", str(d["shards"])),
+            ("bytes on disk", f"{d['bytes_on_disk']:,} ({d['bytes_on_disk'] / 2**30:.2f} GiB)"),
+            ("bytes per token", "-" if bpt is None else f"{bpt:,.1f}")]
+    for k, v in rows:
+        click.echo(f"{k:<16}{v}")
+
+
+@command.command("verify")
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+def verify(cache: str) -> None:
+    """Check every chunk checksum of CACHE and that manifest, commit logs and shards agree."""
+    from dflash.cache.verify import verify_cache
+
+    rep = verify_cache(cache)
+    for n in rep.notes:
+        click.echo(f"note: {n}")
+    for p in rep.problems:
+        click.echo(f"BAD: {p}", err=True)
+    if not rep.ok:
+        raise click.ClickException(f"{len(rep.problems)} problem(s) in {cache}; first: {rep.problems[0]}")
+    click.echo(f"ok: {rep.shards} shards, {rep.chunks} chunks checked")

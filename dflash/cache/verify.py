@@ -1,0 +1,127 @@
+"""Whole-cache checks and summary: every chunk's crc32c, and manifest vs commit logs vs shards.
+
+`verify_cache` reads every byte once (it is as slow as reading the cache); `cache_info` reads only the
+manifest, the logs and directory sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dflash.cache import commit as cm
+from dflash.cache.format import Fingerprint
+from dflash.cache.shardfile import ArrayFile
+from dflash.errors import CacheFormatError
+
+
+@dataclass
+class VerifyReport:
+    problems: list[str] = field(default_factory=list)
+    """Each names the shard (and chunk) that is wrong; empty = the cache is sound."""
+    notes: list[str] = field(default_factory=list)
+    """Harmless findings: crash leftovers that readers ignore."""
+    shards: int = 0
+    chunks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_cache(path) -> VerifyReport:
+    path = os.fspath(path)
+    rep = VerifyReport()
+    manifest = cm.read_manifest(path)
+    fp = Fingerprint.from_json(manifest["fingerprint"])
+    records: list[cm.CommitRecord] = []
+    logs_dir = os.path.join(path, cm.COMMITS)
+    for name in sorted(os.listdir(logs_dir)) if os.path.isdir(logs_dir) else []:
+        with open(os.path.join(logs_dir, name), "rb") as f:
+            data = f.read()
+        try:
+            recs, torn = cm.parse_commit_log(data.decode(errors="replace"), source=f"commits/{name}")
+        except CacheFormatError as e:
+            rep.problems.append(str(e))
+            continue
+        if torn:
+            rep.notes.append(f"commits/{name}: {torn}-byte torn last line (crash mid-commit; ignored)")
+        records += recs
+    seen: dict[int, str] = {}
+    for r in sorted(records, key=lambda r: (r.rank, r.seq)):
+        rep.shards += 1
+        _verify_shard(path, r, fp, rep)
+        for i in r.sample_ids:
+            if i in seen:
+                rep.problems.append(f"shard {r.shard}: sample id {i} is also committed in shard {seen[i]}")
+            seen[i] = r.shard
+    want = cm.totals(records)
+    if manifest.get("totals") != want:
+        rep.problems.append(f"manifest.json totals {manifest.get('totals')} != commit logs {want}")
+    committed = {r.shard for r in records}
+    for sub in (cm.SHARDS, cm.STAGING):
+        d = os.path.join(path, sub)
+        for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            if sub == cm.STAGING or name not in committed:
+                rep.notes.append(f"{sub}/{name}: not committed (crash leftover; invisible, removed on resume)")
+    return rep
+
+
+def _verify_shard(path: str, r: cm.CommitRecord, fp: Fingerprint, rep: VerifyReport) -> None:
+    d = os.path.join(path, cm.SHARDS, r.shard)
+    if not os.path.isdir(d):
+        rep.problems.append(f"shard {r.shard}: committed in commits/{cm.log_name(r.rank)} but missing on disk")
+        return
+    names = ["hidden", "input_ids", "loss_mask", "samples"] + (["scales"] if fp.storage == "fp8" else [])
+    arrays: dict[str, ArrayFile] = {}
+    corrupt: set[str] = set()
+    for name in names:
+        try:
+            a = ArrayFile.open(os.path.join(d, name), f"shard {r.shard} array {name}")
+        except CacheFormatError as e:
+            rep.problems.append(str(e))
+            continue
+        arrays[name] = a
+        bad = a.verify_all()
+        rep.chunks += len(a.index)
+        rep.problems += bad
+        if bad:
+            corrupt.add(name)
+    if len(arrays) != len(names) or corrupt & {"samples", "loss_mask"}:
+        return  # contents below would be garbage
+    T = r.num_tokens
+    h = arrays["hidden"]
+    if h.shape != (T, len(fp.tap_layer_ids), fp.hidden_size):
+        rep.problems.append(f"shard {r.shard}: hidden shape {h.shape} != "
+                            f"({T}, {len(fp.tap_layer_ids)}, {fp.hidden_size}) from log and manifest")
+    samples = arrays["samples"].read_all()
+    mask = arrays["loss_mask"].read_all()
+    if tuple(samples[:, 0].tolist()) != r.sample_ids:
+        rep.problems.append(f"shard {r.shard}: samples array ids disagree with the commit line")
+    ends = samples[:, 1] + samples[:, 2]
+    if len(samples) and (samples[0, 1] != 0 or (samples[1:, 1] != ends[:-1]).any() or ends[-1] != T):
+        rep.problems.append(f"shard {r.shard}: sample offsets/lengths do not tile the {T} tokens")
+    elif len(samples):
+        per = np.add.reduceat(mask.astype(np.int64), samples[:, 1]) if T else np.zeros(0)
+        if (per != samples[:, 3]).any() or int(mask.sum()) != r.num_loss_tokens:
+            rep.problems.append(f"shard {r.shard}: loss-token counts disagree with loss_mask")
+    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(d) for f in fs)
+    if size != r.nbytes:
+        rep.problems.append(f"shard {r.shard}: {size} bytes on disk, commit line says {r.nbytes}")
+
+
+def cache_info(path) -> dict:
+    """Summary for `dflash cache info`: totals from the commit logs, bytes from the directory."""
+    path = os.fspath(path)
+    manifest = cm.read_manifest(path)
+    fp = Fingerprint.from_json(manifest["fingerprint"])
+    t = cm.totals(cm.read_commit_logs(path))
+    on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(path) for f in fs)
+    return {"path": path, "samples": t["samples"], "tokens": t["tokens"], "loss_tokens": t["loss_tokens"],
+            "tap_layer_ids": list(fp.tap_layer_ids), "num_taps": len(fp.tap_layer_ids),
+            "hidden_size": fp.hidden_size, "storage": fp.storage, "shards": t["shards"],
+            "bytes_on_disk": on_disk, "shard_bytes": t["bytes"],
+            "bytes_per_token": (t["bytes"] / t["tokens"]) if t["tokens"] else None,
+            "target": fp.target}
