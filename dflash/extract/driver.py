@@ -137,7 +137,8 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
         return _result(cfg, pre, torch.zeros(5, dtype=torch.float64), t0, world_size, dry_run=True)
 
     from dflash.cache import CacheWriter
-    from dflash.target import TappedForward, load_target
+    from dflash.target.forward import TappedForward
+    from dflash.target.load import load_target
 
     model, _ = load_target(cfg.model, device=device, dtype=DTYPES[cfg.dtype])
     tapped = TappedForward(model, pre.fingerprint.tap_layer_ids)

@@ -116,7 +116,7 @@ def build_preflight(cfg, *, world_size: int) -> Preflight:
     from dflash.cache import committed_sample_ids, open_cache_fingerprint
     from dflash.data import load_samples, token_budget_batches
     from dflash.data.sources import check_paths
-    from dflash.target import default_tap_layer_ids
+    from dflash.target.taps import default_tap_layer_ids
     from dflash.target.load import check_model_path, text_config
     from dflash.target.taps import validate_tap_layer_ids
 
@@ -160,16 +160,29 @@ def build_preflight(cfg, *, world_size: int) -> Preflight:
     todo = ~np.isin(sample_ids, np.fromiter(committed, dtype=np.int64, count=len(committed)))
     cache_bytes = estimate_cache_bytes(num_tokens=plan.num_tokens_todo, num_samples=int(todo.sum()),
                                        num_taps=len(taps), hidden_size=int(config.hidden_size),
-                                       storage=cfg.storage, shard_tokens=cfg.shard_tokens)
+                                       storage=cfg.storage, shard_tokens=cfg.shard_tokens,
+                                       chunk_tokens=_hidden_chunk_tokens(int(config.hidden_size), cfg.storage))
     return Preflight(config=config, tokenizer=tokenizer, fingerprint=fingerprint, samples=samples, skips=skips,
                      plan=plan, cache_bytes=cache_bytes, target_greedy_reason=greedy_reason)
+
+
+def _hidden_chunk_tokens(hidden_size: int, storage: str) -> int:
+    """Tokens per hidden chunk as CacheWriter chooses them (its default chunk_bytes)."""
+    import inspect
+
+    from dflash.cache import CacheWriter
+    from dflash.cache.format import STORED_NUMPY_DTYPE, choose_chunk_tokens
+
+    chunk_bytes = inspect.signature(CacheWriter.__init__).parameters["chunk_bytes"].default
+    return choose_chunk_tokens(hidden_size=hidden_size, itemsize=np.dtype(STORED_NUMPY_DTYPE[storage]).itemsize,
+                               chunk_bytes=chunk_bytes)
 
 
 def _check_output(path: str) -> None:
     """Refuse a non-empty directory that is not a cache (STYLE 11), and a file in the way."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"--output {path} exists and is not a directory")
-    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, "manifest.json")):
+    if os.path.isdir(path) and set(os.listdir(path)) - {".lock"} and not os.path.exists(os.path.join(path, "manifest.json")):
         raise ConfigError(f"--output {path} is a non-empty directory without a cache manifest; "
                           "choose an empty or new directory")
 

@@ -37,14 +37,20 @@ class CacheBytes:
 
 
 def estimate_cache_bytes(*, num_tokens: int, num_samples: int, num_taps: int, hidden_size: int,
-                         storage: str, shard_tokens: int) -> CacheBytes:
-    """tokens x taps x hidden x bytes per element, + fp8 scales (float32 per token and tap) + ids/mask."""
+                         storage: str, shard_tokens: int, chunk_tokens: int = 1) -> CacheBytes:
+    """tokens x taps x hidden x bytes per element, + fp8 scales (float32 per token and tap) + ids/mask.
+
+    chunk_tokens: tokens per hidden chunk; zarr stores a shard's last chunk whole, so each shard is
+    rounded up to it (negligible at D=5120: 32-token chunks; large for toy models with tiny shards)."""
     if storage not in BYTES_PER_ELEMENT:
         raise ConfigError(f"storage={storage!r} is not one of {sorted(BYTES_PER_ELEMENT)}")
     num_shards = -(-num_tokens // max(shard_tokens, 1)) if num_tokens else 0
+    per_shard = min(shard_tokens, num_tokens)
+    stored_tokens = num_shards * (-(-per_shard // chunk_tokens) * chunk_tokens) if num_tokens else 0
+    stored_tokens = max(stored_tokens, num_tokens)
     return CacheBytes(
-        hidden=num_tokens * num_taps * hidden_size * BYTES_PER_ELEMENT[storage],
-        scales=num_tokens * num_taps * 4 if storage == "fp8" else 0,
+        hidden=stored_tokens * num_taps * hidden_size * BYTES_PER_ELEMENT[storage],
+        scales=stored_tokens * num_taps * 4 if storage == "fp8" else 0,
         tokens=num_tokens * (4 + 1),
         index=num_samples * 4 * 8 + num_shards * SHARD_OVERHEAD_BYTES,
     )
