@@ -137,8 +137,7 @@ class DFlashDrafter(nn.Module):
 
     def context(self, target_hidden_TKD: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(concat taps)) -> [T, D]. Taps are concatenated in target_layer_ids order."""
-        T = target_hidden_TKD.shape[0]
-        return self.hidden_norm(self.fc(target_hidden_TKD.reshape(T, -1)))
+        return self.hidden_norm(self.fc(target_hidden_TKD.flatten(1)))
 
     def forward(self, block_embeds_QD: torch.Tensor, ctx_TD: torch.Tensor, *, q_pos: torch.Tensor,
                 kv_pos: torch.Tensor, mask: BlockLayout | None = None) -> torch.Tensor:
