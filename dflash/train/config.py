@@ -48,7 +48,7 @@ class TrainConfig:
     """Id whose frozen target embedding fills the masked slots. None = the tokenizer's mask token if it has
     one, else its pad token if that is not also eos; otherwise set it (e.g. an unused id). Qwen3: 151669."""
     gamma: float | None = None
-    """Loss decay exp(-(k-1)/gamma) per block position; None = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3."""
+    """Loss decay exp(-(k-1)/gamma) per block position; None = 7 for B=16, 5 for B=10, 4 for B=8, else 7B/16."""
 
     # --- optimisation ---
     lr: float = 6e-4
@@ -120,12 +120,6 @@ class TrainConfig:
             raise ConfigError("taps=(): give at least one tap layer id, or leave it unset for all cached taps")
         if self.gamma is not None and self.gamma <= 0:
             raise ConfigError(f"gamma={self.gamma}: must be > 0")
-
-    def resolved_gamma(self) -> float:
-        """The paper's gamma for the block size (A.1: 7 for B=16, 5 for B=10, 4 for B=8)."""
-        if self.gamma is not None:
-            return self.gamma
-        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, self.block_size / 2.3)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

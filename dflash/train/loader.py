@@ -239,7 +239,14 @@ class StreamingLoader:
                               loss_mask_T=torch.zeros(0, dtype=torch.bool, device=d),
                               hidden_TKD=torch.zeros(0, k, hidden_size, dtype=self.dtype, device=d), extra=None)
         p = host.packed
-        arrays = {"input_ids": _as_tensor(p.input_ids), "loss_mask": _as_tensor(p.loss_mask), "hidden": p.hidden}
+        if host.buffers is not None:
+            # the pinned tensors themselves: a tensor made from the numpy view would not count as pinned,
+            # and a copy from pageable memory synchronises the stream
+            T = int(np.asarray(p.lengths).sum())
+            arrays = {"input_ids": host.buffers.input_ids[:T], "loss_mask": host.buffers.loss_mask[:T],
+                      "hidden": p.hidden}
+        else:
+            arrays = {"input_ids": _as_tensor(p.input_ids), "loss_mask": _as_tensor(p.loss_mask), "hidden": p.hidden}
         if p.scales is not None:
             arrays["scales"] = p.scales
         if self._cuda:
@@ -292,5 +299,5 @@ def _decode_hidden(hidden: torch.Tensor, scales: torch.Tensor | None, dtype: tor
 def _alloc_pinned(reader: Any, max_tokens: int, num_taps: int) -> Any:
     from dflash.cache.reader import PackedBuffers
 
-    return PackedBuffers.allocate(max_tokens=max_tokens, num_taps=num_taps, hidden_size=int(reader.hidden_size),
+    return PackedBuffers.allocate(tokens=max_tokens, num_taps=num_taps, hidden_size=int(reader.hidden_size),
                                   storage=reader.storage, pin_memory=True)

@@ -1,0 +1,129 @@
+"""Resolve what a training run trains: the taps, the mask token, the DrafterConfig, and the check that the
+target given with --model is the one the cache was extracted from.
+
+Every automatic choice is returned with its reason so the trainer can log it (STYLE.md 8).
+Tradeoff: the target check compares config and tokenizer hashes computed the same way as `dflash extract`
+(mirrored here, since train may not import extract; tests/unit/test_train_build.py pins them equal).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from dflash.drafter.config import DrafterConfig
+from dflash.errors import CacheMismatchError, ConfigError
+
+
+def select_taps(cache_taps: Sequence[int], requested: Sequence[int] | None) -> tuple[int, ...]:
+    """The drafter's target_layer_ids: `requested` (a subset of the cache's taps, in the given order) or all."""
+    available = tuple(int(t) for t in cache_taps)
+    if requested is None:
+        return available
+    taps = tuple(int(t) for t in requested)
+    missing = [t for t in taps if t not in available]
+    if missing:
+        raise ConfigError(f"taps {missing} are not in the cache; it holds taps {list(available)}. "
+                          "Pick a subset of those (--taps), or extract a cache with these taps.")
+    if len(set(taps)) != len(taps):
+        raise ConfigError(f"taps {list(taps)} repeat a layer id; give each tap once")
+    return taps
+
+
+def resolve_mask_token_id(tokenizer: Any, *, configured: int | None, vocab_size: int) -> tuple[int, str]:
+    """The mask token id and why it was chosen.
+
+    Order: the configured id; the tokenizer's mask token; its pad token when that is not also eos (reusing eos
+    corrupts the stop signal, NeMo Automodel PR #2461); otherwise ConfigError asking for an explicit id.
+    """
+    if configured is not None:
+        mask, reason = int(configured), "set in the config (--mask-token-id)"
+    elif tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
+        mask, reason = int(tokenizer.mask_token_id), f"the tokenizer's mask token {tokenizer.mask_token!r}"
+    elif (tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None
+          and tokenizer.pad_token_id != getattr(tokenizer, "eos_token_id", None)):
+        mask, reason = int(tokenizer.pad_token_id), f"the tokenizer's pad token {tokenizer.pad_token!r} (no mask token)"
+    else:
+        raise ConfigError("the target tokenizer has no mask token and no pad token distinct from eos: set "
+                          "--mask-token-id (or mask_token_id in the YAML) to an id the target never emits, e.g. "
+                          "a reserved/padded embedding row (Qwen3: 151669, Qwen3.5: 248070)")
+    if not 0 <= mask < vocab_size:
+        raise ConfigError(f"mask_token_id={mask} ({reason}) is outside the target embedding's {vocab_size} rows")
+    return mask, reason
+
+
+def default_heads(hidden_size: int) -> tuple[int, int, int, str]:
+    """(heads, kv_heads, head_dim, reason). The paper shape 32/8/128 needs hidden >= 4096; smaller targets get
+    head_dim 64, hidden/64 heads and about a third as many KV heads (a divisor of the heads)."""
+    if hidden_size >= 4096:
+        return 32, 8, 128, "paper drafter shape (32 heads, 8 KV heads, head_dim 128)"
+    head_dim = 64 if hidden_size % 64 == 0 else 32 if hidden_size % 32 == 0 else hidden_size
+    heads = max(1, hidden_size // head_dim)
+    kv = max(d for d in range(1, heads + 1) if heads % d == 0 and d <= max(1, heads // 3))
+    return heads, kv, head_dim, f"hidden size {hidden_size} < 4096: head_dim {head_dim}, {heads} heads, {kv} KV heads"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedDrafter:
+    config: DrafterConfig
+    reasons: tuple[str, ...]
+
+
+def build_drafter_config(cfg: Any, *, hidden_size: int, taps: Sequence[int], num_target_layers: int,
+                         mask_token_id: int, vocab_size: int) -> ResolvedDrafter:
+    """DrafterConfig of a TrainConfig: hidden size from the cache, taps and mask from the resolution above."""
+    reasons = []
+    heads, kv, head_dim, why = default_heads(hidden_size)
+    if cfg.num_attention_heads is None or cfg.num_key_value_heads is None or cfg.head_dim is None:
+        reasons.append(f"attention shape: {why} (override with num_attention_heads/num_key_value_heads/head_dim)")
+    intermediate = cfg.intermediate_size
+    if intermediate is None:
+        intermediate = 3 * hidden_size
+        reasons.append(f"intermediate_size {intermediate} = 3 x hidden (Qwen3-8B drafter ratio)")
+    dc = DrafterConfig(
+        hidden_size=hidden_size, intermediate_size=intermediate, target_layer_ids=tuple(taps),
+        num_target_layers=num_target_layers, mask_token_id=mask_token_id, vocab_size=vocab_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads if cfg.num_attention_heads is not None else heads,
+        num_key_value_heads=cfg.num_key_value_heads if cfg.num_key_value_heads is not None else kv,
+        head_dim=cfg.head_dim if cfg.head_dim is not None else head_dim,
+        rope_theta=float(cfg.rope_theta), block_size=cfg.block_size)
+    return ResolvedDrafter(config=dc, reasons=tuple(reasons))
+
+
+# ---- the target check (hashes mirror dflash.extract.preflight; a test pins them equal)
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def target_config_hash(model_dir: str | os.PathLike) -> str:
+    with open(Path(model_dir) / "config.json") as f:
+        return _sha256_json(json.load(f))
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    specials = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    return _sha256_json({"vocab": vocab, "special": specials, "class": type(tokenizer).__name__})
+
+
+def check_target_matches(fingerprint: Any, *, model_dir: str | os.PathLike, tokenizer: Any, embed_hidden: int,
+                         num_target_layers: int) -> None:
+    """Raise CacheMismatchError when --model is not the target the cache was made with."""
+    hint = "pass the target the cache was extracted with (--model), or extract a cache for this target"
+    if embed_hidden != fingerprint.hidden_size:
+        raise CacheMismatchError("hidden_size", embed_hidden, fingerprint.hidden_size, hint)
+    if num_target_layers != fingerprint.num_target_layers:
+        raise CacheMismatchError("num_target_layers", num_target_layers, fingerprint.num_target_layers, hint)
+    if tokenizer is not None:
+        found = tokenizer_hash(tokenizer)
+        if found != fingerprint.tokenizer_hash:
+            raise CacheMismatchError("tokenizer_hash", found, fingerprint.tokenizer_hash, hint)
+    cfg_hash = target_config_hash(model_dir)
+    if cfg_hash != fingerprint.target_config_hash:
+        raise CacheMismatchError("target_config_hash", cfg_hash, fingerprint.target_config_hash, hint)

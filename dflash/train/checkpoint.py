@@ -1,0 +1,143 @@
+"""Atomic training checkpoints: everything an exact resume needs, in one file per save.
+
+A checkpoint is RUN_DIR/checkpoints/step-NNNNNNNN.pt holding the model, optimizer and scheduler state, the RNG
+states, the data position (epoch, step within the epoch, global step), the world size, and the resolved train and
+drafter configs as JSON. It is written to a tmp file in the same folder, fsynced, then os.replace'd into place and
+the folder fsynced, so a crash at any instant leaves either the previous checkpoint set or the new one, never a
+torn file; resume picks the newest complete file and ignores tmp leftovers.
+
+Tradeoff: one rank (0) writes the full state; fine for a drafter of ~2B parameters (about 24 GB with fp32 Adam
+states), not for sharded optimizers.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.errors import ModelNotFoundError
+
+CHECKPOINT_FORMAT = "dflash-train-checkpoint"
+CHECKPOINT_VERSION = 1
+_NAME = re.compile(r"^step-(\d{8})\.pt$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataPosition:
+    """Where training stands: the next step to run is `step_in_epoch` of `epoch`."""
+
+    epoch: int
+    step_in_epoch: int
+    global_step: int
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> pathlib.Path:
+    return pathlib.Path(run_dir) / "checkpoints"
+
+
+def checkpoint_path(run_dir: str | os.PathLike, global_step: int) -> pathlib.Path:
+    return checkpoint_dir(run_dir) / f"step-{global_step:08d}.pt"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """Complete checkpoints, oldest first (tmp files of an interrupted save are not listed)."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if _NAME.match(p.name))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> pathlib.Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
+    """torch.save to `path` atomically: tmp file in the same folder, fsync, os.replace, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: str | os.PathLike, *, model_state: dict, optimizer_state: dict, scheduler_state: dict,
+                    position: DataPosition, world_size: int, train_config: dict, drafter_config: dict,
+                    keep: int = 2, extra: dict | None = None) -> pathlib.Path:
+    """Write one checkpoint atomically and delete all but the newest `keep`. Call on rank 0 only."""
+    path = checkpoint_path(run_dir, position.global_step)
+    state = {
+        "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+        "model": model_state, "optimizer": optimizer_state, "scheduler": scheduler_state,
+        "rng": rng_state(),
+        "position": {"epoch": position.epoch, "step_in_epoch": position.step_in_epoch,
+                     "global_step": position.global_step},
+        "world_size": world_size, "train_config": train_config, "drafter_config": drafter_config,
+        "extra": extra or {},
+    }
+    atomic_torch_save(state, path)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink()
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint file onto the CPU, checking its format."""
+    p = pathlib.Path(path)
+    if p.is_dir():  # a run folder: its newest checkpoint
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise ModelNotFoundError(f"no checkpoint under {str(checkpoint_dir(p))!r}")
+        p = latest
+    if not p.is_file():
+        raise ModelNotFoundError(f"checkpoint {str(p)!r} does not exist")
+    # weights_only=False: the RNG states hold numpy objects; only load checkpoints you wrote.
+    state = torch.load(p, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ModelNotFoundError(f"{str(p)!r} is not a dflash training checkpoint")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise ModelNotFoundError(f"{str(p)!r} has checkpoint version {state.get('version')}, "
+                                 f"this dflash reads {CHECKPOINT_VERSION}")
+    return state
+
+
+def position_of(state: dict[str, Any]) -> DataPosition:
+    return DataPosition(**state["position"])

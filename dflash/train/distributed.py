@@ -1,0 +1,96 @@
+"""Process-group setup for data-parallel training: under torchrun (env vars), or N local processes that
+`spawn_local` starts (`dflash train --gpus N`). NCCL on CUDA, gloo on CPU.
+
+Gradients are not synchronised by DistributedDataParallel but by one all-reduce per optimizer step over a
+flat fp32 buffer that the parameters' .grad tensors are views of (see step.GradSync): the loss is the
+decay-weighted mean over the whole global step, which needs the global weight sum, and ranks may hold empty
+padding micro-batches, which DDP's per-backward hooks cannot express.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(*, device: str | None = None) -> DistInfo:
+    """Read RANK/WORLD_SIZE/LOCAL_RANK (torchrun or spawn_local) and join the process group when world > 1.
+
+    device: "cuda" / "cpu" / None (= CUDA when available). With CUDA each process takes GPU LOCAL_RANK.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    if use_cuda:
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world}
+        if use_cuda:
+            kwargs["device_id"] = dev
+        dist.init_process_group(**kwargs)
+    return DistInfo(rank=rank, world_size=world, local_rank=local, device=dev)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        if info.device.type == "cuda":
+            dist.barrier(device_ids=[info.local_rank])
+        else:
+            dist.barrier()
+
+
+def _child(local_rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    fn(*args)
+
+
+def spawn_local(fn: Callable, nprocs: int, args: tuple = ()) -> None:
+    """Run fn(*args) in `nprocs` fresh processes with the torchrun environment set; re-raises a child's error.
+    fn must be importable (a module-level function)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_child, args=(nprocs, free_port(), fn, args), nprocs=nprocs, join=True,
+                       start_method="spawn")
+
+
+def under_launcher() -> bool:
+    """True when torchrun (or spawn_local) already set up the environment of this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -1,0 +1,159 @@
+"""Training metrics: the FLOP model behind MFU, and the sinks (tqdm bar, RUN_DIR/metrics.jsonl, TensorBoard).
+
+Device-side counters (loss and weight sums, per-position hits, accepted lengths) are accumulated as tensors and
+read with one host transfer per log step, so steps between logs never synchronise the host with the GPU.
+
+FLOPs per step (forward + backward, matmuls and attention only; elementwise ops ignored):
+  6 x (matmul params of the drafter layers) x (block tokens)
++ 6 x (k_proj + v_proj params, all layers) x (context tokens)    the context is projected to K/V in every layer
++ 6 x (fc params) x (context tokens)
++ 4 x hidden x vocab x (supervised block tokens)                 frozen LM head: forward + input-gradient only
++ 3.5 x 4 x heads x head_dim x (keys visible to block tokens, summed over block tokens and layers)
+The attention factor 3.5 = 1 (forward) + 2.5 (backward incl. recompute of scores), times 4 for QK^T and PV (2 each).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import pathlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+H200_PEAK_BF16 = 790e12   # measured dense bf16 matmul peak of one H200 (DESIGN.md "Performance method")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopModel:
+    """Parameter counts of one drafter shape that the FLOP formula needs."""
+
+    layer_matmul_params: int     # q,k,v,o,gate,up,down of all drafter layers
+    kv_proj_params: int          # k_proj + v_proj of all layers
+    fc_params: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    head_dim: int
+    num_layers: int
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "FlopModel":
+        """From a DrafterConfig (duck-typed: hidden_size, intermediate_size, heads, head_dim, taps, vocab)."""
+        H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        nh, nkv, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+        attn = H * nh * d * 2 + H * nkv * d * 2
+        mlp = 3 * H * I
+        return cls(layer_matmul_params=L * (attn + mlp), kv_proj_params=L * 2 * H * nkv * d,
+                   fc_params=len(cfg.target_layer_ids) * H * H, hidden_size=H, vocab_size=cfg.vocab_size,
+                   num_heads=nh, head_dim=d, num_layers=L)
+
+    def step_flops(self, *, block_tokens: int, context_tokens: int, supervised_tokens: int,
+                   visible_keys: int) -> float:
+        """FLOPs of one training step; `visible_keys` = sum over block tokens of the keys each one attends to
+        (for a block at anchor a: a context keys + B block keys), for one layer."""
+        return (6.0 * self.layer_matmul_params * block_tokens
+                + 6.0 * self.kv_proj_params * context_tokens
+                + 6.0 * self.fc_params * context_tokens
+                + 4.0 * self.hidden_size * self.vocab_size * supervised_tokens
+                + 3.5 * 4.0 * self.num_heads * self.head_dim * visible_keys * self.num_layers)
+
+
+def visible_keys_for_blocks(anchors: "list[int] | Any", *, block_size: int) -> int:
+    """Sum over the block tokens of the keys they see: each of the B slots of a block at anchor a sees the a
+    context positions before it plus the B slots of its block."""
+    total = 0
+    for a in anchors:
+        total += block_size * (int(a) + block_size)
+    return total
+
+
+class MetricSink:
+    """Writes log records to RUN_DIR/metrics.jsonl (append, flushed per record), TensorBoard when importable,
+    and a tqdm progress bar on rank 0. Other ranks get a sink that does nothing."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool, total_steps: int, initial_step: int,
+                 progress: bool = True) -> None:
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        run = pathlib.Path(run_dir)
+        run.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run / "metrics.jsonl", "a", encoding="utf-8")
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+            self._tb = SummaryWriter(log_dir=str(run / "tensorboard"))
+        except ImportError:
+            log.info("TensorBoard logging off: the tensorboard package is not installed "
+                     "(metrics still go to metrics.jsonl)")
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
+                             desc="train")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            step = record["step"]
+            for k, v in record.items():
+                if k == "step":
+                    continue
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"train/{k}", v, step)
+                elif isinstance(v, list):
+                    for i, x in enumerate(v):
+                        if isinstance(x, (int, float)) and math.isfinite(x):
+                            self._tb.add_scalar(f"train/{k}/{i + 1}", x, step)
+        if self._bar is not None:
+            post = {"loss": f"{record['loss']:.4f}", "acc1": f"{record['acc'][0]:.3f}",
+                    "tau": f"{record['accept_len']:.2f}", "tok/s": f"{record['tokens_per_s']:.0f}",
+                    "stall": f"{record['stall_frac']:.2f}"}
+            if record.get("mfu") is not None:
+                post["mfu"] = f"{record['mfu']:.3f}"
+            self._bar.set_postfix(post, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._bar = self._jsonl = self._tb = None
+
+
+class Stopwatch:
+    """Wall time between log steps, on the host (the log step's .item() sync makes it cover the GPU work)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        return dt
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/metrics.jsonl (for tests and tools)."""
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,158 @@
+"""One optimizer step: anchors (host, reader thread), the micro-batch forward and loss, the flat-buffer gradient
+all-reduce, and the learning-rate schedule.
+
+Shapes: T = packed context tokens, N = samples, J = blocks, B = block size, Q = J*B block tokens, K = taps,
+D = hidden size, V = vocab, P = trainable parameters (flattened).
+
+Loss: the decay-weighted mean over every block token of the global step (all micro-batches of all ranks):
+each micro-batch backpropagates its unnormalised sum(CE*w); after the step, one all-reduce sums the flat
+gradient buffer together with the weight sum and the metric counters, and the gradient is divided by the
+global weight sum. So W ranks x A micro-batches give the same update as 1 rank x W*A micro-batches, and
+empty padding micro-batches simply contribute nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflash.train.loader import MicroBatch, anchor_seed
+from dflash.train.objective import build_blocks, chunked_ce_loss, packed_layout, sample_anchors
+
+
+@dataclass(frozen=True)
+class HostBlocks:
+    """Anchors of one micro-batch, drawn on the host, and the counts the FLOP model needs."""
+
+    anchors_J: torch.Tensor       # int64 [J], all samples' anchors concatenated (pinned when CUDA is used)
+    blocks_per_sample: list[int]  # [N]
+    supervised_tokens: int        # block slots with a nonzero loss weight
+    visible_keys: int             # sum over block tokens of the keys each attends to (one layer)
+
+
+def host_anchors(packed, epoch: int, *, seed: int, num_anchors: int, block_size: int,
+                 pin: bool) -> HostBlocks:
+    """Draw each sample's anchors with a generator seeded by (seed, epoch, sample id): independent of rank,
+    batch composition and resume point. Runs in a loader thread on CPU tensors."""
+    loss_mask_T = np.asarray(packed.loss_mask)
+    offset, anchors, counts, supervised, visible = 0, [], [], 0, 0
+    slots_B1 = np.arange(1, block_size)
+    for sid, n in zip(np.asarray(packed.sample_ids).tolist(), np.asarray(packed.lengths).tolist()):
+        mask_S = loss_mask_T[offset:offset + n]
+        g = torch.Generator().manual_seed(anchor_seed(seed=seed, epoch=epoch, sample_id=int(sid)))
+        a_J = sample_anchors(torch.from_numpy(mask_S.astype(np.bool_)), num_anchors=num_anchors, generator=g)
+        anchors.append(a_J)
+        counts.append(int(a_J.numel()))
+        a = a_J.numpy()
+        pos = a[:, None] + slots_B1[None]
+        inside = pos < n
+        supervised += int(mask_S[pos[inside]].astype(bool).sum())
+        visible += int(block_size * (a.sum() + block_size * len(a)))
+        offset += n
+    anchors_J = torch.cat(anchors) if anchors else torch.zeros(0, dtype=torch.int64)
+    if pin:
+        anchors_J = anchors_J.pin_memory()
+    return HostBlocks(anchors_J=anchors_J, blocks_per_sample=counts, supervised_tokens=supervised,
+                      visible_keys=visible)
+
+
+def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, *, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor,
+                     mask_token_id: int, gamma: float, loss_chunk_blocks: int):
+    """Forward of one non-empty micro-batch -> objective.CELoss (tensors only, no host sync)."""
+    hb: HostBlocks = mb.extra
+    cfg = drafter.cfg
+    B = cfg.block_size
+    device = mb.input_ids_T.device
+    anchors_J = hb.anchors_J.to(device, non_blocking=True)
+    per_sample = torch.split(anchors_J, hb.blocks_per_sample)
+    ids, labels, weights = [], [], []
+    offset = 0
+    for n, a_J in zip(mb.lengths.tolist(), per_sample):
+        blk = build_blocks(mb.input_ids_T[offset:offset + n], mb.loss_mask_T[offset:offset + n], a_J,
+                           block_size=B, mask_token_id=mask_token_id, gamma=gamma)
+        ids.append(blk.block_ids_JB)
+        labels.append(blk.labels_JB)
+        weights.append(blk.weights_JB)
+        offset += n
+    layout = packed_layout(lengths=torch.as_tensor(mb.lengths, device=device), anchors=list(per_sample),
+                           block_size=B)
+    block_ids_Q = torch.cat(ids).reshape(-1)
+    ctx_TD = drafter.context(mb.hidden_TKD)
+    block_embeds_QD = embed_VD[block_ids_Q]  # frozen; embed_VD is already in the compute dtype
+    hidden_QD = drafter(block_embeds_QD, ctx_TD, q_pos=layout.q_pos_Q, kv_pos=layout.kv_pos_K, mask=layout)
+    return chunked_ce_loss(hidden_QD, lm_head_VD, torch.cat(labels).reshape(-1), torch.cat(weights).reshape(-1),
+                           chunk=loss_chunk_blocks * B, block_size=B)
+
+
+class GradSync:
+    """Parameters' .grad are views into one flat fp32 buffer, followed by the step's metric counters, so one
+    all-reduce per step carries both.
+
+    Counter layout (S = 4 + 2B floats): [ce_sum, weight_sum, accept_len_sum, num_blocks, correct_B, count_B].
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], *, block_size: int, device: torch.device) -> None:
+        self.params = list(params)
+        self.num_params = sum(p.numel() for p in self.params)
+        self.block_size = block_size
+        self.flat = torch.zeros(self.num_params + 4 + 2 * block_size, dtype=torch.float32, device=device)
+        offset = 0
+        for p in self.params:
+            assert p.dtype == torch.float32, "master weights are fp32"
+            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.grads = self.flat[:self.num_params]
+        self.counters = self.flat[self.num_params:]
+
+    def zero(self) -> None:
+        self.flat.zero_()
+
+    def add(self, terms) -> None:
+        """Accumulate one micro-batch's CELoss counters (detached)."""
+        B = self.block_size
+        c = self.counters
+        c[0] += terms.weighted_ce_sum.detach().float()
+        c[1] += terms.weight_sum.detach().float()
+        c[2] += terms.accept_len_sum.detach().float()
+        c[3] += terms.num_blocks.detach().float()
+        c[4:4 + B] += terms.correct_B.detach().float()
+        c[4 + B:] += terms.count_B.detach().float()
+
+    def reduce_and_normalise(self, world_size: int) -> None:
+        """Sum gradients and counters over ranks, then divide the gradient by the global weight sum."""
+        if world_size > 1:
+            dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
+        # clamp: a step whose blocks have no supervised slot has zero gradient anyway
+        self.grads.div_(self.counters[1].clamp(min=1e-12))
+        for p in self.params:  # autograd may have replaced a view with a fresh tensor; catch that bug loudly
+            assert p.grad is not None and p.grad.data_ptr() >= self.flat.data_ptr()
+
+    def step_counters(self) -> torch.Tensor:
+        return self.counters.detach().clone()
+
+
+def lr_factor(step: int, *, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup from 1/warmup to 1 over `warmup_steps`, then cosine to min_lr_ratio at `total_steps`.
+    `step` counts optimizer steps already taken (LambdaLR's last_epoch)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def summarize_counters(counters_SC: torch.Tensor, *, block_size: int) -> dict:
+    """Host summary of a stack of per-step counters [steps, 4+2B] (one .cpu() call, on log steps)."""
+    c = counters_SC.double().cpu()
+    B = block_size
+    per_step_loss = (c[:, 0] / c[:, 1].clamp(min=1e-12)).tolist()
+    tot = c.sum(0)
+    correct, count = tot[4:4 + B], tot[4 + B:]
+    acc = (correct[1:] / count[1:].clamp(min=1)).tolist()
+    return {"losses": per_step_loss, "acc": acc,
+            "accept_len": float(tot[2] / tot[3].clamp(min=1)), "blocks": float(tot[3])}
