@@ -1,0 +1,20 @@
+"""`dflash export CHECKPOINT --output DIR`: write a training checkpoint as an HF-format drafter folder."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("export")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--output", required=True, type=click.Path(),
+              help="Destination folder for config.json + model.safetensors (must be empty or absent).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+              help="Dtype of the exported weights.")
+def command(checkpoint, output, dtype) -> None:
+    """Export CHECKPOINT (a step-*.pt file, or a run folder: its newest checkpoint) as a DFlash drafter
+    that SGLang / vLLM / z-lab code and `dflash eval` load."""
+    from dflash.train.export import export_checkpoint
+
+    out = export_checkpoint(checkpoint, output, dtype=dtype)
+    click.echo(f"exported {checkpoint} to {out}")
