@@ -91,8 +91,8 @@ def _make_fla_conv(fla_conv1d: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         # transformers passes [B, D, T] (a transposed view of a contiguous [B, T, D]); FLA wants [B, T, D],
         # so the transposes below are free views, not copies.
-        out_BTD, _ = fla_conv1d(x=hidden_states.transpose(1, 2), weight=weight, bias=bias,
-                                activation=activation)
+        out = fla_conv1d(x=hidden_states.transpose(1, 2), weight=weight, bias=bias, activation=activation)
+        out_BTD = out[0] if isinstance(out, tuple) else out  # (y, final_state) in FLA >= 0.3
         return out_BTD.transpose(1, 2)
 
     causal_conv1d_fn.dflash_kernel = "fla-triton"  # type: ignore[attr-defined]
