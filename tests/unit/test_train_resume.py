@@ -1,0 +1,73 @@
+"""A run killed with SIGKILL and resumed reproduces the uninterrupted run's per-step losses exactly (CPU)."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from train_helpers import tiny_cache, tiny_config, tiny_target  # noqa: E402
+
+from dflash.train.checkpoint import checkpoint_path, list_checkpoints  # noqa: E402
+from dflash.train.metrics import read_metrics  # noqa: E402
+from dflash.train.trainer import train  # noqa: E402
+
+STEPS = 30
+
+
+def _losses(run):
+    recs = read_metrics(run)
+    steps = [r["step"] for r in recs]
+    assert steps == sorted(set(steps)), f"duplicate or unordered steps {steps}"
+    return [x for r in recs for x in r["step_losses"]]
+
+
+def test_sigkill_then_resume_is_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    target = tiny_target(tmp_path / "target")
+    cache = tiny_cache(tmp_path / "cache", target, num_samples=20)
+    # 2 epochs and a partial third: the kill and the resume cross epoch boundaries
+    kw = dict(cache=str(cache), model=str(target), steps=STEPS, save_every=3, batch_tokens=160)
+
+    ref = train(tiny_config(output=str(tmp_path / "ref"), **kw), device="cpu")
+    assert ref.finished and ref.global_step == STEPS
+    ref_losses = _losses(tmp_path / "ref")
+    assert len(ref_losses) == STEPS
+
+    run = tmp_path / "run"
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        from train_helpers import tiny_config
+        from dflash.train.trainer import train
+        train(tiny_config(output={str(run)!r}, **{kw!r}), device="cpu")
+    """)
+    env = dict(os.environ, DFLASH_NO_PROGRESS="1")
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env)
+    deadline = time.time() + 60
+    while not checkpoint_path(run, 6).exists():
+        assert proc.poll() is None, "training exited before the kill"
+        assert time.time() < deadline, "no checkpoint after 60 s"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    killed_at = max(int(p.name[5:13]) for p in list_checkpoints(run))
+    assert 6 <= killed_at < STEPS, "the kill must land mid-run"
+
+    res = train(tiny_config(output=str(run), **kw), resume=True, device="cpu")
+    assert res.finished and res.global_step == STEPS
+    assert _losses(run) == ref_losses  # bit-exact, not approximately
+
+
+def test_refuses_nonempty_output_without_resume(tmp_path):
+    from dflash.errors import ConfigError
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "x").write_text("x")
+    with pytest.raises(ConfigError, match="not empty.*--resume"):
+        train(tiny_config(cache=str(tmp_path / "nope"), model=str(tmp_path), output=str(tmp_path / "run")),
+              device="cpu")
