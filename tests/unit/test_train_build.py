@@ -1,0 +1,100 @@
+"""Run resolution: taps, mask token, drafter shape, the target hash mirror, schedule and FLOP math."""
+
+import math
+
+import pytest
+import torch
+
+from dflash.errors import ConfigError
+from dflash.train.build import default_heads, resolve_mask_token_id, select_taps
+from dflash.train.config import TrainConfig, check_resume_compatible, load_train_config
+from dflash.train.metrics import FlopModel
+from dflash.train.step import GradSync, lr_factor
+
+
+def test_select_taps():
+    assert select_taps((1, 5, 9), None) == (1, 5, 9)
+    assert select_taps((1, 5, 9), [9, 1]) == (9, 1)
+    with pytest.raises(ConfigError, match=r"taps \[4\] are not in the cache; it holds taps \[1, 5, 9\]"):
+        select_taps((1, 5, 9), [1, 4])
+
+
+class _Tok:
+    def __init__(self, mask=None, pad=None, eos=None):
+        self.mask_token_id, self.pad_token_id, self.eos_token_id = mask, pad, eos
+        self.mask_token = self.pad_token = "<x>"
+
+
+def test_mask_token_resolution():
+    assert resolve_mask_token_id(_Tok(mask=7, pad=3), configured=None, vocab_size=10)[0] == 7
+    assert resolve_mask_token_id(_Tok(pad=3, eos=2), configured=None, vocab_size=10)[0] == 3
+    assert resolve_mask_token_id(_Tok(pad=3, eos=2), configured=9, vocab_size=10)[0] == 9
+    with pytest.raises(ConfigError, match="--mask-token-id"):
+        resolve_mask_token_id(_Tok(pad=2, eos=2), configured=None, vocab_size=10)
+    with pytest.raises(ConfigError, match="outside"):
+        resolve_mask_token_id(None, configured=10, vocab_size=10)
+
+
+@pytest.mark.parametrize("hidden,expect", [(5120, (32, 8, 128)), (576, (9, 3, 64)), (64, (1, 1, 64))])
+def test_default_heads(hidden, expect):
+    assert default_heads(hidden)[:3] == expect
+
+
+def test_hash_mirror_matches_extract(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dflash.extract.preflight import config_hash, tokenizer_hash
+    from dflash.target.testing import tiny_qwen35_dir
+    from dflash.train import build
+
+    d = tiny_qwen35_dir(tmp_path / "t", num_layers=2)
+    tok = AutoTokenizer.from_pretrained(d)
+    assert build.tokenizer_hash(tok) == tokenizer_hash(tok)
+    assert build.target_config_hash(d) == config_hash(d)
+
+
+def test_config_yaml_overrides_and_resume_check(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("lr: 0.001\ntaps: [1, 2]\nbetas: [0.9, 0.95]\n")
+    cfg = load_train_config(y, {"cache": "c", "model": "m", "output": "o", "lr": 0.002, "steps": None})
+    assert cfg.lr == 0.002 and cfg.taps == (1, 2) and cfg.betas == (0.9, 0.95) and cfg.steps is None
+    check_resume_compatible(cfg.to_json(), TrainConfig(**{**cfg.to_json(), "taps": (1, 2), "betas": (0.9, 0.95),
+                                                           "log_every": 99}))
+    with pytest.raises(ConfigError, match="different 'lr'"):
+        check_resume_compatible(cfg.to_json(), TrainConfig(**{**cfg.to_json(), "taps": (1, 2),
+                                                               "betas": (0.9, 0.95), "lr": 0.5}))
+
+
+def test_lr_schedule():
+    f = [lr_factor(s, total_steps=100, warmup_steps=4, min_lr_ratio=0.0) for s in range(101)]
+    assert f[0] == 0.25 and f[3] == 1.0 and f[4] == 1.0
+    assert f[52] == pytest.approx(0.5) and f[100] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+
+
+def test_flop_model_counts_the_27b_drafter():
+    from dflash.drafter.config import DrafterConfig
+
+    dc = DrafterConfig(hidden_size=5120, intermediate_size=17408, target_layer_ids=(1, 16, 31, 46, 61),
+                       num_target_layers=64, mask_token_id=248070, vocab_size=248320)
+    fm = FlopModel.from_config(dc)
+    # method doc 1.2: 319.8M per layer (matmuls + norms), 5 layers 1.60B, fc 131M
+    assert fm.layer_matmul_params / 5 == pytest.approx(319.8e6, rel=1e-3)
+    assert fm.fc_params == pytest.approx(131e6, rel=1e-3)
+    f = fm.step_flops(block_tokens=8192, context_tokens=3072, supervised_tokens=512 * 15,
+                      visible_keys=16 * (512 * (1536 + 16)))
+    # method doc 3: ~47.8 TFLOP forward for one max-size sample; fwd+bwd about 3x
+    assert 100e12 < f < 160e12, f
+
+
+def test_grad_sync_views_survive_backward():
+    lin = torch.nn.Linear(3, 2)
+    sync = GradSync(list(lin.parameters()), block_size=4, device=torch.device("cpu"))
+    for _ in range(2):  # accumulation must write into the flat buffer, not replace .grad
+        lin(torch.ones(1, 3)).sum().backward()
+    assert sync.grads.abs().sum() > 0
+    assert lin.weight.grad.data_ptr() == sync.flat.data_ptr()
+    sync.counters[1] = 2.0
+    expect = sync.grads.clone() / 2
+    sync.reduce_and_normalise(1)
+    assert torch.equal(sync.grads, expect) and not math.isnan(float(sync.grads.sum()))

@@ -1,0 +1,94 @@
+"""`dflash train` / `dflash export` through click's CliRunner: help texts, refusals and clear errors."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from train_helpers import tiny_cache, tiny_target  # noqa: E402
+
+from cli.main import cli  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    target = tiny_target(d / "target")
+    other = tiny_target(d / "other", num_layers=2)  # a different target: the cache must refuse it
+    return target, other, tiny_cache(d / "cache", target, num_samples=12)
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    return CliRunner()
+
+
+@pytest.mark.parametrize("cmd", ["train", "export"])
+def test_help(runner, cmd):
+    res = runner.invoke(cli, [cmd, "--help"], prog_name="dflash")
+    assert res.exit_code == 0, res.output
+    assert "Usage: dflash " + cmd in res.output
+    if cmd == "train":
+        for opt in ("--cache", "--model", "--output", "--config", "--steps", "--epochs", "--taps", "--gpus",
+                    "--resume", "--lr", "--batch-tokens", "--grad-accum", "--seed", "--num-anchors", "--layers",
+                    "--save-every", "--log-every"):
+            assert opt in res.output
+
+
+def _args(cache, model, out, *extra):
+    return ["train", "--cache", str(cache), "--model", str(model), "--output", str(out), "--device", "cpu",
+            "--layers", "1", "--block-size", "4", "--num-anchors", "8", "--batch-tokens", "200", *extra]
+
+
+def test_train_export_and_refusals(runner, assets, tmp_path):
+    target, _, cache = assets
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("intermediate_size: 64\nlr: 0.003\nlog_every: 1\n")
+    out = tmp_path / "run"
+    res = runner.invoke(cli, _args(cache, target, out, "--steps", "3", "--config", str(yaml)))
+    assert res.exit_code == 0, res.output
+    assert "drafter exported to" in res.output
+    resolved = json.loads((out / "config.json").read_text())
+    assert resolved["train"]["intermediate_size"] == 64 and resolved["train"]["steps"] == 3
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+    res = runner.invoke(cli, _args(cache, target, out, "--steps", "3"))
+    assert res.exit_code == 1 and "is not empty" in res.output and "--resume" in res.output
+
+    res = runner.invoke(cli, ["export", str(out), "--output", str(tmp_path / "exp")])
+    assert res.exit_code == 0, res.output
+    hf = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert hf["dflash_config"]["target_layer_ids"] == [0, 1, 2] and hf["block_size"] == 4
+
+    res = runner.invoke(cli, ["export", str(tmp_path / "nothing"), "--output", str(tmp_path / "e2")])
+    assert res.exit_code == 1 and "does not exist" in res.output
+
+
+def test_missing_taps_lists_available(runner, assets, tmp_path):
+    target, _, cache = assets
+    res = runner.invoke(cli, _args(cache, target, tmp_path / "r", "--steps", "1", "--taps", "0,3"))
+    assert res.exit_code == 1
+    assert "taps [3] are not in the cache" in res.output and "[0, 1, 2]" in res.output
+
+
+def test_wrong_target_is_a_cache_mismatch(runner, assets, tmp_path):
+    _, other, cache = assets
+    res = runner.invoke(cli, _args(cache, other, tmp_path / "r", "--steps", "1"))
+    assert res.exit_code == 1
+    assert "cache fingerprint mismatch in field 'num_target_layers'" in res.output
+
+
+def test_config_errors(runner, assets, tmp_path):
+    target, _, cache = assets
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rate: 0.1\n")
+    res = runner.invoke(cli, _args(cache, target, tmp_path / "r", "--config", str(bad)))
+    assert res.exit_code == 1 and "unknown train config keys ['learning_rate']" in res.output
+    res = runner.invoke(cli, _args(cache, target, tmp_path / "r", "--grad-accum", "0"))
+    assert res.exit_code == 1 and "grad_accum=0" in res.output
+    res = runner.invoke(cli, _args(tmp_path / "no-cache", target, tmp_path / "r"))
+    assert res.exit_code == 1 and "no-cache" in res.output
