@@ -40,6 +40,7 @@ def text_decoder(model: nn.Module) -> nn.Module:
 class TappedForward:
     """Callable: input ids [B, S] -> tapped hidden states [B, S, K, D] in the model's dtype.
 
+    Returns an inference-mode tensor: pack or copy it (as extraction does), do not modify it in place.
     Tap k is the output of decoder layer k, i.e. HF `output_hidden_states[k + 1]` (for the last layer that
     tensor is final-normed, so a tap on the last layer gets the norm applied, as in HF). Not thread-safe (it
     swaps modules of the shared model for the duration of a call); use one per process.
