@@ -129,39 +129,47 @@ def dense_block_attention(q_hQd: torch.Tensor, k_hKd: torch.Tensor, v_hKd: torch
 
 # ----------------------------------------------------------------------------------------------- flex path
 
-_compiled_flex = None
+_compiled: dict[str, object] = {}
 
 
-def _flex_attention():
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        # Uncompiled flex attention materialises the full score matrix; compiled it is a fused kernel.
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+def _compiled_fn(name: str):
+    """torch.compile'd flex_attention / create_block_mask, built once per process. Shapes change every
+    packed batch; torch.compile's automatic dynamic shapes recompile once and then stay dynamic."""
+    if name not in _compiled:
+        import torch.nn.attention.flex_attention as fa
+        # Uncompiled flex attention materialises the full score matrix; compiled it is a fused kernel that
+        # skips fully masked tiles. Compiled create_block_mask never builds the dense [Q, K] mask.
+        _compiled[name] = torch.compile(getattr(fa, name))
+    return _compiled[name]
 
 
-def flex_block_mask(layout: BlockLayout):
-    """A flex-attention BlockMask for `layout`, using the same predicate as the dense path."""
+def flex_block_mask(layout: BlockLayout, *, compiled: bool | None = None):
+    """A flex-attention BlockMask for `layout`, using the same predicate as the dense path.
+    compiled defaults to True on CUDA (eager create_block_mask builds the dense mask first)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     q_seq, q_anchor, q_block = layout.query_meta()
     kv_seq, kv_pos, kv_block = layout.key_meta()
+    Q, K = q_seq.shape[0], kv_seq.shape[0]
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return block_attention_mask(q_seq=q_seq[q_idx], q_anchor=q_anchor[q_idx], q_block=q_block[q_idx],
-                                    kv_seq=kv_seq[kv_idx], kv_pos=kv_pos[kv_idx], kv_block=kv_block[kv_idx])
+        # Tiles straddling the end may be evaluated past Q/K and then discarded: keep the lookups in bounds.
+        qi, ki = q_idx.clamp(max=Q - 1), kv_idx.clamp(max=K - 1)
+        return block_attention_mask(q_seq=q_seq[qi], q_anchor=q_anchor[qi], q_block=q_block[qi],
+                                    kv_seq=kv_seq[ki], kv_pos=kv_pos[ki], kv_block=kv_block[ki])
 
-    Q, K = q_seq.shape[0], kv_seq.shape[0]
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=Q, KV_LEN=K, device=layout.anchor_J.device,
-                             _compile=layout.anchor_J.device.type == "cuda")
+    device = layout.anchor_J.device
+    if compiled is None:
+        compiled = device.type == "cuda"
+    fn = _compiled_fn("create_block_mask") if compiled else create_block_mask
+    return fn(mask_mod, B=None, H=None, Q_LEN=Q, KV_LEN=K, device=device)
 
 
 def flex_block_attention(q_hQd: torch.Tensor, k_hKd: torch.Tensor, v_hKd: torch.Tensor,
                          block_mask, *, compiled: bool = True) -> torch.Tensor:
     """Flex attention with a prebuilt BlockMask (build it once per forward, share across layers)."""
     if compiled:
-        fn = _flex_attention()
+        fn = _compiled_fn("flex_attention")
     else:
         from torch.nn.attention.flex_attention import flex_attention as fn
     return fn(q_hQd[None], k_hKd[None], v_hKd[None], block_mask=block_mask, enable_gqa=True)[0]
