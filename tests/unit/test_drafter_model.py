@@ -95,8 +95,9 @@ def packed_forward(model, lengths, ids, masks, anchors, feats):
     blocks = [build_blocks(i, m, a, block_size=B, mask_token_id=3) for i, m, a in zip(ids, masks, anchors)]
     block_ids = torch.cat([b.block_ids_JB for b in blocks]).flatten()
     assert torch.equal(torch.cat([b.positions_JB for b in blocks]).flatten(), lay.q_pos_Q)
-    ctx = model.context(torch.cat(feats))
-    out = model(embed(block_ids), ctx, q_pos=lay.q_pos_Q, kv_pos=lay.kv_pos_K, mask=lay)
+    dtype = next(model.parameters()).dtype
+    ctx = model.context(torch.cat(feats).to(dtype))
+    out = model(embed(block_ids).to(dtype), ctx, q_pos=lay.q_pos_Q, kv_pos=lay.kv_pos_K, mask=lay)
     return out.view(-1, B, 32)
 
 
@@ -270,3 +271,43 @@ def test_flex_compiled_matches_dense_on_cuda_forward_and_backward():
     torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-3, atol=2e-3)
     for n, g in results[0][1].items():
         torch.testing.assert_close(results[1][1][n], g, rtol=2e-2, atol=2e-3, msg=n)
+
+
+def test_tiny_training_run_overfits_one_packed_batch():
+    # Everything together: anchors -> blocks -> packed masked forward -> frozen head -> chunked CE -> AdamW.
+    from dflash.train.objective import chunked_ce_loss
+
+    torch.manual_seed(10)
+    model = DFlashDrafter(tiny_cfg())
+    lengths, ids, masks, anchors, feats = packed_case(seed=10)
+    feats = [f.float() for f in feats]
+    lay = packed_layout(lengths=lengths, anchors=anchors, block_size=B)
+    blocks = [build_blocks(i, m, a, block_size=B, mask_token_id=3) for i, m, a in zip(ids, masks, anchors)]
+    block_ids = torch.cat([b.block_ids_JB for b in blocks]).flatten()
+    labels = torch.cat([b.labels_JB for b in blocks]).flatten()
+    weights = torch.cat([b.weights_JB for b in blocks]).flatten()
+    table = embed(torch.arange(40)).float()
+    head = torch.randn(40, 32, generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(60):
+        out = model(table[block_ids], model.context(torch.cat(feats)), q_pos=lay.q_pos_Q, kv_pos=lay.kv_pos_K,
+                    mask=lay)
+        res = chunked_ce_loss(out, head, labels, weights, chunk=8, block_size=B)
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+        losses.append(res.loss.item())
+    assert losses[-1] < 0.2 * losses[0]
+    assert res.correct_B[1:].sum() / res.count_B[1:].sum() > 0.9
+    assert res.accept_len.item() > 2.5
+
+
+def test_bf16_dense_path_runs_and_tracks_fp32():
+    model = tiny_model(seed=11).float()
+    case = packed_case(seed=11)
+    with torch.no_grad():
+        out32 = packed_forward(model, *case)
+        out16 = packed_forward(model.to(torch.bfloat16), *case)
+    assert out16.dtype == torch.bfloat16
+    assert (out16.float() - out32).abs().max() < 0.1
