@@ -11,11 +11,14 @@ fails, the parent terminates the others (which would otherwise wait in a collect
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
 import time
 
 from dflash.errors import DflashError
@@ -66,9 +69,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, cfg: ExtractConfig, out: mp.Queue) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this rank when the launcher dies (e.g. it is SIGKILLed itself), so no
+    orphan keeps writing into the cache while a rerun resumes it."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        raise SystemExit(1)
+
+
+def _worker(rank: int, world_size: int, port: int, cfg: ExtractConfig, out: mp.Queue, parent_pid: int) -> None:
     import torch.distributed as dist
 
+    _die_with_parent(parent_pid)
     set_cpu_threads(world_size)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -88,7 +104,7 @@ def _spawn(cfg: ExtractConfig, n: int, echo) -> ExtractResult:
     ctx = mp.get_context("spawn")  # fork after torch/CUDA initialisation is unsafe
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, cfg, out), name=f"dflash-extract-{r}")
+    procs = [ctx.Process(target=_worker, args=(r, n, port, cfg, out, os.getpid()), name=f"dflash-extract-{r}")
              for r in range(n)]
     for p in procs:
         p.start()
