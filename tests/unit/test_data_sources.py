@@ -217,3 +217,34 @@ def test_sample_ids_are_global_and_ranks_partition_them(tmp_path, smollm_tokeniz
             assert s.input_ids.tolist() == first[s.sample_id].input_ids.tolist()
     limited, _ = load_samples([p1, p2], smollm_tokenizer, max_records=4)
     assert [s.sample_id for s in limited] == [0, 2, 3]
+
+
+def test_worker_processes_give_the_same_samples_and_skips(tmp_path, smollm_tokenizer, monkeypatch):
+    from dflash.data import samples as samples_mod
+
+    p = tmp_path / "mixed.jsonl"
+    good = [json.dumps({"messages": [u(f"question {i}"), a(f"answer {i}" + " more" * i)]}) for i in range(20)]
+    lines = [x for pair in zip(good, [line for line, _ in BAD_LINES] + ["{bad"]) for x in pair]
+    p.write_text("\n".join(lines))
+    serial, serial_skips = load_samples([p], smollm_tokenizer, max_length=128)
+    monkeypatch.setattr(samples_mod, "_CHUNK_RECORDS", 3)  # many chunks: exercises the window and the order
+    parallel, parallel_skips = load_samples([p], smollm_tokenizer, max_length=128, num_workers=2)
+    assert [s.sample_id for s in parallel] == [s.sample_id for s in serial] == list(range(0, 40, 2))
+    assert all(np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.loss_mask, y.loss_mask)
+               for x, y in zip(serial, parallel))
+    assert parallel_skips.to_dict() == serial_skips.to_dict()
+
+
+def test_json_list_with_a_malformed_record_keeps_what_came_before(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text("[\n" + json.dumps(OPENAI) + ",\n{\"messages\": [}  ,\n" + json.dumps(OPENAI) + "\n]")
+    items = list(iter_records(p))
+    assert isinstance(items[0], Record) and len(items) == 2
+    assert items[1].reason == skips.BAD_JSON and items[1].location == f"{p}:3"
+
+
+def test_json_top_level_object_is_one_record(tmp_path):
+    p = tmp_path / "one.json"
+    p.write_text(json.dumps(OPENAI))
+    (item,) = list(iter_records(p))
+    assert item.messages == OPENAI["messages"] and item.location == f"{p}:1"
