@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 CONTEXT_BLOCK = -1   # block id of context keys
@@ -181,7 +183,7 @@ _logged: set[str] = set()
 def choose_backend(device: torch.device, requested: str = "auto") -> str:
     """'flex' on CUDA, 'dense' elsewhere, unless `requested` names one; logs the choice once with its reason."""
     if requested not in ("auto", "dense", "flex"):
-        raise ValueError(f"attention backend {requested!r}: use 'auto', 'dense' or 'flex'")
+        raise ConfigError(f"attention backend {requested!r}: use 'auto', 'dense' or 'flex'")
     if requested != "auto":
         backend, reason = requested, "requested explicitly"
     elif device.type == "cuda":

@@ -81,8 +81,10 @@ class DFlashAttention(nn.Module):
         v_KD = torch.cat([self.v_proj(ctx_TD), self.v_proj(x_QD)], dim=0)
         k_hKd = self.k_norm(k_KD.view(T + Q, self.num_kv_heads, d)).transpose(0, 1)
         v_hKd = v_KD.view(T + Q, self.num_kv_heads, d).transpose(0, 1)
-        q_hQd = apply_rope(q_hQd, *rope_q)
-        k_hKd = apply_rope(k_hKd, *rope_k)
+        # Under autocast the norms return fp32 (fp32 weight * bf16) while v_proj returns bf16; the kernels
+        # want one dtype, and v's is the autocast compute dtype.
+        q_hQd = apply_rope(q_hQd, *rope_q).to(v_hKd.dtype)
+        k_hKd = apply_rope(k_hKd, *rope_k).to(v_hKd.dtype)
         out_hQd = attend(q_hQd, k_hKd, v_hKd)
         return self.o_proj(out_hQd.transpose(0, 1).reshape(Q, self.num_heads * d))
 

@@ -311,3 +311,13 @@ def test_bf16_dense_path_runs_and_tracks_fp32():
         out16 = packed_forward(model.to(torch.bfloat16), *case)
     assert out16.dtype == torch.bfloat16
     assert (out16.float() - out32).abs().max() < 0.1
+
+
+def test_fp32_weights_under_bf16_autocast():
+    model = tiny_model(seed=12).float()
+    case = packed_case(seed=12)
+    with torch.no_grad():
+        ref = packed_forward(model, *case)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = packed_forward(model, *case)
+    assert (out.float() - ref).abs().max() < 0.1
