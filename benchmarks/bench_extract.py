@@ -1,0 +1,310 @@
+"""Extraction benchmark: `dflash extract` against its floors, in one run (GPU machine).
+
+    python benchmarks/bench_extract.py --tokens 400000 --storage bf16,fp8      # H200, 27B shape
+    python benchmarks/bench_extract.py --tiny --tokens 4000                    # CPU smoke run
+
+Measures on the same samples (lengths drawn from real ShareGPT token lengths, benchmarks/assets):
+  (a) full `dflash extract` (dflash.extract.driver.run_rank: plan, tapped forward, GPU packing/fp8, async
+      D2H, writer thread, atomic shard commits to the local disk) in tokens/s, per storage dtype;
+  (b) a forward-only pass over exactly the same batches (TappedForward, nothing packed or written);
+  (c) the FLOP floor: the forward's FLOPs (layers 0..deepest tap) over a bf16 matmul peak measured here;
+  (d) the peers' way: full-depth HF forward with output_hidden_states=True on padded batches (attention mask,
+      dataset order, fixed batch size) and one torch.save file per sample (SpecForge/ModelOpt/EAGLE style).
+
+The 27B-shape target has random weights built directly on the GPU: a 54 GB checkpoint cannot be written to
+the 64 GB disk beside the cache, so `load_target` is replaced by a function returning that model (with the
+same kernel selection the real loader applies). Everything else is the real extraction path.
+Writes benchmarks/results/extract_<name>.json; the last stdout line is that JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN35_27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                  num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                  linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+
+
+def sample_lengths(total_tokens: int, *, seed: int) -> tuple[list[int], list[int]]:
+    asset = json.loads((ROOT / "benchmarks" / "assets" / "sharegpt_lengths.json").read_text())
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(asset["lengths"]))
+    lengths, loss = [], []
+    for i in order:
+        if sum(lengths) >= total_tokens:
+            break
+        lengths.append(int(asset["lengths"][i]))
+        loss.append(max(1, int(asset["loss_tokens"][i])))
+    return lengths, loss
+
+
+def write_pretokenized(path: pathlib.Path, lengths, loss, *, vocab: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for n, m in zip(lengths, loss):
+            ids = rng.integers(0, vocab, size=n).tolist()
+            mask = [0] * (n - min(m, n)) + [1] * min(m, n)
+            f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
+
+
+def make_model_dir(path: pathlib.Path, text_kwargs: dict) -> None:
+    from transformers import Qwen3_5TextConfig
+
+    from dflash.target.testing import tiny_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen3_5TextConfig(**text_kwargs)
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    cfg.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+
+
+def build_random_model(model_dir: pathlib.Path, device: torch.device, *, fla_conv: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.target.kernels import select_kernels
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config._attn_implementation = "sdpa"
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    model.dflash_kernels = select_kernels(model, device, fla_conv=fla_conv)
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device: torch.device) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(12):
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        sync(device)
+        times.append((time.perf_counter() - t) / 5)
+    return 2 * n**3 / statistics.median(times[2:])
+
+
+def forward_only(cfg, model, device) -> tuple[float, int, int]:
+    """Seconds, real tokens, padded tokens of the same planned batches, forward only."""
+    from dflash.extract.preflight import build_preflight
+    from dflash.target.forward import TappedForward
+
+    pre = build_preflight(cfg, world_size=1)
+    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids)
+    batches = pre.plan.rank_batches[0]
+    inputs = []
+    for b in batches:
+        ids = np.zeros((len(b.members), b.padded_len), dtype=np.int64)
+        for j, i in enumerate(b.members):
+            s = pre.samples[i]
+            ids[j, : len(s.input_ids)] = s.input_ids
+        inputs.append(torch.from_numpy(ids))
+    real = sum(len(pre.samples[i].input_ids) for b in batches for i in b.members)
+    padded = sum(b.padded_tokens for b in batches)
+    sync(device)
+    t = time.perf_counter()
+    for x in inputs:
+        out = tapped(x.to(device, non_blocking=True))
+        del out
+    sync(device)
+    return time.perf_counter() - t, real, padded
+
+
+def peer_style(model, tokenizer, jsonl: pathlib.Path, out_dir: pathlib.Path, taps, device, *,
+               batch_size: int, max_tokens: int) -> tuple[float, int]:
+    """Full-depth forward with output_hidden_states on padded dataset-order batches + torch.save per sample."""
+    rows = [json.loads(line)["input_ids"] for line in open(jsonl)]
+    kept, total = [], 0
+    for r in rows:
+        if total >= max_tokens:
+            break
+        kept.append(r)
+        total += len(r)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sync(device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(kept), batch_size):
+            chunk = kept[start: start + batch_size]
+            S = max(len(r) for r in chunk)
+            ids = torch.zeros(len(chunk), S, dtype=torch.long)
+            mask = torch.zeros(len(chunk), S, dtype=torch.long)
+            for j, r in enumerate(chunk):
+                ids[j, : len(r)] = torch.tensor(r)
+                mask[j, : len(r)] = 1
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+            hs = out.hidden_states
+            for j, r in enumerate(chunk):
+                feats = torch.stack([hs[k + 1][j, : len(r)] for k in taps], dim=1).cpu()
+                torch.save({"input_ids": torch.tensor(r), "hidden_states": feats}, out_dir / f"{start + j}.pt")
+            del out, hs
+    sync(device)
+    os.sync()
+    return time.perf_counter() - t, total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=400_000, help="real tokens per measured extraction")
+    p.add_argument("--storage", default="bf16,fp8", help="comma-separated storage dtypes to measure")
+    p.add_argument("--batch-tokens", type=int, default=32768, help="extract token budget per forward")
+    p.add_argument("--peer-tokens", type=int, default=100_000, help="tokens for the peer-style run (0 = skip)")
+    p.add_argument("--peer-batch-size", type=int, default=4)
+    p.add_argument("--work-dir", default="/tmp/dflash_bench_extract", help="local-disk folder for caches")
+    p.add_argument("--tiny", action="store_true", help="tiny random Qwen3.5 (CPU smoke run)")
+    p.add_argument("--fla-conv", action="store_true", help="FLA Triton causal_conv1d in place of the torch fallback")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-name", default=None, help="results file name suffix (default: h200 on CUDA, cpu)")
+    args = p.parse_args()
+
+    import dflash.target.load as target_load
+    from dflash.extract.driver import ExtractConfig, run_rank
+    from dflash.target.flops import target_flops
+    from dflash.target.testing import tiny_qwen35_text_kwargs
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    work = pathlib.Path(args.work_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    text_kwargs = tiny_qwen35_text_kwargs(num_layers=8, vocab_size=259) if args.tiny else dict(QWEN35_27B)
+    model_dir = work / "target"
+    make_model_dir(model_dir, text_kwargs)
+    lengths, loss = sample_lengths(args.tokens, seed=args.seed)
+    data = work / "data.jsonl"
+    write_pretokenized(data, lengths, loss, vocab=text_kwargs["vocab_size"], seed=args.seed)
+    warm = work / "warm.jsonl"
+    wl, wm = sample_lengths(min(args.tokens // 8, 40_000), seed=args.seed + 1)
+    write_pretokenized(warm, wl, wm, vocab=text_kwargs["vocab_size"], seed=args.seed + 1)
+
+    t = time.perf_counter()
+    model, tokenizer = build_random_model(model_dir, device, fla_conv=args.fla_conv)
+    build_s = time.perf_counter() - t
+    target_load.load_target = lambda *a, **k: (model, tokenizer)  # noqa: E731 - see module docstring
+    peak = matmul_peak(device)
+
+    def cfg_for(src, storage, out):
+        return ExtractConfig(model=str(model_dir), data=(str(src),), output=str(out), storage=storage,
+                             max_length=4096, batch_tokens=args.batch_tokens, show_progress=False)
+
+    quiet = lambda *_: None  # noqa: E731
+    # Warm-up: Triton autotuning, cuBLAS heuristics, allocator growth (not timed).
+    run_rank(cfg_for(warm, "bf16", work / "warm_cache"), echo=quiet)
+    shutil.rmtree(work / "warm_cache")
+
+    fo_s, real, padded = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
+    taps = None
+    results = {}
+    for storage in args.storage.split(","):
+        out = work / f"cache_{storage}"
+        os.sync()
+        t = time.perf_counter()
+        res = run_rank(cfg_for(data, storage, out), echo=quiet)
+        os.sync()
+        secs = time.perf_counter() - t
+        from dflash.cache import CacheReader
+
+        reader = CacheReader(out)
+        taps = reader.tap_layer_ids
+        on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        results[storage] = {"seconds": secs, "tokens": res.num_tokens, "tok_s": res.num_tokens / secs,
+                            "wait_on_disk_s": res.wait_s, "bytes_on_disk": on_disk,
+                            "bytes_per_token": on_disk / res.num_tokens,
+                            "disk_write_MB_s": on_disk / secs / 1e6}
+        shutil.rmtree(out)
+
+    num_layers_run = max(taps) + 1
+    flops = target_flops(model.config, num_layers_run=num_layers_run)
+    total_flops = flops.forward_flops(lengths)
+    floor_tok_s = peak * real / total_flops
+    fo_tok_s = real / fo_s
+    peer = {}
+    if args.peer_tokens:
+        ps, ptok = peer_style(model, tokenizer, data, work / "peer", taps, device,
+                              batch_size=args.peer_batch_size, max_tokens=args.peer_tokens)
+        peer = {"seconds": ps, "tokens": ptok, "tok_s": ptok / ps}
+        shutil.rmtree(work / "peer")
+
+    rows = [("forward only (same batches)", fo_tok_s, "")]
+    summary = {}
+    for storage, r in results.items():
+        summary[storage] = {
+            "tok_s": r["tok_s"], "forward_only_tok_s": fo_tok_s, "floor_tok_s": floor_tok_s,
+            "mfu": r["tok_s"] * total_flops / real / peak,
+            "ratio_vs_forward_only": r["tok_s"] / fo_tok_s,
+            "ratio_vs_peer_style": r["tok_s"] / peer["tok_s"] if peer else None,
+            "padding_fraction": 1 - real / padded, "storage": storage,
+            "bytes_per_token": r["bytes_per_token"], "disk_write_MB_s": r["disk_write_MB_s"],
+            "wait_on_disk_s": r["wait_on_disk_s"], "seconds": r["seconds"], "tokens": r["tokens"],
+        }
+        rows.append((f"dflash extract ({storage})", r["tok_s"], f"{r['bytes_per_token']:.0f} B/tok, "
+                     f"{r['disk_write_MB_s']:.0f} MB/s, waited {r['wait_on_disk_s']:.1f}s on disk"))
+    if peer:
+        rows.append(("peer style (full fwd + torch.save)", peer["tok_s"], ""))
+    rows.append(("FLOP floor", floor_tok_s, f"{total_flops / real / 1e9:.1f} GFLOP/tok, peak {peak / 1e12:.0f} TFLOP/s"))
+    print(f"\n{'what':40s} {'tok/s':>10s}  notes")
+    for name, rate, note in rows:
+        print(f"{name:40s} {rate:10,.0f}  {note}")
+
+    name = args.result_name or ("h200" if device.type == "cuda" else "cpu")
+    out = {
+        "benchmark": "extract", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(["python"] + sys.argv),
+        "machine": {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
+                    "cpus": os.cpu_count(), "platform": platform.platform()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__,
+                     "fla": _version("fla-core"), "zarr": _version("zarr")},
+        "model": "tiny Qwen3.5" if args.tiny else "Qwen3.5-27B shape, random weights",
+        "kernels": str(getattr(model, "dflash_kernels", "")),
+        "taps": list(taps), "layers_run": num_layers_run, "samples": len(lengths), "real_tokens": real,
+        "padded_tokens": padded, "batch_tokens": args.batch_tokens, "matmul_peak_flops": peak,
+        "forward_flops_per_token": total_flops / real, "model_build_s": build_s,
+        "forward_only_tok_s": fo_tok_s, "floor_tok_s": floor_tok_s, "peer_style": peer, **summary,
+    }
+    res_dir = ROOT / "benchmarks" / "results"
+    res_dir.mkdir(parents=True, exist_ok=True)
+    (res_dir / f"extract_{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out))
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()
