@@ -27,6 +27,7 @@ from dflash.cache.shardfile import ArrayFile
 from dflash.errors import CacheFormatError, ConfigError
 
 log = logging.getLogger(__name__)
+_PIECE_BYTES = 8 << 20  # per-tap rows per read task
 _ARRAY_CACHE = 1024  # parsed shard indexes kept (hidden index: 16 B per chunk, ~160 KB per 64k-token shard)
 
 
@@ -95,6 +96,7 @@ class CacheReader:
         self._lock = threading.Lock()
         self._arrays: OrderedDict[tuple[int, str], ArrayFile] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
         self.index = self._build_index(cm.read_commit_logs(self.path))
 
     def _build_index(self, records: list[cm.CommitRecord]) -> SampleIndex:
@@ -168,17 +170,42 @@ class CacheReader:
         scales_np = out.scales[:T].numpy() if self.storage == "fp8" else None
         ids_np, mask_np = out.input_ids[:T].numpy(), out.loss_mask[:T].numpy()
 
-        def task(j: int) -> int:
-            s, off, L, o = int(self.index.shard[idx[j]]), int(self.index.offset[idx[j]]), int(lengths[j]), int(starts[j])
-            return self._read_sample(s, off, L, pos, hidden_np[o:o + L], None if scales_np is None else scales_np[o:o + L],
-                                     ids_np[o:o + L], mask_np[o:o + L])
+        # merge samples that follow each other in one shard (sequential reads), then cut into pieces of
+        # ~_PIECE_BYTES per tap so threads share the work and scratch buffers stay small
+        sh, off = self.index.shard[idx], self.index.offset[idx]
+        brk = np.flatnonzero((sh[1:] != sh[:-1]) | (off[1:] != off[:-1] + lengths[:-1])) + 1
+        seg_first = np.concatenate([[0], brk]).astype(np.int64)
+        seg_last = np.concatenate([brk, [len(idx)]]).astype(np.int64)
+        row_bytes = D * hidden_np.itemsize
+        piece = max(1, _PIECE_BYTES // row_bytes)
+        tasks = []
+        for a, z in zip(seg_first.tolist(), seg_last.tolist()):
+            s, o0, t0, t1 = int(sh[a]), int(off[a]), int(starts[a]), int(starts[z])
+            tasks.append((s, o0, t0, t1, None))  # ids, mask, scales of the segment
+            for p0 in range(t0, t1, piece):
+                for kk, k in enumerate(pos):
+                    tasks.append((s, o0 + p0 - t0, p0, min(t1, p0 + piece), (kk, k)))
 
-        if self.num_threads > 1 and len(idx) > 1:
+        def task(t) -> int:
+            s, o, p0, p1, tap = t
+            if tap is None:
+                return self._read_small(s, o, p1 - p0, pos, None if scales_np is None else scales_np[p0:p1],
+                                        ids_np[p0:p1], mask_np[p0:p1])
+            kk, k = tap
+            h = self._array(s, "hidden")
+            fd = os.open(h.path, os.O_RDONLY)
+            try:
+                return h.read_rows(fd, o, o + p1 - p0, (k, 0), hidden_np[p0:p1, kk:kk + 1, :],
+                                   verify=self.verify, scratch=self._scratch())
+            finally:
+                os.close(fd)
+
+        if self.num_threads > 1 and len(tasks) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="dflash-cache-read")
-            nbytes = sum(self._pool.map(task, range(len(idx))))
+            nbytes = sum(self._pool.map(task, tasks))
         else:
-            nbytes = sum(task(j) for j in range(len(idx)))
+            nbytes = sum(task(t) for t in tasks)
         with self._lock:
             self.bytes_read += nbytes
         hidden = out.hidden[:T]
@@ -204,17 +231,17 @@ class CacheReader:
                 or out.input_ids.shape[0] < T or out.loss_mask.shape[0] < T:
             raise ConfigError(f"out.input_ids must be int32 [>={T}] and out.loss_mask uint8 [>={T}]")
 
-    def _read_sample(self, s: int, off: int, L: int, pos: list[int], hidden_TKD: np.ndarray,
-                     scales_TK: np.ndarray | None, ids_T: np.ndarray, mask_T: np.ndarray) -> int:
-        """One sample's rows of every selected tap; returns hidden+scales bytes read."""
+    def _scratch(self) -> np.ndarray:
+        """Per-thread reusable read buffer (see ArrayFile.read_rows on first-touch cost)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = np.empty(_PIECE_BYTES + (4 << 20), np.uint8)
+        return buf
+
+    def _read_small(self, s: int, off: int, L: int, pos: list[int], scales_TK: np.ndarray | None,
+                    ids_T: np.ndarray, mask_T: np.ndarray) -> int:
+        """ids, loss mask and (fp8) scales of L rows; returns scale bytes read."""
         nbytes = 0
-        h = self._array(s, "hidden")
-        fd = os.open(h.path, os.O_RDONLY)
-        try:
-            for kk, k in enumerate(pos):
-                nbytes += h.read_rows(fd, off, off + L, (k, 0), hidden_TKD[:, kk:kk + 1, :], verify=self.verify)
-        finally:
-            os.close(fd)
         names = [("input_ids", ids_T), ("loss_mask", mask_T)]
         if scales_TK is not None:
             names.append(("scales", None))

@@ -4,8 +4,10 @@ Shapes: T = packed tokens, N = samples, K = taps, D = hidden size.
 
 The caller (extraction) hands over CPU bytes; a bounded queue decouples it from the disk, and a full queue
 blocks `append` - that is the disk's back-pressure, counted in stats.seconds_blocked. The thread copies each
-batch once, tap-major, into a reused shard buffer [K, tokens, D], so each tap's token chunks are contiguous
-slices written with writev without a second copy. Commit protocol: commit.py.
+batch once, tap-major, into a reused block buffer [K, block_tokens, D] and streams every full block to the
+shard file: per block, all token chunks of tap 0, then of tap 1, ... So writer memory is one block (not a
+shard), writes overlap appends, and a read of one tap of a sample is one contiguous pread per block
+(block_bytes per tap, 8 MB). Commit protocol: commit.py.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from dflash.cache import commit as cm
 from dflash.cache.format import (FORMAT_NAME, FORMAT_VERSION, STORED_NUMPY_DTYPE, STORED_TORCH_DTYPE,
                                  Fingerprint, choose_chunk_tokens, encode_hidden)
-from dflash.cache.shardfile import fsync_dir, write_array, write_json_file
+from dflash.cache.shardfile import ArrayWriter, fsync_dir, write_array, write_json_file
 from dflash.errors import CacheFormatError, ConfigError, OutOfSpaceError
 
 SMALL_CHUNK_TOKENS = 4096   # input_ids / loss_mask chunk: 20 KB, read whole per sample (hidden is ~MBs)
@@ -48,11 +50,11 @@ _CLOSE = object()
 
 class CacheWriter:
     def __init__(self, path, fingerprint: Fingerprint, *, rank: int = 0, shard_tokens: int = 1 << 16,
-                 queue_depth: int = 4, chunk_bytes: int = 1 << 19) -> None:
+                 queue_depth: int = 4, chunk_bytes: int = 1 << 19, block_bytes: int = 1 << 23) -> None:
         """Create the cache at `path` or check an existing one's fingerprint; clean this rank's leftovers.
 
         chunk_bytes: target size of one (tokens, 1 tap, D) hidden chunk, the read and checksum unit
-        (512 KB: see benchmarks/results/cache_*.json)."""
+        (512 KB: see benchmarks/results/cache_*.json). block_bytes: per-tap bytes of one streamed block."""
         if shard_tokens < 1 or queue_depth < 1 or rank < 0:
             raise ConfigError(f"shard_tokens={shard_tokens}, queue_depth={queue_depth}, rank={rank} must be positive")
         self.path, self.fingerprint, self.rank = os.fspath(path), fingerprint, rank
@@ -62,12 +64,18 @@ class CacheWriter:
         self.np_dtype = np.dtype(STORED_NUMPY_DTYPE[self.storage])
         self.chunk_tokens = choose_chunk_tokens(hidden_size=self.D, itemsize=self.np_dtype.itemsize,
                                                 chunk_bytes=chunk_bytes)
+        chunk = self.chunk_tokens * self.D * self.np_dtype.itemsize
+        self.block_tokens = self.chunk_tokens * max(1, 1 << max(0, (block_bytes // chunk).bit_length() - 1))
+        self.block_tokens = min(self.block_tokens, -(-shard_tokens // self.chunk_tokens) * self.chunk_tokens)
         self.stats = WriteStats()
         self._open_cache()
         self._seq = self._clean_leftovers()
         self._log_totals = cm.LogTotals(self.path)
         # shard being filled (owned by the thread)
-        self._buf_KTD = np.empty((self.K, 0, self.D), self.np_dtype)
+        self._blk_KBD = np.empty((self.K, self.block_tokens, self.D), self.np_dtype)
+        self._blk_fill = 0       # tokens in the block buffer
+        self._blk_start = 0      # shard token offset of the block buffer
+        self._hidden_w = None    # ArrayWriter of the shard being filled
         self._scales_TK = np.empty((0, self.K), np.float32)
         self._ids_T = np.empty(0, np.int32)
         self._mask_T = np.empty(0, np.uint8)
@@ -222,6 +230,10 @@ class CacheWriter:
             while True:
                 item = self._queue.get()
                 if self._abort.is_set():
+                    if self._hidden_w is not None:
+                        self._hidden_w.close()
+                    shutil.rmtree(os.path.join(self.path, cm.STAGING, cm.shard_name(rank=self.rank, seq=self._seq)),
+                                  ignore_errors=True)
                     return
                 if item is _CLOSE:
                     if self._tokens:
@@ -230,6 +242,8 @@ class CacheWriter:
                 self._add(*item)
         except BaseException as e:  # noqa: BLE001 - handed to the caller thread
             self._error = e
+            if self._hidden_w is not None:
+                self._hidden_w.close()
             shutil.rmtree(os.path.join(self.path, cm.STAGING, cm.shard_name(rank=self.rank, seq=self._seq)),
                           ignore_errors=True)
 
@@ -245,7 +259,7 @@ class CacheWriter:
             a, b = int(starts[s]), int(starts[e])
             off, n = self._tokens, b - a
             self._reserve(off + n)
-            self._buf_KTD[:, off:off + n] = hidden_TKD[a:b].transpose(1, 0, 2)
+            self._add_hidden(hidden_TKD[a:b])
             if scales_TK is not None:
                 self._scales_TK[off:off + n] = scales_TK[a:b]
             self._ids_T[off:off + n] = input_ids_T[a:b]
@@ -259,37 +273,59 @@ class CacheWriter:
                 self._commit()
 
     def _reserve(self, tokens: int) -> None:
-        ct = self.chunk_tokens
-        need = -(-max(tokens, self.shard_tokens) // ct) * ct
-        if self._buf_KTD.shape[1] >= need:
+        """Grow the small per-shard arrays (ids, mask, scales: <= 25 bytes per token)."""
+        have = len(self._ids_T)
+        if have >= tokens:
             return
-        t = self._tokens  # grow: first shard, or a sample longer than shard_tokens
-        buf = np.empty((self.K, need, self.D), self.np_dtype)
-        buf[:, :t] = self._buf_KTD[:, :t]
-        self._buf_KTD = buf
+        need = max(tokens, min(self.shard_tokens, 2 * have), 1024)
+        t = self._tokens
         for name, shape, dt in (("_scales_TK", (need, self.K), np.float32), ("_ids_T", (need,), np.int32),
                                 ("_mask_T", (need,), np.uint8)):
             new = np.empty(shape, dt)
             new[:t] = getattr(self, name)[:t]
             setattr(self, name, new)
 
+    def _add_hidden(self, hidden_TKD: np.ndarray) -> None:
+        """Copy tokens tap-major into the block buffer, streaming each full block to the shard file."""
+        if self._hidden_w is None:
+            stage = os.path.join(self.path, cm.STAGING, cm.shard_name(rank=self.rank, seq=self._seq))
+            shutil.rmtree(stage, ignore_errors=True)
+            os.makedirs(stage)
+            self._hidden_w = ArrayWriter(os.path.join(stage, "hidden"), ndim=3)
+        i, n = 0, len(hidden_TKD)
+        B = self.block_tokens
+        while i < n:
+            m = min(n - i, B - self._blk_fill)
+            self._blk_KBD[:, self._blk_fill:self._blk_fill + m] = hidden_TKD[i:i + m].transpose(1, 0, 2)
+            self._blk_fill += m
+            i += m
+            if self._blk_fill == B:
+                self._flush_block()
+
+    def _flush_block(self) -> None:
+        """Write the block's chunks (tap-major); a partial last block is zero-padded to whole chunks."""
+        ct, fill = self.chunk_tokens, self._blk_fill
+        n_chunks = -(-fill // ct)
+        self._blk_KBD[:, fill:n_chunks * ct] = 0
+        c0, buf = self._blk_start // ct, self._blk_KBD
+        self._hidden_w.write_chunks(((c0 + c, k, 0), buf[k, c * ct:(c + 1) * ct])
+                                    for k in range(self.K) for c in range(n_chunks))
+        self._blk_start += fill
+        self._blk_fill = 0
+
     def _commit(self) -> None:
         t_start = time.perf_counter()
         name = cm.shard_name(rank=self.rank, seq=self._seq)
         stage = os.path.join(self.path, cm.STAGING, name)
-        shutil.rmtree(stage, ignore_errors=True)
-        os.makedirs(stage)
         T, K, D, ct = self._tokens, self.K, self.D, self.chunk_tokens
-        n_chunks = -(-T // ct)
-        self._buf_KTD[:, T:n_chunks * ct] = 0  # edge-chunk padding: deterministic bytes
+        if self._blk_fill:
+            self._flush_block()
+        nbytes = self._hidden_w.finish(shape=(T, K, D), dtype=self.np_dtype.name, chunk_shape=(ct, 1, D))
+        self._hidden_w, self._blk_start = None, 0
         attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "storage": self.storage,
                  "tap_layer_ids": list(self.fingerprint.tap_layer_ids), "rank": self.rank, "seq": self._seq}
-        nbytes = write_json_file(os.path.join(stage, "zarr.json"),
-                                 {"attributes": attrs, "zarr_format": 3, "node_type": "group"})
-        buf = self._buf_KTD
-        nbytes += write_array(
-            os.path.join(stage, "hidden"), shape=(T, K, D), dtype=self.np_dtype.name, chunk_shape=(ct, 1, D),
-            chunks=(((c, k, 0), buf[k, c * ct:(c + 1) * ct]) for k in range(K) for c in range(n_chunks)))
+        nbytes += write_json_file(os.path.join(stage, "zarr.json"),
+                                  {"attributes": attrs, "zarr_format": 3, "node_type": "group"})
         if self.storage == "fp8":
             nbytes += _write_small(os.path.join(stage, "scales"), self._scales_TK[:T], SCALE_CHUNK_TOKENS)
         nbytes += _write_small(os.path.join(stage, "input_ids"), self._ids_T[:T], SMALL_CHUNK_TOKENS)

@@ -1,0 +1,266 @@
+"""Cache write/read throughput against the same bytes as one raw file and as one torch.save file per sample.
+
+Writes a cache of realistic shape (ShareGPT-like sample lengths: lognormal around ~600 tokens, capped at
+4096), then in the same run the same hidden bytes as one plain sequential file and as per-sample .pt files
+(the peers' layout). Reads are cold where possible (drop_caches as root, else posix_fadvise DONTNEED) and go
+through CacheReader.read_many, the loader's path. Prints a table; the last stdout line is the result JSON,
+also written to benchmarks/results/cache_<name>.json. Needs only numpy, torch, crc32c (and zarr installed).
+
+    python benchmarks/bench_cache.py --tokens 30000 --result-name cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dflash.cache import CacheReader, CacheWriter, Fingerprint, PackedBuffers  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="/tmp/dflash_bench_cache", help="scratch directory (deleted first)")
+    p.add_argument("--taps", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--tokens", type=int, default=30_000, help="total tokens of the bf16 cache")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drop-caches", action="store_true", help="cold reads: drop the page cache (or fadvise)")
+    p.add_argument("--threads", type=int, default=8, help="reader threads (I/O bound: more than cores helps)")
+    p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per read_many call")
+    p.add_argument("--shard-tokens", type=int, default=1 << 16)
+    p.add_argument("--chunk-bytes", type=int, default=1 << 19)
+    p.add_argument("--fp8-fraction", type=float, default=0.25, help="fp8 cache size relative to bf16 (bytes/token only)")
+    p.add_argument("--result-name", default="cpu")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    return p.parse_args()
+
+
+def sample_lengths(rng: np.random.Generator, total: int) -> np.ndarray:
+    out, s = [], 0
+    while s < total:
+        L = int(min(4096, max(16, rng.lognormal(np.log(600), 0.8))))
+        L = min(L, total - s) if total - s >= 16 else L
+        out.append(L)
+        s += L
+    return np.array(out, np.int64)
+
+
+def fingerprint(args, storage: str) -> Fingerprint:
+    return Fingerprint(target="bench", target_config_hash="-", num_target_layers=64, hidden_size=args.hidden,
+                       target_dtype="bfloat16", tokenizer_hash="-", chat_template_hash="-",
+                       tap_layer_ids=tuple(range(1, 2 * args.taps, 2)), storage=storage)
+
+
+def all_files(*dirs: str) -> list[str]:
+    return [os.path.join(r, f) for d in dirs for r, _, fs in os.walk(d) for f in fs]
+
+
+def make_cold(dirs: list[str], want: bool) -> str:
+    if not want:
+        return "warm"
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for p in all_files(*dirs):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise_dontneed"
+
+
+def write_cache(path, args, storage, lengths, pool, pool_scales):
+    t0 = time.perf_counter()
+    with CacheWriter(path, fingerprint(args, storage), shard_tokens=args.shard_tokens,
+                     chunk_bytes=args.chunk_bytes) as w:
+        off = 0
+        for i, L in enumerate(lengths):
+            a = off % (len(pool) - 4096)
+            w.append(sample_ids=np.array([i]), lengths=np.array([L]), input_ids=np.zeros(L, np.int32),
+                     loss_mask=np.ones(L, np.uint8), hidden=pool[a:a + L],
+                     scales=None if pool_scales is None else pool_scales[a:a + L])
+            off += L
+    return time.perf_counter() - t0, w.stats
+
+
+def write_raw(path, lengths, pool) -> float:
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    off = 0
+    for L in lengths:
+        a = off % (len(pool) - 4096)
+        os.write(fd, memoryview(pool[a:a + L].numpy()).cast("B"))
+        off += L
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+def write_per_sample(d, lengths, pool) -> float:
+    os.makedirs(d)
+    t0 = time.perf_counter()
+    off = 0
+    for i, L in enumerate(lengths):
+        a = off % (len(pool) - 4096)
+        torch.save({"hidden": pool[a:a + L].view(torch.bfloat16).clone(), "input_ids": torch.zeros(L, dtype=torch.int32),
+                    "loss_mask": torch.ones(L, dtype=torch.uint8)}, os.path.join(d, f"{i:07d}.pt"))
+        off += L
+    os.sync()
+    return time.perf_counter() - t0
+
+
+def read_cache(path, args, taps=None) -> tuple[float, int]:
+    r = CacheReader(path, num_threads=args.threads)
+    K = len(r.tap_positions(taps))
+    out = PackedBuffers.allocate(tokens=max(args.batch_tokens, int(r.index.length.max())), num_taps=K,
+                                 hidden_size=r.hidden_size, storage=r.storage)
+    out.hidden.zero_()  # the loader allocates (pins) its buffers once; do not time first-touch page faults
+    t0 = time.perf_counter()
+    batch, tok = [], 0
+    for i in range(len(r)):
+        L = int(r.index.length[i])
+        if tok + L > out.hidden.shape[0]:
+            r.read_many(batch, taps=taps, out=out)
+            batch, tok = [], 0
+        batch.append(i)
+        tok += L
+    if batch:
+        r.read_many(batch, taps=taps, out=out)
+    dt = time.perf_counter() - t0
+    r.close()
+    return dt, r.bytes_read
+
+
+def read_raw(path) -> float:
+    buf = bytearray(8 << 20)
+    mv = memoryview(buf)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(mv):
+            pass
+    return time.perf_counter() - t0
+
+
+def read_per_sample(d, threads) -> float:
+    files = sorted(all_files(d))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in ex.map(lambda p: torch.load(p, weights_only=True), files):
+            pass
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    K, D = args.taps, args.hidden
+    lengths = sample_lengths(rng, args.tokens)
+    T = int(lengths.sum())
+    payload = T * K * D * 2  # hidden bf16 bytes: the same for cache, raw file and per-sample files
+    pool_tokens = 4096 + 8192
+    pool = torch.from_numpy(rng.integers(0, 1 << 16, (pool_tokens, K, D), dtype=np.uint16))
+    pool = pool.view(torch.bfloat16).float().clamp(-1e4, 1e4).nan_to_num().to(torch.bfloat16).view(torch.uint16)
+    if os.path.exists(args.out):
+        shutil.rmtree(args.out)
+    os.makedirs(args.out)
+    cache, raw, per = (os.path.join(args.out, n) for n in ("cache_bf16", "raw.bin", "per_sample"))
+    cache8 = os.path.join(args.out, "cache_fp8")
+
+    t_wc, st = write_cache(cache, args, "bf16", lengths, pool, None)
+    t_wr = write_raw(raw, lengths, pool)
+    t_wp = write_per_sample(per, lengths, pool)
+    n8 = max(1, int(len(lengths) * args.fp8_fraction))
+    from dflash.cache.format import quantize_fp8
+    bits8, scales8 = quantize_fp8(pool.view(torch.bfloat16))
+    _, st8 = write_cache(cache8, args, "fp8", lengths[:n8], bits8, scales8)
+    del bits8, scales8
+
+    cold = make_cold([cache, per, cache8, args.out], args.drop_caches)
+    t_rr = read_raw(raw)
+    make_cold([args.out], args.drop_caches)
+    t_rc, bytes_all = read_cache(cache, args)
+    make_cold([args.out], args.drop_caches)
+    taps2 = list(fingerprint(args, "bf16").tap_layer_ids[:2])
+    t_rs, bytes_two = read_cache(cache, args, taps2)
+    make_cold([args.out], args.drop_caches)
+    t_rp = read_per_sample(per, args.threads)
+
+    gbps = lambda b, t: b / t / 1e9  # noqa: E731
+    res = {
+        "write_ratio_vs_raw": t_wr / t_wc,
+        "read_ratio_vs_raw": t_rr / t_rc,
+        "read_subset_bytes_ratio": bytes_two / bytes_all,
+        "read_ratio_vs_per_sample_files": t_rp / t_rc,
+        "bytes_per_token_bf16": st.bytes_written / st.tokens,
+        "bytes_per_token_fp8": st8.bytes_written / st8.tokens,
+        "fp8_over_bf16": (st8.bytes_written / st8.tokens) / (st.bytes_written / st.tokens),
+        "gbps": {"write_cache": gbps(payload, t_wc), "write_raw": gbps(payload, t_wr),
+                 "write_per_sample": gbps(payload, t_wp), "read_cache": gbps(payload, t_rc),
+                 "read_cache_2_taps": gbps(payload * 2 / K, t_rs), "read_raw": gbps(payload, t_rr),
+                 "read_per_sample": gbps(payload, t_rp)},
+        "seconds": {"write_cache": t_wc, "write_raw": t_wr, "write_per_sample": t_wp, "read_cache": t_rc,
+                    "read_cache_2_taps": t_rs, "read_raw": t_rr, "read_per_sample": t_rp,
+                    "writer_blocked": st.seconds_blocked},
+        "cold_reads": cold,
+        "config": {"taps": K, "hidden": D, "tokens": T, "samples": len(lengths), "payload_bytes": payload,
+                   "mean_length": float(lengths.mean()), "threads": args.threads, "batch_tokens": args.batch_tokens,
+                   "shard_tokens": args.shard_tokens, "chunk_bytes": args.chunk_bytes, "seed": args.seed,
+                   "shards": st.shards_committed, "fp8_tokens": st8.tokens},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "disk": _disk(args.out)},
+        "versions": _versions(),
+        "command": " ".join([sys.executable] + sys.argv),
+    }
+    rows = [("cache write", res["gbps"]["write_cache"]), ("raw write", res["gbps"]["write_raw"]),
+            ("per-sample write", res["gbps"]["write_per_sample"]), ("cache read", res["gbps"]["read_cache"]),
+            ("cache read 2 taps", res["gbps"]["read_cache_2_taps"]), ("raw read", res["gbps"]["read_raw"]),
+            ("per-sample read", res["gbps"]["read_per_sample"])]
+    print(f"{T:,} tokens, {len(lengths)} samples, {payload / 1e9:.2f} GB hidden, reads: {cold}")
+    for name, v in rows:
+        print(f"  {name:<20}{v:8.2f} GB/s")
+    for k in ("write_ratio_vs_raw", "read_ratio_vs_raw", "read_subset_bytes_ratio", "read_ratio_vs_per_sample_files",
+              "bytes_per_token_bf16", "bytes_per_token_fp8", "fp8_over_bf16"):
+        print(f"  {k:<32}{res[k]:10.3f}")
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", f"cache_{args.result_name}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    if not args.keep:
+        shutil.rmtree(args.out)
+    print(json.dumps(res))
+
+
+def _disk(path: str) -> dict:
+    s = shutil.disk_usage(path)
+    return {"total_gb": s.total / 1e9, "free_gb": s.free / 1e9}
+
+
+def _versions() -> dict:
+    import crc32c
+    v = {"torch": torch.__version__, "numpy": np.__version__, "crc32c": getattr(crc32c, "__version__", "?")}
+    for m in ("zarr", "numcodecs"):
+        try:
+            v[m] = __import__(m).__version__
+        except ImportError:
+            v[m] = None
+    return v
+
+
+if __name__ == "__main__":
+    main()
