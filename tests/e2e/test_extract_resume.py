@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from click.testing import CliRunner
+
+from cli.main import cli
 from dflash.cache import CacheReader
 from dflash.extract.driver import ExtractConfig
 from dflash.extract.launch import launch
@@ -104,12 +107,12 @@ def test_killed_run_resumes_to_identical_content(setup, tmp_path, procs_first, p
     _run_and_kill(model, data, out, procs_first)
     partial = _content(out)
     assert 0 < len(partial) < NUM_GOOD, "the kill must land mid-run"
-    res = subprocess.run(_cli_args(model, data, out, procs_resume), cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert f"{len(partial)} already in the cache" in res.stdout
+    lines = []
+    res = launch(_cfg(model, data, out), num_procs=procs_resume, echo=lines.append)
+    assert res.num_committed_before == len(partial) and res.num_samples == NUM_GOOD - len(partial)
+    assert f"{len(partial)} already in the cache" in "\n".join(lines)
     assert _content(out) == _content(ref)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["totals"]["samples"] == NUM_GOOD
-    info = subprocess.run([sys.executable, "-m", "cli.main", "cache", "info", str(out)], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert info.returncode == 0 and str(NUM_GOOD) in info.stdout
+    info = CliRunner().invoke(cli, ["cache", "info", str(out)])
+    assert info.exit_code == 0 and str(NUM_GOOD) in info.output
