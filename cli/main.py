@@ -16,6 +16,8 @@ from dflash.errors import DflashError
 COMMAND_MODULES = (
     "cache_cmd",
     "extract_cmd",
+    "generate_cmd",
+    "eval_cmd",
     "train_cmd",
     "export_cmd",
 )

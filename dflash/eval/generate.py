@@ -1,0 +1,244 @@
+"""Greedy responses of the target for a prompt file (`dflash generate`), written as conversations for extraction.
+
+Exact greedy tau (dflash.eval.tau) needs eval sequences whose responses are the target's own greedy output.
+This runs batched HF generation (left padding, do_sample=False) and stops each row at the first stop token: the
+tokenizer's eos, the generation config's eos ids and the chat template's end-of-turn token.
+
+Exactness: re-tokenizing the decoded text does not always give back the generated ids (BPE merges across the
+prompt/response boundary, special tokens, whitespace). So every record also carries the ids themselves in
+dflash.data's pre-tokenized form, `input_ids` = prompt ids + generated ids (the stop token included when the
+row stopped on it) and `loss_mask` = 1 exactly on the generated ids; dflash.data prefers that form over
+`messages`, so the cache holds exactly the target's greedy sequence (docs/INTERFACES.md).
+Tradeoff: batching with left padding changes the matmul shapes, so in bf16 a row can differ from unbatched
+greedy decoding after a near-tie; in fp32 this is rare. The response is still a greedy path of the target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from dflash.errors import ConfigError, DataError
+from dflash.eval.prompts import Prompt, PromptSkips, iter_prompts
+
+GENERATE_FIELD = "dflash_generate"
+"""Per-record field that marks a conversation as produced by `dflash generate` (docs/INTERFACES.md)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """What `dflash generate` does with one prompt file."""
+
+    max_new_tokens: int = 512
+    """Most tokens generated per prompt (the stop token counts); a row that reaches it has stop_reason 'length'."""
+    batch_size: int = 8
+    """Prompts per generate() call; prompts are sorted by length first so left padding stays small."""
+    template_kwargs: dict = field(default_factory=dict)
+    """Extra chat-template arguments, e.g. {"enable_thinking": False} for --no-thinking."""
+    limit: int | None = None
+    """Use only the first `limit` usable prompts of the file."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size}: must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit={self.limit}: must be >= 1 (or unset for all prompts)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """The target's greedy response to one prompt."""
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    """The chat template rendering of prompt.messages with the generation prompt, tokenized."""
+    response_ids: list[int]
+    """The generated ids, ending with the stop token when stop_reason == 'eos'."""
+    stop_reason: str
+    """'eos' (a stop token was generated) or 'length' (max_new_tokens reached)."""
+    text: str
+    """response_ids decoded without the stop token (special tokens inside the response are kept)."""
+
+
+def chat_end_token_id(tokenizer, template_kwargs: dict) -> int | None:
+    """The token the chat template puts right after an assistant message (ChatML <|im_end|>, Llama-3 <|eot_id|>),
+    found by rendering a dummy exchange; None when the template ends the turn with plain text."""
+    marker = "DFLASHMARKER"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+            tokenize=False, **template_kwargs)
+    except Exception:  # templates may reject the dummy chat (e.g. need a system turn); fall back to eos only
+        return None
+    if marker not in text:
+        return None
+    suffix = text.split(marker, 1)[1]
+    ids = tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else []
+    if not ids:
+        return None
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}).keys())
+    return int(ids[0]) if ids[0] in special else None
+
+
+def stop_token_ids(tokenizer, generation_config, template_kwargs: dict) -> tuple[int, ...]:
+    """All ids that end a response: tokenizer eos, generation-config eos (int or list), chat end-of-turn."""
+    ids: list[int] = []
+    gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    for x in (tokenizer.eos_token_id, gen_eos, chat_end_token_id(tokenizer, template_kwargs)):
+        for i in (x if isinstance(x, (list, tuple)) else [x]):
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ConfigError("the tokenizer defines no eos token and the chat template no end-of-turn token: "
+                          "cannot tell where a response ends")
+    return tuple(ids)
+
+
+def render_prompt_ids(tokenizer, messages: Sequence[dict], template_kwargs: dict) -> list[int]:
+    """Chat template with the generation prompt, tokenized without extra special tokens (the template has them)."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                         **template_kwargs)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def split_at_stop(generated: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], str]:
+    """Cut one generated row after its first stop token: (ids incl. the stop token, 'eos'), else (all, 'length')."""
+    stops = set(stop_ids)
+    for k, t in enumerate(generated):
+        if t in stops:
+            return list(generated[: k + 1]), "eos"
+    return list(generated), "length"
+
+
+def generate_greedy(model, tokenizer, prompts: Sequence[Prompt], *, cfg: GenerateConfig,
+                    on_batch: Callable[[list[Generation]], None] | None = None) -> list[Generation]:
+    """Greedy responses for `prompts` (returned in the given order). `on_batch` sees each finished batch."""
+    import torch
+    from transformers import GenerationConfig
+
+    stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None), cfg.template_kwargs)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1,
+                               eos_token_id=list(stop_ids), pad_token_id=pad_id)
+    device = next(model.parameters()).device
+    prompt_ids = [render_prompt_ids(tokenizer, p.messages, cfg.template_kwargs) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
+    results: list[Generation | None] = [None] * len(prompts)
+    for b in range(0, len(order), cfg.batch_size):
+        idx = order[b: b + cfg.batch_size]
+        width = max(len(prompt_ids[i]) for i in idx)
+        # left padding: every row's last prompt token sits at the same column, so new tokens line up
+        ids_BS = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        att_BS = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            n = len(prompt_ids[i])
+            ids_BS[r, width - n:] = torch.tensor(prompt_ids[i])
+            att_BS[r, width - n:] = 1
+        with torch.no_grad():
+            out_BS = model.generate(input_ids=ids_BS.to(device), attention_mask=att_BS.to(device),
+                                    generation_config=gen_cfg)
+        batch: list[Generation] = []
+        for r, i in enumerate(idx):
+            resp, reason = split_at_stop(out_BS[r, width:].tolist(), stop_ids)
+            body = resp[:-1] if reason == "eos" else resp
+            g = Generation(prompt=prompts[i], prompt_ids=prompt_ids[i], response_ids=resp, stop_reason=reason,
+                           text=tokenizer.decode(body, skip_special_tokens=False))
+            results[i] = g
+            batch.append(g)
+        if on_batch is not None:
+            on_batch(batch)
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def target_config_hash(model_dir) -> str:
+    """sha256 of the target's config.json as canonical JSON: the same value extraction puts in the cache
+    fingerprint (dflash.extract.preflight.config_hash; a test pins the equality), so extraction can tell
+    that these responses came from its own target."""
+    with open(pathlib.Path(model_dir) / "config.json") as f:
+        obj = json.load(f)
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def generation_record(g: Generation, *, target: str, config_hash: str | None, cfg: GenerateConfig) -> dict:
+    """One output line (docs/INTERFACES.md, "dflash generate records"): the conversation for people and
+    chat-template readers, the exact ids as the pre-tokenized `input_ids`/`loss_mask` form that
+    dflash.data prefers over `messages`, and the `dflash_generate` marker that makes the cache target_greedy."""
+    rec: dict = {
+        "messages": [dict(m) for m in g.prompt.messages] + [{"role": "assistant", "content": g.text}],
+        "input_ids": g.prompt_ids + g.response_ids,
+        "loss_mask": [0] * len(g.prompt_ids) + [1] * len(g.response_ids),
+        GENERATE_FIELD: {
+            "target": target,
+            "target_config_hash": config_hash,
+            "greedy": True,
+            "max_new_tokens": cfg.max_new_tokens,
+            "template_kwargs": dict(cfg.template_kwargs),
+            "stop_reason": g.stop_reason,
+            "num_prompt_tokens": len(g.prompt_ids),
+            "response_ids": g.response_ids,
+            "source": g.prompt.location,
+        },
+    }
+    if g.prompt.record_id is not None:
+        rec["id"] = g.prompt.record_id
+    return rec
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateStats:
+    """What one `dflash generate` run produced."""
+
+    prompts: int
+    stopped_at_eos: int
+    hit_max_tokens: int
+    response_tokens: int
+    skipped: str
+    """PromptSkips.summary() of the prompt file."""
+
+
+def generate_file(*, model_path: str, prompts_path, output_path, cfg: GenerateConfig, device: str | None = None,
+                  dtype: str | None = None, overwrite: bool = False, progress: bool = True) -> GenerateStats:
+    """Reads prompts, generates greedily with the target, writes jsonl conversations atomically (tmp + rename)."""
+    import torch
+    from tqdm import tqdm
+
+    out = pathlib.Path(output_path)
+    if out.exists() and not overwrite:
+        raise DataError(f"output {out} exists; pass --overwrite to replace it")
+    skips = PromptSkips()
+    prompts = list(iter_prompts(prompts_path, skips=skips, limit=cfg.limit))
+    if not prompts:
+        raise DataError(f"no usable prompts in {prompts_path} ({skips.summary()})")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # bf16 is what serving runs on GPU; fp32 on CPU keeps tests exact and CPU bf16 matmuls are slow anyway
+    torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    from dflash.target.load import load_target
+
+    model, tokenizer = load_target(model_path, device=device, dtype=torch_dtype)
+    cfg_hash = target_config_hash(model_path) if os.path.isdir(model_path) else None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress)
+    gens = generate_greedy(model, tokenizer, prompts, cfg=cfg, on_batch=lambda batch: bar.update(len(batch)))
+    bar.close()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:  # in prompt-file order
+        for g in gens:
+            f.write(json.dumps(generation_record(g, target=model_path, config_hash=cfg_hash, cfg=cfg), ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    counts = {"eos": 0, "length": 0}
+    for g in gens:
+        counts[g.stop_reason] += 1
+    return GenerateStats(prompts=len(prompts), stopped_at_eos=counts["eos"], hit_max_tokens=counts["length"],
+                         response_tokens=sum(len(g.response_ids) for g in gens), skipped=skips.summary())
