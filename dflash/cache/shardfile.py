@@ -264,7 +264,7 @@ class ArrayFile:
                 if verify and crc32c.crc32c(data) != int.from_bytes(buf[pos + raw_len:pos + nb].tobytes(), "little"):
                     raise CacheFormatError(f"{self.chunk_name(lins[k])}: crc32c checksum mismatch "
                                            f"(file {self.path}); the cache is corrupted")
-                self._place(data.view(self.dtype), c0 + k - i, start, stop, out)
+                self._place(data.view(self.dtype), c0 + k, start, stop, out)
                 pos += nb
             i = j
         return nread
