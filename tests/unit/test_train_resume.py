@@ -71,3 +71,16 @@ def test_refuses_nonempty_output_without_resume(tmp_path):
     with pytest.raises(ConfigError, match="not empty.*--resume"):
         train(tiny_config(cache=str(tmp_path / "nope"), model=str(tmp_path), output=str(tmp_path / "run")),
               device="cpu")
+
+
+def test_fp8_cache_and_tap_subset(tmp_path, monkeypatch):
+    """fp8 bits + scales are dequantised by the loader; a reordered tap subset is read and recorded."""
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    target = tiny_target(tmp_path / "target")
+    cache = tiny_cache(tmp_path / "cache", target, num_samples=8, storage="fp8")
+    res = train(tiny_config(cache=str(cache), model=str(target), output=str(tmp_path / "run"), steps=3,
+                            taps=(2, 0)), device="cpu")
+    assert res.finished and res.last_loss is not None and res.last_loss == res.last_loss  # not NaN
+    from dflash.drafter.export import read_drafter_config
+
+    assert read_drafter_config(res.drafter_dir).target_layer_ids == (2, 0)
