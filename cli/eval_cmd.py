@@ -1,8 +1,29 @@
-"""`dflash eval`: exact greedy acceptance length (tau) of a drafter on a target-greedy cache."""
+"""`dflash eval`: exact greedy acceptance length (tau) of a drafter on a target-greedy eval cache."""
+
+import json
 
 import click
 
 
 @click.command("eval")
-def command() -> None:
-    """Exact greedy acceptance length of a drafter on an eval cache."""
+@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False),
+              help="Drafter folder (dflash export / published DFlash drafter).")
+@click.option("--cache", "cache_dir", required=True, type=click.Path(file_okay=False),
+              help="Eval cache from `dflash extract` of `dflash generate` output.")
+@click.option("--model", "model_path", required=True, help="The target (for its frozen embedding and LM head).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--approximate", is_flag=True,
+              help="Allow a cache whose responses are not the target's greedy outputs (tau is then approximate).")
+@click.option("--chunk-anchors", default=256, show_default=True, type=int, help="Anchors per drafter forward.")
+@click.option("--limit", default=None, type=int, help="Evaluate only the first N sequences.")
+@click.option("--device", default=None, help="cuda / cpu (default: cuda when available).")
+@click.option("--dtype", default=None, type=click.Choice(["bfloat16", "float16", "float32"]),
+              help="Drafter dtype (default: bfloat16 on GPU, float32 on CPU).")
+def command(drafter_dir, cache_dir, model_path, as_json, approximate, chunk_anchors, limit, device, dtype) -> None:
+    """Exact greedy tau: walk the accept chain of every cached response (per source and overall)."""
+    from dflash.eval.evaluate import EvalConfig, evaluate_cache, format_result
+
+    cfg = EvalConfig(chunk_anchors=chunk_anchors, approximate=approximate, device=device, dtype=dtype, limit=limit)
+    res = evaluate_cache(drafter_dir=drafter_dir, cache_dir=cache_dir, model=model_path, cfg=cfg,
+                         progress=not as_json)
+    click.echo(json.dumps(res.to_json(), indent=2) if as_json else format_result(res))

@@ -1,0 +1,219 @@
+"""`dflash eval`: exact greedy tau of a drafter over every sequence of an eval cache, per source and overall.
+
+The cache must be marked target_greedy (its responses are the target's own greedy outputs, `dflash generate`
+then `dflash extract`); on any other cache the accept chain follows a path the target would not have taken,
+so the number is only an approximation and is refused unless `approximate=True`.
+tau of one sequence = mean tokens per target step along its accept chain (tau.py); tau of a source = mean
+over its sequences; overall = mean over all sequences (method doc 6: per prompt, then over prompts).
+Tradeoff: sequences are evaluated one at a time (anchors chunked within a sequence), which keeps memory
+bounded by chunk_anchors x block size queries; eval sets are small (hundreds of prompts).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dflash.errors import CacheMismatchError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """How `dflash eval` runs."""
+
+    chunk_anchors: int = 256
+    """Anchors per masked drafter forward (memory ~ chunk_anchors x block_size queries x context)."""
+    approximate: bool = False
+    """Allow a cache that is not marked target_greedy (tau is then only an approximation)."""
+    device: str | None = None
+    """cuda / cpu; default cuda when available."""
+    dtype: str | None = None
+    """Drafter compute dtype; default bfloat16 on GPU (serving dtype), float32 on CPU."""
+    limit: int | None = None
+    """Evaluate only the first `limit` sequences of the cache (by sample id)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_anchors < 1:
+            raise ConfigError(f"chunk_anchors={self.chunk_anchors}: must be >= 1 (256 is a good default)")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit={self.limit}: must be >= 1")
+        if self.dtype not in (None, "bfloat16", "float16", "float32"):
+            raise ConfigError(f"dtype={self.dtype!r}: use bfloat16, float16 or float32")
+
+
+@dataclass(kw_only=True)
+class TauStats:
+    """Accept-chain statistics of a group of sequences."""
+
+    name: str
+    block_size: int
+    per_sequence_tau: list[float] = field(default_factory=list)
+    step_counts: list[int] = field(default_factory=list)
+    """step_counts[k] = target steps that emitted k tokens (index 0 unused; k = 1..block_size)."""
+    response_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.step_counts:
+            self.step_counts = [0] * (self.block_size + 1)
+
+    def add(self, steps: list[int], response_tokens: int) -> None:
+        if not steps:
+            return  # a 1-token response has no step to count
+        self.per_sequence_tau.append(float(np.mean(steps)))
+        for s in steps:
+            self.step_counts[s] += 1
+        self.response_tokens += response_tokens
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.per_sequence_tau)
+
+    @property
+    def tau(self) -> float:
+        return float(np.mean(self.per_sequence_tau)) if self.per_sequence_tau else float("nan")
+
+    @property
+    def num_steps(self) -> int:
+        return sum(self.step_counts)
+
+    def to_json(self) -> dict:
+        n = self.num_steps
+        return {"name": self.name, "tau": self.tau, "num_sequences": self.num_sequences, "num_steps": n,
+                "response_tokens": self.response_tokens,
+                "tau_token_weighted": (sum(k * c for k, c in enumerate(self.step_counts)) / n) if n else None,
+                "accept_length_counts": {str(k): c for k, c in enumerate(self.step_counts) if k},
+                "accept_length_fraction": {str(k): c / n for k, c in enumerate(self.step_counts) if k and n}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalResult:
+    overall: TauStats
+    per_source: list[TauStats]
+    target_greedy: bool
+    """False only with approximate=True on an unmarked cache."""
+    drafter: str
+    cache: str
+    block_size: int
+    dtype: str
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"tau": self.overall.tau, "exact": self.target_greedy, "drafter": self.drafter, "cache": self.cache,
+                "block_size": self.block_size, "dtype": self.dtype, "seconds": self.seconds,
+                "overall": self.overall.to_json(), "sources": [s.to_json() for s in self.per_source]}
+
+
+def source_of_sample_ids(sources: list[dict], sample_ids: np.ndarray) -> list[str]:
+    """Name (file name) of the data source each sample id came from.
+
+    Sample ids are the running record index over all sources in order (dflash.data), so counting the
+    records of each source file gives the ranges. A source file that is gone or has changed (sha256)
+    makes every later sample 'unknown'."""
+    from dflash.data.readers import iter_raw
+
+    names, bounds, total = [], [], 0
+    for s in sources:
+        path = s.get("path", "")
+        if not os.path.exists(path):
+            log.warning("source %s is gone: samples from it on are reported as 'unknown'", path)
+            break
+        total += sum(1 for _ in iter_raw(path))
+        names.append(os.path.basename(path.rstrip("/")))
+        bounds.append(total)
+    out = []
+    for sid in sample_ids.tolist():
+        k = int(np.searchsorted(np.asarray(bounds), sid, side="right")) if bounds else 0
+        out.append(names[k] if k < len(names) else "unknown")
+    return out
+
+
+def check_target(fingerprint, model_path: str) -> None:
+    """The frozen embedding/head must be the cache's target: compare the config.json hashes."""
+    from dflash.eval.generate import target_config_hash
+
+    if os.path.isdir(model_path):
+        found = target_config_hash(model_path)
+        if found != fingerprint.target_config_hash:
+            raise CacheMismatchError("target_config_hash", found, fingerprint.target_config_hash,
+                                     hint=f"--model {model_path} is not the target the cache was extracted with "
+                                          f"({fingerprint.target})")
+
+
+def check_greedy(fingerprint, *, cache_dir: str, approximate: bool) -> None:
+    if not fingerprint.target_greedy and not approximate:
+        raise ConfigError(
+            f"cache {cache_dir} is not marked target_greedy: its responses are not the target's own greedy "
+            "outputs, so the accept chain would follow a path the target never takes and tau would not be "
+            "exact. Make the eval set with `dflash generate` and extract that, or pass --approximate")
+
+
+def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalConfig,
+                   progress: bool = True) -> EvalResult:
+    """Exact greedy tau of the drafter at drafter_dir on the cache at cache_dir (frozen embedding/head of model)."""
+    import torch
+    from tqdm import tqdm
+
+    from dflash.cache import CacheReader
+    from dflash.drafter.export import load_drafter
+    from dflash.eval.tau import sequence_steps
+    from dflash.target.head import embedding_and_head
+
+    t0 = time.perf_counter()
+    reader = CacheReader(cache_dir)
+    fp = reader.fingerprint
+    check_greedy(fp, cache_dir=cache_dir, approximate=cfg.approximate)
+    if not fp.target_greedy:
+        log.warning("cache %s is not target_greedy: tau is approximate (--approximate)", cache_dir)
+    check_target(fp, model)
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = cfg.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    log.info("drafter dtype %s (%s)", dtype_name, "given" if cfg.dtype else "default for " + device)
+    dtype = getattr(torch, dtype_name)
+    drafter, dcfg = load_drafter(drafter_dir, device=device, dtype=dtype)
+    drafter.eval()
+    if dcfg.hidden_size != reader.hidden_size:
+        raise CacheMismatchError("hidden_size", dcfg.hidden_size, reader.hidden_size,
+                                 hint="the drafter was made for another target")
+    reader.tap_positions(dcfg.target_layer_ids)  # ConfigError naming the cache's taps
+    embed_VD, head_VD, info = embedding_and_head(model, dtype=dtype)
+    if info.vocab_size != dcfg.vocab_size or info.hidden_size != dcfg.hidden_size:
+        raise ConfigError(f"drafter vocab/hidden {dcfg.vocab_size}/{dcfg.hidden_size} do not match the target "
+                          f"{model} ({info.vocab_size}/{info.hidden_size})")
+    embed_VD, head_VD = embed_VD.to(device), head_VD.to(device)
+
+    n = len(reader) if cfg.limit is None else min(cfg.limit, len(reader))
+    names = source_of_sample_ids(list(fp.sources), reader.index.sample_id[:n])
+    overall = TauStats(name="overall", block_size=dcfg.block_size)
+    groups: dict[str, TauStats] = {}
+    for i in tqdm(range(n), desc="eval", unit="seq", disable=not progress):
+        s = reader.read(i, taps=dcfg.target_layer_ids, dequantize=True)
+        steps = sequence_steps(drafter, embed_VD=embed_VD, lm_head_VD=head_VD,
+                               input_ids_T=torch.from_numpy(s.input_ids.astype(np.int64)),
+                               hidden_TKD=s.hidden, loss_mask_T=s.loss_mask, mask_token_id=dcfg.mask_token_id,
+                               chunk_anchors=cfg.chunk_anchors)
+        tokens = int(s.loss_mask.astype(bool).sum())
+        overall.add(steps, tokens)
+        groups.setdefault(names[i], TauStats(name=names[i], block_size=dcfg.block_size)).add(steps, tokens)
+    reader.close()
+    return EvalResult(overall=overall, per_source=list(groups.values()), target_greedy=fp.target_greedy,
+                      drafter=str(drafter_dir), cache=str(cache_dir), block_size=dcfg.block_size,
+                      dtype=dtype_name, seconds=time.perf_counter() - t0)
+
+
+def format_result(res: EvalResult) -> str:
+    """A small table: source, sequences, steps, tau, and the accept-length distribution."""
+    B = res.block_size
+    head = f"{'source':<28} {'seqs':>5} {'steps':>7} {'tau':>6}   accepted tokens per step (fraction, 1..{B})"
+    lines = [("exact greedy tau" if res.target_greedy else "APPROXIMATE tau (cache not target_greedy)")
+             + f" of {res.drafter} on {res.cache} ({res.dtype}, {res.seconds:.1f} s)", head]
+    for st in res.per_source + [res.overall]:
+        n = st.num_steps
+        dist = " ".join(f"{c / n:.2f}" if n else "-" for c in st.step_counts[1:])
+        lines.append(f"{st.name[:28]:<28} {st.num_sequences:>5} {n:>7} {st.tau:>6.3f}   {dist}")
+    return "\n".join(lines)
