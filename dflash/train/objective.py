@@ -91,7 +91,8 @@ def build_blocks(input_ids_S: torch.Tensor, loss_mask_S: torch.Tensor, anchors_J
     labels_JB = torch.where(inside_JB, input_ids_S.long()[safe_JB], IGNORE_INDEX)
     block_ids_JB = torch.full_like(pos_JB, mask_token_id)
     block_ids_JB[:, 0] = input_ids_S.long()[anchors_J]
-    decay_B = decay_weights(block_size=block_size, gamma=gamma).to(device)
+    # non_blocking: a blocking copy from pageable host memory synchronises the stream (once per sequence)
+    decay_B = decay_weights(block_size=block_size, gamma=gamma).to(device, non_blocking=True)
     weights_JB = decay_B[None] * inside_JB * loss_mask_S.to(torch.float32)[safe_JB]
     return Blocks(block_ids_JB=block_ids_JB, positions_JB=pos_JB, labels_JB=labels_JB, weights_JB=weights_JB)
 
@@ -103,9 +104,12 @@ def packed_layout(*, lengths: Sequence[int] | torch.Tensor, anchors: Sequence[to
     lengths_N = torch.as_tensor(lengths, dtype=torch.int64)
     assert len(anchors) == lengths_N.shape[0], "one anchor tensor per sequence"
     device = anchors[0].device if len(anchors) else lengths_N.device
-    lengths_N = lengths_N.to(device)
+    # Host lengths (the trainer's case): the total is known without a GPU sync, and a non_blocking copy of
+    # a small pageable tensor is staged by the driver without waiting for the stream.
+    total = int(lengths_N.sum()) if lengths_N.device.type == "cpu" else None
+    lengths_N = lengths_N.to(device, non_blocking=True)
     seq_N = torch.arange(lengths_N.shape[0], device=device)
-    ctx_seq_C = seq_N.repeat_interleave(lengths_N)
+    ctx_seq_C = seq_N.repeat_interleave(lengths_N, output_size=total)
     starts_N = torch.cumsum(lengths_N, 0) - lengths_N
     ctx_pos_C = torch.arange(ctx_seq_C.shape[0], device=device) - starts_N[ctx_seq_C]
     block_seq_J = torch.cat([torch.full((a.shape[0],), i, dtype=torch.int64, device=device)
@@ -174,5 +178,5 @@ def chunked_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N:
     return CELoss(loss=loss, weighted_ce_sum=ce_sum, weight_sum=weight_sum,
                   correct_B=hit_JB.float().sum(0), count_B=supervised_JB.float().sum(0),
                   accept_len_sum=accept_J.sum(),
-                  num_blocks=torch.tensor(float(supervised_JB.shape[0]), device=hidden_NH.device))
+                  num_blocks=torch.full((), float(supervised_JB.shape[0]), device=hidden_NH.device))
 

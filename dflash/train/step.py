@@ -79,7 +79,7 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, *, embed_VD: torc
         labels.append(blk.labels_JB)
         weights.append(blk.weights_JB)
         offset += n
-    layout = packed_layout(lengths=torch.as_tensor(mb.lengths, device=device), anchors=list(per_sample),
+    layout = packed_layout(lengths=torch.as_tensor(mb.lengths), anchors=list(per_sample),  # host: no GPU sync
                            block_size=B)
     block_ids_Q = torch.cat(ids).reshape(-1)
     ctx_TD = drafter.context(mb.hidden_TKD)

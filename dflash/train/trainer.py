@@ -56,6 +56,14 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the fp32 master weights. On CUDA the fused kernel: one launch for all parameters instead of
+    a foreach chain of ~10 kernels per step over 1.7B parameters (27B drafter shape); the CPU keeps the default
+    implementation (checkpoints written there resume bit-exactly)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                             fused=True if device.type == "cuda" else None)
+
+
 def _memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -83,7 +91,7 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
 
     drafter, dc, device = s.drafter, s.drafter_config, info.device
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(params, cfg, device)
     total_steps = s.total_steps
     warmup = int(round(cfg.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
