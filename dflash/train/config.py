@@ -75,6 +75,9 @@ class TrainConfig:
     """Anchors (blocks) sampled per sequence, resampled every epoch (paper: 512)."""
     seed: int = 0
     """Seeds the model init, the per-epoch shuffle and the per-(epoch, sample) anchor draws."""
+    shuffle_seed: int | None = None
+    """Seed of the per-epoch shuffle only; None = `seed`. A sweep sets it so runs of different seeds share one
+    data stream (a run alone with the same shuffle_seed sees the same micro-batches)."""
     dtype: str = "auto"
     """Compute dtype for autocast: auto = bfloat16 on CUDA, float32 on CPU; or bfloat16 / float32."""
     loss_chunk_blocks: int = 128
@@ -120,6 +123,11 @@ class TrainConfig:
             raise ConfigError("taps=(): give at least one tap layer id, or leave it unset for all cached taps")
         if self.gamma is not None and self.gamma <= 0:
             raise ConfigError(f"gamma={self.gamma}: must be > 0")
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the per-epoch shuffle (shuffle_seed, else seed)."""
+        return self.seed if self.shuffle_seed is None else self.shuffle_seed
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
