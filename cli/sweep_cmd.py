@@ -1,0 +1,47 @@
+"""`dflash sweep`: many drafters trained off one cache, from one loader stream per device."""
+
+from __future__ import annotations
+
+import click
+
+from dflash.errors import ConfigError
+
+
+@click.command("sweep")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--cache", required=True, type=click.Path(), help="Hidden-state cache written by `dflash extract`.")
+@click.option("--model", required=True, type=click.Path(), help="Target model folder (frozen embedding and LM head).")
+@click.option("--output", required=True, type=click.Path(),
+              help="Sweep folder: runs/NAME/{checkpoints,metrics.jsonl,drafter}, results.md/.csv, plots.")
+@click.option("--gpus", type=int, default=1, show_default=True,
+              help="GPUs to spread the groups of runs over (one process each); ignored on CPU.")
+@click.option("--eval-cache", type=click.Path(), help="Eval cache: each finished drafter gets its exact greedy tau.")
+@click.option("--approximate", is_flag=True, help="Allow an eval cache not marked target_greedy (approximate tau).")
+@click.option("--eval-limit", type=int, help="Evaluate only the first N sequences of the eval cache.")
+@click.option("--resume", is_flag=True, help="Continue the sweep in --output: every run from its newest checkpoint.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="Compute device; auto = CUDA when available.")
+def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limit, resume, device) -> None:
+    """Train every run of the sweep SPEC (YAML: base, grid, runs) from one read of the cache per device.
+
+    Runs that share the data stream (batch_tokens, grad_accum, shuffle seed, ...) train side by side:
+    each micro-batch is read and copied to the device once and used by every drafter, each with its own
+    optimizer, schedule, anchors and checkpoints. See configs/sweep_example.yaml.
+    """
+    from dflash.sweep.runner import run_sweep
+    from dflash.sweep.spec import load_sweep_spec
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: must be >= 1")
+    s = load_sweep_spec(spec, cache=cache, model=model, output=output)
+    import logging
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    res = run_sweep(s, output=output, gpus=gpus, eval_cache=eval_cache, approximate=approximate, resume=resume,
+                    device=None if device == "auto" else device, eval_limit=eval_limit)
+    for row in res.rows:
+        tau = "" if row["tau"] is None else f", tau {row['tau']:.3f}"
+        loss = "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"
+        click.echo(f"{row['name']}: {row['steps']} steps, final loss {loss}{tau}")
+    click.echo(f"best run: {res.best}; cache bytes read {res.bytes_read}; results in {res.output / 'results.md'}")

@@ -1,0 +1,143 @@
+"""Sweep results: one row per run (varied config values, steps, final loss, accuracy per block position,
+mean accepted length in training, tau when evaluated) as DIR/results.md and DIR/results.csv, plus PNG plots
+(loss curves of all runs; tau, or the final loss when nothing was evaluated, per run), and the best run:
+highest tau when every finished run was evaluated, else lowest final loss.
+Tradeoff: "final loss" is the mean over the last log window of each run (log_every steps), not one step.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import pathlib
+from typing import Any
+
+from dflash.sweep.spec import SweepSpec
+
+log = logging.getLogger(__name__)
+
+
+def _metrics(run_dir: pathlib.Path) -> list[dict]:
+    from dflash.train.metrics import read_metrics
+
+    return read_metrics(run_dir)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return "-".join(str(x) for x in v)
+    return str(v)
+
+
+def collect_rows(out: pathlib.Path, spec: SweepSpec) -> list[dict]:
+    rows = []
+    for r in spec.runs:
+        run_dir = pathlib.Path(r.config.output)
+        recs = _metrics(run_dir)
+        last = recs[-1] if recs else None
+        ev = run_dir / "eval.json"
+        tau = json.loads(ev.read_text())["tau"] if ev.exists() else None
+        row = {"name": r.name, **{k: r.config.to_json()[k] for k in spec.varied},
+               "steps": last["step"] if last else 0,
+               "finished": (run_dir / "drafter" / "config.json").exists(),
+               "final_loss": last["loss"] if last else None,
+               "final_step_loss": last["step_losses"][-1] if last else None,
+               "accept_len_train": last["accept_len"] if last else None,
+               "tau": tau,
+               "acc": last["acc"] if last else []}
+        row["loss_curve"] = [(s, x) for rec in recs
+                             for s, x in zip(range(rec["first_step"], rec["step"] + 1), rec["step_losses"])]
+        rows.append(row)
+    return rows
+
+
+def best_run(rows: list[dict]) -> tuple[str | None, str]:
+    """(name, criterion): by tau if every finished run has one, else by the final loss."""
+    done = [r for r in rows if r["finished"]] or rows
+    if done and all(r["tau"] is not None and not math.isnan(r["tau"]) for r in done):
+        return max(done, key=lambda r: r["tau"])["name"], "tau"
+    scored = [r for r in done if r["final_loss"] is not None]
+    if not scored:
+        return None, "none"
+    return min(scored, key=lambda r: r["final_loss"])["name"], "final_loss"
+
+
+def _table(rows: list[dict], varied: tuple[str, ...]) -> tuple[list[str], list[list[str]]]:
+    max_acc = max((len(r["acc"]) for r in rows), default=0)
+    head = ["name", *varied, "steps", "finished", "final_loss", "accept_len_train", "tau",
+            *[f"acc_{k + 1}" for k in range(max_acc)]]
+    body = []
+    for r in rows:
+        acc = list(r["acc"]) + [None] * (max_acc - len(r["acc"]))
+        body.append([r["name"], *[_fmt(r[k]) for k in varied], str(r["steps"]), str(r["finished"]).lower(),
+                     _fmt(r["final_loss"]), _fmt(r["accept_len_train"]), _fmt(r["tau"]), *[_fmt(a) for a in acc]])
+    return head, body
+
+
+def _plots(out: pathlib.Path, rows: list[dict]) -> list[pathlib.Path]:
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("no plots: matplotlib is not installed (pip install 'dflash[plots]'); tables are written")
+        return []
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        if r["loss_curve"]:
+            s, x = zip(*r["loss_curve"])
+            ax.plot(s, x, label=r["name"], linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (decay-weighted CE)")
+    ax.set_title("sweep: loss per run")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "loss_curves.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    evaluated = [r for r in rows if r["tau"] is not None]
+    key, label, fname = (("tau", "tau (exact greedy acceptance length)", "tau.png") if evaluated
+                         else ("final_loss", "final loss", "final_loss.png"))
+    shown = evaluated or [r for r in rows if r["final_loss"] is not None]
+    fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(shown) + 2), 4.5))
+    ax.bar(range(len(shown)), [r[key] for r in shown])
+    ax.set_xticks(range(len(shown)), [r["name"] for r in shown], rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel(label)
+    ax.set_title(f"sweep: {label} per config")
+    fig.tight_layout()
+    paths.append(out / fname)
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def write_report(out: pathlib.Path, spec: SweepSpec) -> tuple[list[dict], str | None]:
+    """Write results.md, results.csv and the plots; return the rows and the best run's name."""
+    rows = collect_rows(out, spec)
+    best, criterion = best_run(rows)
+    head, body = _table(rows, spec.varied)
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(head)
+        w.writerows(body)
+    plots = _plots(out, rows)
+    lines = ["# Sweep results", "",
+             f"{len(rows)} runs; varied: {', '.join(spec.varied) or '(nothing)'}.", "",
+             f"**Best run: {best}** (by {criterion.replace('_', ' ')})." if best else "No run has results yet.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    lines += ["", "acc_k: accuracy at block position k over the last log window; final_loss: mean loss of that "
+              "window; tau: exact greedy acceptance length on the eval cache.", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    return rows, best
