@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "eval_cmd",
     "train_cmd",
     "export_cmd",
+    "sweep_cmd",
 )
 
 
