@@ -1,0 +1,424 @@
+"""Training benchmark: `dflash train` on the Qwen3.5-27B drafter shape, against its floors, in one run.
+
+    python benchmarks/bench_train.py                      # H200: 27B drafter shape, 2 x 2048 tokens per step
+    python benchmarks/bench_train.py --tiny               # CPU smoke run (hidden 256, 2 layers, ~1 minute)
+
+The drafter: 5 layers, hidden 5120, 32/8 heads of 128, MLP 17408, vocab 248320, block 16, 512 anchors per
+sequence, 5 taps (1, 16, 31, 46, 61) of a 64-layer target. Measures, on the same micro-batches:
+  (A) the real trainer (dflash.train.trainer.train) reading a cold fp8 disk cache: tokens/s (context tokens),
+      MFU (FLOPs of dflash.train.metrics.FlopModel over a bf16 8192^3 matmul peak measured here, and over the
+      nominal 790 TFLOP/s), peak memory, and the trainer's own loader-wait fraction;
+  (B) the same steps (the trainer's step code: micro_batch_loss, backward, GradSync, clip, fused AdamW, LR
+      schedule) fed from micro-batches resident on the GPU, no loader: loader_stall_fraction = 1 - A / B.
+Medians over the measured steps; the warm-up steps (flex attention compilation, allocator growth) are
+excluded from both.
+
+Setup (all under --work-dir on the local disk): a target folder with a Qwen3_5TextConfig of the 27B shape, the
+tiny byte tokenizer and a model.safetensors holding only the embedding and LM head (random bf16; the trainer
+reads nothing else), and a cache written by CacheWriter (fp8) of random token ids, realistic loss masks (a
+prompt of 10-40% without loss, then the response) and random-normal hidden states with outlier channels.
+Checkpoint writes and the final export (~20 GB at this shape) are no part of a step: they are patched out
+unless --keep-checkpoints. Writes benchmarks/results/train_<name>.json; the last stdout line is that JSON
+without its per-window records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN35_27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                  num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                  linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+NOMINAL_PEAK = 790e12
+REFERENCE = {"plain_pytorch_tok_s": 7000, "plain_pytorch_mfu": 0.53, "target_mfu": 0.60,
+             "target_loader_stall_fraction": 0.02}
+
+
+def say(msg: str) -> None:
+    print(f"[bench_train {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def shapes(tiny: bool) -> dict:
+    if tiny:
+        return dict(hidden=256, layers=2, heads=None, kv_heads=None, head_dim=None, intermediate=None, vocab=4096,
+                    target_layers=8, taps=(1, 2, 3, 4, 5), seq_len=512, anchors=64, mask_token_id=4000)
+    return dict(hidden=5120, layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=17408, vocab=248320,
+                target_layers=64, taps=(1, 16, 31, 46, 61), seq_len=2048, anchors=512, mask_token_id=248070)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device: torch.device) -> float:
+    """Dense matmul FLOP/s measured here (bf16 8192^3 on CUDA; fp32 1024^3 on CPU), as bench_extract."""
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(12):
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        sync(device)
+        times.append((time.perf_counter() - t) / 5)
+    return 2 * n**3 / statistics.median(times[2:])
+
+
+# ------------------------------------------------------------------------------------------------- setup
+
+def make_target(path: pathlib.Path, sh: dict, device: torch.device) -> None:
+    """config.json (Qwen3.5 text, untied), tokenizer, and a model.safetensors with only embedding + head."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5TextConfig
+
+    from dflash.target.testing import tiny_qwen35_text_kwargs, tiny_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    if sh["hidden"] == 5120:
+        kw = dict(QWEN35_27B)
+    else:
+        kw = tiny_qwen35_text_kwargs(num_layers=sh["target_layers"], vocab_size=sh["vocab"])
+        kw.update(hidden_size=sh["hidden"], intermediate_size=2 * sh["hidden"])
+    cfg = Qwen3_5TextConfig(**{**kw, "tie_word_embeddings": False})
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    cfg.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    g = torch.Generator(device=device).manual_seed(1)
+    tensors = {name: (0.02 * torch.randn(sh["vocab"], sh["hidden"], device=device, generator=g))
+               .to(torch.bfloat16).cpu() for name in ("model.embed_tokens.weight", "lm_head.weight")}
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def make_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_samples: int, seed: int,
+               device: torch.device) -> dict:
+    """Random samples written through CacheWriter as fp8 (quantised on `device`); returns size and time."""
+    from transformers import AutoTokenizer
+
+    from dflash.cache import CacheWriter, Fingerprint
+    from dflash.cache.format import encode_hidden
+    from dflash.train.build import target_config_hash, tokenizer_hash
+
+    tok = AutoTokenizer.from_pretrained(target)  # reloaded, as the trainer does: same class, same hash
+    fp = Fingerprint(target=str(target), target_config_hash=target_config_hash(target),
+                     num_target_layers=sh["target_layers"], hidden_size=sh["hidden"], target_dtype="bfloat16",
+                     tokenizer_hash=tokenizer_hash(tok), chat_template_hash="", tap_layer_ids=sh["taps"],
+                     storage="fp8", max_length=sh["seq_len"])
+    S, K, D = sh["seq_len"], len(sh["taps"]), sh["hidden"]
+    rng = np.random.default_rng(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    outlier_channels = torch.randperm(D, generator=torch.Generator().manual_seed(seed))[:8].to(device)
+    per_append = max(1, (1 << 14) // S)
+    t0 = time.perf_counter()
+    with CacheWriter(path, fp) as w:
+        for start in range(0, num_samples, per_append):
+            n = min(per_append, num_samples - start)
+            T = n * S
+            ids = rng.integers(0, sh["vocab"], size=T).astype(np.int32)
+            mask = np.ones(T, np.uint8)
+            for i in range(n):  # loss on the response only: a prompt of 10-40% of the sequence first
+                mask[i * S: i * S + int(rng.uniform(0.1, 0.4) * S)] = 0
+            hidden = torch.randn(T, K, D, device=device, generator=g)
+            hidden[:, :, outlier_channels] *= 20.0  # massive-activation channels, as real hidden states have
+            spikes = torch.rand(T, K, D, device=device, generator=g) < 1e-4
+            hidden = torch.where(spikes, hidden * 50.0, hidden)
+            bits, scales = encode_hidden(hidden, "fp8")
+            w.append(sample_ids=np.arange(start, start + n, dtype=np.int64), lengths=np.full(n, S, np.int64),
+                     input_ids=ids, loss_mask=mask, hidden=bits.cpu(), scales=scales.cpu())
+    os.sync()
+    nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return {"samples": num_samples, "bytes": nbytes, "write_s": time.perf_counter() - t0}
+
+
+def drop_page_cache(path: pathlib.Path) -> str:
+    """Make the first reads come from the disk: drop_caches as root, else fadvise DONTNEED per file."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for f in path.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "posix_fadvise DONTNEED"
+
+
+# ------------------------------------------------------------------------------------------- run A
+
+def patch_out_saving() -> None:
+    """Checkpoints (~20 GB of fp32 weights and Adam states at this shape) and the export are no part of a step."""
+    import dflash.drafter.export as export
+    import dflash.train.checkpoint as ckpt
+
+    ckpt.save_checkpoint = lambda *a, **k: None
+    export.export_drafter = lambda model, cfg, out_dir, **k: pathlib.Path(out_dir)
+
+
+def tail_metrics(path: pathlib.Path, stop: threading.Event, run: str = "A") -> None:
+    """Print each metrics.jsonl record as it appears (progress, and a stuck compile is visible)."""
+    seen = 0
+    while not stop.wait(2.0):
+        if not path.exists():
+            continue
+        lines = [x for x in path.read_text().splitlines() if x.strip()]
+        for line in lines[seen:]:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a record being written; read it next time
+            seen += 1
+            mfu = f"{r['mfu']:.3f}" if r.get("mfu") is not None else "-"
+            say(f"  {run} step {r['step']:4d}  loss {r['loss']:.3f}  {r['tokens_per_s']:9,.0f} tok/s  mfu {mfu}  "
+                f"stall {r['stall_frac']:.3f}  mem {r['mem_gb']:.1f} GiB  {r['step_time_s']:.3f} s/step")
+
+
+def run_trainer(cfg, device: torch.device) -> list[dict]:
+    from dflash.train.metrics import read_metrics
+    from dflash.train.trainer import train
+
+    stop = threading.Event()
+    t = threading.Thread(target=tail_metrics, args=(pathlib.Path(cfg.output) / "metrics.jsonl", stop), daemon=True)
+    t.start()
+    try:
+        res = train(cfg, device=device.type)
+    finally:
+        stop.set()
+        t.join()
+    if res.global_step != cfg.steps:
+        raise RuntimeError(f"the trainer stopped at step {res.global_step}, expected {cfg.steps}")
+    return read_metrics(cfg.output)
+
+
+# ------------------------------------------------------------------------------------------- run B
+
+def run_resident(cfg, device: torch.device, *, warmup: int) -> dict:
+    """The trainer's step code (train.unit.DrafterUnit: micro_batch, end_step with its own timing and metrics
+    record) over micro-batches preloaded on the device: no loader in the loop."""
+    from dflash.train import checkpoint as ckpt
+    from dflash.train.distributed import init_distributed
+    from dflash.train.loader import StreamingLoader, plan_epoch
+    from dflash.train.metrics import read_metrics
+    from dflash.train.setup import setup_training
+    from dflash.train.step import host_anchors
+    from dflash.train.trainer import autocast
+    from dflash.train.unit import DrafterUnit
+
+    info = init_distributed(device=device.type)
+    s = setup_training(cfg, info=info, resume_state=None)
+    dc = s.drafter_config
+    plan = plan_epoch(s.reader.index.length, seed=cfg.data_seed, epoch=0, batch_tokens=cfg.batch_tokens,
+                      world_size=1, grad_accum=cfg.grad_accum)
+    if plan.num_steps < cfg.steps:
+        raise RuntimeError(f"the cache holds {plan.num_steps} steps of one epoch, the run needs {cfg.steps}: "
+                           "raise --samples")
+
+    def host_fn(packed, ep):  # as the trainer's
+        return host_anchors(packed, ep, seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=dc.block_size,
+                            pin=device.type == "cuda")
+
+    steps_mbs = []
+    with StreamingLoader(s.reader, plan, rank=0, start_step=0, taps=s.taps, device=device, dtype=s.compute_dtype,
+                         num_readers=cfg.num_readers, prefetch=cfg.prefetch, host_fn=host_fn) as loader:
+        for _ in range(cfg.steps):
+            steps_mbs.append([loader.next() for _ in range(cfg.grad_accum)])
+    sync(device)
+    s.reader.close()
+    run_dir = pathlib.Path(cfg.output)
+    unit = DrafterUnit(cfg=cfg, run_dir=run_dir, drafter=s.drafter, drafter_config=dc, embed_VD=s.embed_VD,
+                       lm_head_VD=s.lm_head_VD, total_steps=cfg.steps, default_gamma=s.default_gamma, info=info,
+                       state=None, progress=False, name="resident")
+    stop = threading.Event()
+    t = threading.Thread(target=tail_metrics, args=(run_dir / "metrics.jsonl", stop, "B"), daemon=True)
+    t.start()
+    try:
+        for step, mbs in enumerate(steps_mbs):
+            unit.begin_step()
+            for mb in mbs:
+                if not mb.is_empty:
+                    unit.micro_batch(mb, mb.extra, lambda: autocast(device, s.compute_dtype))
+            pos = ckpt.DataPosition(epoch=0, step_in_epoch=step + 1, global_step=step + 1)
+            unit.end_step(pos, step_tokens=sum(mb.num_tokens for mb in mbs), stall_s=lambda: 0.0)
+    finally:
+        unit.close()
+        stop.set()
+        t.join()
+    recs = read_metrics(run_dir)
+    measured = [r for r in recs if r["first_step"] > warmup]
+    if not measured:
+        raise RuntimeError(f"no measured log windows in {run_dir}/metrics.jsonl")
+    return {"tok_s": statistics.median(r["tokens_per_s"] for r in measured),
+            "mfu": statistics.median(r["mfu"] for r in measured),
+            "step_time_s": statistics.median(r["step_time_s"] for r in measured),
+            "peak_mem_gib": max(r["mem_gb"] for r in recs), "records": recs}
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="measured optimizer steps (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=6, help="warm-up steps excluded from the medians")
+    p.add_argument("--batch-tokens", type=int, default=None, help="micro-batch token budget (default 2 sequences)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="cache samples (default: exactly the sequences of warm-up + measured steps)")
+    p.add_argument("--log-every", type=int, default=2, help="trainer log interval (each log syncs the host)")
+    p.add_argument("--num-readers", type=int, default=2, help="loader reader threads")
+    p.add_argument("--prefetch", type=int, default=4, help="micro-batches read ahead")
+    p.add_argument("--work-dir", default="/tmp/dflash_bench_train", help="local-disk folder (wiped first)")
+    p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 4096, 512-token sequences (CPU)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="let the trainer write its checkpoint/export")
+    p.add_argument("--skip-resident", action="store_true", help="skip run B (no loader-stall fraction)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-name", default=None, help="results file suffix (default: h200 on CUDA, cpu)")
+    args = p.parse_args()
+    if args.tiny and args.steps == 20 and args.warmup == 6:
+        args.steps, args.warmup = 4, 2
+    if args.warmup % args.log_every:
+        p.error(f"--warmup {args.warmup} must be a multiple of --log-every {args.log_every} "
+                "(medians are over whole log windows after the warm-up)")
+
+    os.environ["DFLASH_NO_PROGRESS"] = "1"  # our own per-record lines instead of a tqdm bar in a log file
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from dflash.train.config import TrainConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sh = shapes(args.tiny)
+    total_steps = args.warmup + args.steps
+    batch_tokens = args.batch_tokens or 2 * sh["seq_len"]
+    seqs_per_step = max(1, batch_tokens // sh["seq_len"])
+    num_samples = args.samples or seqs_per_step * total_steps
+    work = pathlib.Path(args.work_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    say(f"device {device}, {'tiny' if args.tiny else '27B drafter'} shape, {total_steps} steps "
+        f"({args.warmup} warm-up), {seqs_per_step} x {sh['seq_len']} tokens per step, {num_samples} samples")
+
+    t = time.perf_counter()
+    make_target(work / "target", sh, device)
+    say(f"target folder (embedding + head only) written in {time.perf_counter() - t:.1f} s")
+    cache_info = make_cache(work / "cache", work / "target", sh, num_samples=num_samples, seed=args.seed,
+                            device=device)
+    say(f"fp8 cache: {cache_info['bytes'] / 1e9:.2f} GB in {cache_info['write_s']:.1f} s")
+    peak = matmul_peak(device)
+    say(f"matmul peak measured: {peak / 1e12:.0f} TFLOP/s")
+
+    kw = dict(cache=str(work / "cache"), model=str(work / "target"), num_layers=sh["layers"],
+              num_attention_heads=sh["heads"], num_key_value_heads=sh["kv_heads"], head_dim=sh["head_dim"],
+              intermediate_size=sh["intermediate"], block_size=16, rope_theta=1e7, mask_token_id=sh["mask_token_id"],
+              num_anchors=sh["anchors"], steps=total_steps, batch_tokens=batch_tokens, log_every=args.log_every,
+              save_every=10**9, num_readers=args.num_readers, prefetch=args.prefetch, peak_flops=peak, seed=args.seed)
+    cfg_a = TrainConfig(output=str(work / "run_a"), **kw)
+    if not args.keep_checkpoints:
+        patch_out_saving()
+    cold = drop_page_cache(work / "cache")
+    say(f"run A: the trainer from the disk cache (page cache dropped: {cold})")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    recs = run_trainer(cfg_a, device)
+    a_wall = time.perf_counter() - t
+    measured = [r for r in recs if r["first_step"] > args.warmup]
+    if not measured:
+        raise RuntimeError(f"no measured log windows in {cfg_a.output}/metrics.jsonl")
+    tok_s = statistics.median(r["tokens_per_s"] for r in measured)
+    mfu = statistics.median(r["mfu"] for r in measured)
+    wait = statistics.median(r["stall_frac"] for r in measured)
+    step_s = statistics.median(r["step_time_s"] for r in measured)
+    mem = max(r["mem_gb"] for r in recs)
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+    resident = None
+    if not args.skip_resident:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        say("run B: the same steps from micro-batches resident on the device")
+        resident = run_resident(TrainConfig(output=str(work / "run_b"), **kw), device, warmup=args.warmup)
+    stall = max(0.0, 1.0 - tok_s / resident["tok_s"]) if resident else None
+
+    rows = [("trainer, fp8 disk cache (A)", tok_s, f"MFU {mfu:.3f} (measured peak), "
+             f"{mfu * peak / NOMINAL_PEAK:.3f} (790T); wait {wait:.3f}; {step_s:.3f} s/step; {mem:.1f} GiB")]
+    if resident:
+        rows.append(("same steps, GPU-resident batches (B)", resident["tok_s"],
+                     f"MFU {resident['mfu']:.3f}; {resident['step_time_s']:.3f} s/step"))
+        rows.append(("loader stall 1 - A/B", None, f"{stall:.3f} (target <= {REFERENCE['target_loader_stall_fraction']})"))
+    rows.append(("reference: plain PyTorch step", REFERENCE["plain_pytorch_tok_s"],
+                 f"MFU {REFERENCE['plain_pytorch_mfu']} (target >= {REFERENCE['target_mfu']})"))
+    print(f"\n{'what':40s} {'tok/s':>10s}  notes", flush=True)
+    for name, rate, note in rows:
+        print(f"{name:40s} {'' if rate is None else f'{rate:10,.0f}':>10s}  {note}", flush=True)
+
+    name = args.result_name or (("tiny_" if args.tiny else "") + ("h200" if device.type == "cuda" else "cpu"))
+    b_loss = {r["step"]: r["loss"] for r in resident["records"]} if resident else {}
+    loss_diff = max((abs(r["loss"] - b_loss[r["step"]]) for r in recs if r["step"] in b_loss), default=None)
+    out = {
+        "benchmark": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(["python"] + sys.argv),
+        "machine": {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
+                    "cpus": os.cpu_count(), "platform": platform.platform()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__, "triton": _version("triton"),
+                     "zarr": _version("zarr")},
+        "model": "tiny drafter" if args.tiny else "Qwen3.5-27B drafter shape, random weights and features",
+        "tok_s": tok_s, "mfu": mfu, "mfu_vs_nominal_790": mfu * peak / NOMINAL_PEAK,
+        "loader_stall_fraction": stall, "trainer_wait_fraction": wait,
+        "resident_tok_s": resident["tok_s"] if resident else None,
+        "resident_mfu": resident["mfu"] if resident else None,
+        "max_loss_diff_a_vs_b": loss_diff,  # same data, anchors and init: A and B must train the same way
+        "step_time_s": step_s, "resident_step_time_s": resident["step_time_s"] if resident else None,
+        "peak_mem_gib": mem, "peak_reserved_gib": reserved,
+        "resident_peak_mem_gib": resident["peak_mem_gib"] if resident else None,
+        "steps": args.steps, "warmup_steps": args.warmup, "matmul_peak_flops": peak,
+        "page_cache": cold, "cache": cache_info, "run_a_wall_s": a_wall,
+        "config": {**{k: v for k, v in kw.items() if k not in ("cache", "model")},
+                   "taps": list(sh["taps"]), "num_target_layers": sh["target_layers"], "vocab_size": sh["vocab"],
+                   "hidden_size": sh["hidden"], "seq_len": sh["seq_len"], "storage": "fp8"},
+        "reference": REFERENCE, "trainer_records": recs,
+        "resident_records": resident["records"] if resident else None,
+    }
+    res_dir = ROOT / "benchmarks" / "results"
+    res_dir.mkdir(parents=True, exist_ok=True)
+    (res_dir / f"train_{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    say(f"wrote {res_dir / f'train_{name}.json'}")
+    # the per-window records stay in the file; the last stdout line is the rest (short enough for a log tail)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("trainer_records", "resident_records")}), flush=True)
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()
