@@ -1,0 +1,149 @@
+"""End to end on the real SmolLM2-135M: `dflash generate` (MT-Bench + HumanEval prompts) -> `dflash extract`
+(the cache is marked target_greedy) -> a drafter -> `dflash eval --json`, checked against the live greedy
+speculative-decoding loop on the same prompts.
+
+The live loop must reproduce the generated responses token for token and give, per prompt, the same step
+lengths as the offline chain computed from fp32 features. The cache stores bf16 features, so `dflash eval`
+may differ from live where a draft argmax is a near-tie: per prompt tau must agree within 0.25 and the mean
+within 0.1 (measured: identical on these prompts, live and cache tau 2.875 2.091 1.643 1.643 2.667).
+The drafter is overfit in-test to the cached responses with a cheap cosine loss (see test_eval_live.py) so
+that long accept chains occur; the real trainer needs minutes on CPU to get beyond tau ~1.1.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.main import cli
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 24
+
+
+def _invoke(args):
+    res = CliRunner().invoke(cli, args, prog_name="dflash")
+    assert res.exit_code == 0, res.output
+    return res
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, smollm2_dir):
+    from dflash.data.assets import humaneval_path, mtbench_questions_path
+
+    root = tmp_path_factory.mktemp("evalpipe")
+    model = str(smollm2_dir)
+    for name, src, n in (("mt.jsonl", mtbench_questions_path(), 3), ("he.jsonl", humaneval_path(), 2)):
+        _invoke(["generate", "--model", model, "--prompts", str(src), "--output", str(root / name), "--limit", str(n),
+                 "--max-new-tokens", str(MAX_NEW), "--batch-size", str(n), "--device", "cpu", "--dtype", "float32"])
+    _invoke(["extract", "--model", model, "--data", str(root / "mt.jsonl"), "--data", str(root / "he.jsonl"),
+             "--output", str(root / "cache"), "--dtype", "float32", "--max-length", "1024"])
+    records = [json.loads(x) for f in ("mt.jsonl", "he.jsonl") for x in (root / f).read_text().splitlines()]
+    return root, model, records
+
+
+def _overfit_drafter(cache_dir, model, out_dir, *, steps=120):
+    from dflash.cache import CacheReader
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.export import export_drafter
+    from dflash.drafter.model import DFlashDrafter
+    from dflash.target.head import embedding_and_head
+    from dflash.train.objective import build_blocks, packed_layout
+
+    reader = CacheReader(cache_dir)
+    taps = reader.tap_layer_ids
+    torch.manual_seed(0)
+    B, mask_id = 8, 16
+    cfg = DrafterConfig(hidden_size=576, intermediate_size=512, target_layer_ids=taps, num_target_layers=30,
+                        mask_token_id=mask_id, vocab_size=49152, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, block_size=B)
+    dr = DFlashDrafter(cfg)
+    embed, head, _ = embedding_and_head(model, dtype=torch.float32)
+    packed = reader.read_many(list(range(len(reader))), dequantize=True)
+    ids = torch.from_numpy(packed.input_ids.astype(np.int64))
+    mask = torch.from_numpy(packed.loss_mask.astype(np.uint8))
+    lengths = packed.lengths.tolist()
+    offs = np.concatenate([[0], np.cumsum(lengths)])
+    anchors, blocks = [], []
+    for i, n in enumerate(lengths):
+        m = mask[offs[i]: offs[i + 1]]
+        a = torch.arange(int(m.nonzero()[0]), n - 1)
+        anchors.append(a)
+        blocks.append(build_blocks(ids[offs[i]: offs[i + 1]], m, a, block_size=B, mask_token_id=mask_id))
+    lay = packed_layout(lengths=lengths, anchors=anchors, block_size=B)
+    block_ids = torch.cat([b.block_ids_JB for b in blocks]).flatten()
+    labels = torch.cat([b.labels_JB for b in blocks]).flatten()
+    w = torch.cat([b.weights_JB for b in blocks]).flatten()
+    target_dir = torch.nn.functional.normalize(head[labels.clamp(min=0)], dim=-1)
+    feats = packed.hidden.float()
+    opt = torch.optim.AdamW(dr.parameters(), lr=3e-3)
+    for _ in range(steps):
+        out = dr(embed[block_ids], dr.context(feats), q_pos=lay.q_pos_Q, kv_pos=lay.kv_pos_K, mask=lay)
+        loss = ((1 - (torch.nn.functional.normalize(out, dim=-1) * target_dir).sum(-1)) * w).sum() / w.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    reader.close()
+    return export_drafter(dr.eval(), cfg, out_dir, dtype=torch.float32)
+
+
+def test_generate_extract_eval_matches_live(pipeline):
+    from dflash.drafter.export import load_drafter
+    from dflash.eval.generate import stop_token_ids
+    from dflash.eval.live import speculative_generate
+    from dflash.eval.tau import accept_lengths, walk_accept_chain
+    from dflash.target.head import embedding_and_head
+    from dflash.target.load import load_target
+
+    root, model, records = pipeline
+    manifest = json.loads((root / "cache" / "manifest.json").read_text())
+    assert manifest["fingerprint"]["target_greedy"] is True
+    drafter_dir = _overfit_drafter(root / "cache", model, root / "drafter")
+
+    res = _invoke(["eval", "--drafter", str(drafter_dir), "--cache", str(root / "cache"), "--model", model, "--json",
+                   "--device", "cpu", "--chunk-anchors", "16"])
+    out = json.loads(res.output)
+    assert out["exact"] is True
+    assert [(s["name"], s["num_sequences"]) for s in out["sources"]] == [("mt.jsonl", 3), ("he.jsonl", 2)]
+
+    target, tok = load_target(model, device="cpu", dtype=torch.float32)
+    embed, head, _ = embedding_and_head(model, dtype=torch.float32)
+    dr, cfg = load_drafter(drafter_dir, dtype=torch.float32)
+    dr.eval()
+    stops = stop_token_ids(tok, target.generation_config, {})
+    live_taus = []
+    for rec in records:
+        meta = rec["dflash_generate"]
+        prompt_ids = rec["input_ids"][: meta["num_prompt_tokens"]]
+        with torch.no_grad():
+            live = speculative_generate(target, dr, embed_VD=embed, lm_head_VD=head, prompt_ids=prompt_ids,
+                                        max_new_tokens=MAX_NEW, stop_ids=stops)
+            assert live.tokens == meta["response_ids"], "live speculative decoding != dflash generate's greedy output"
+            seq = torch.tensor(rec["input_ids"])
+            hs = target(seq[None], output_hidden_states=True).hidden_states
+            feats = torch.stack([hs[k + 1][0] for k in cfg.target_layer_ids], dim=1)
+            start, end = len(prompt_ids), len(seq)
+            L = accept_lengths(dr, embed_VD=embed, lm_head_VD=head, input_ids_T=seq, hidden_TKD=feats, start=start,
+                               end=end, mask_token_id=cfg.mask_token_id)
+        assert walk_accept_chain(L, start, end) == live.steps, "fp32 offline chain != live chain"
+        live_taus.append(live.tau)
+    # the cache-based (bf16 features) tau of `dflash eval`, per prompt, against live
+    from dflash.cache import CacheReader
+    from dflash.eval.tau import sequence_steps
+
+    reader = CacheReader(root / "cache")
+    cache_taus = []
+    for i in range(len(reader)):
+        s = reader.read(i, taps=cfg.target_layer_ids, dequantize=True)
+        steps = sequence_steps(dr, embed_VD=embed, lm_head_VD=head, input_ids_T=torch.from_numpy(s.input_ids.astype(np.int64)),
+                               hidden_TKD=s.hidden.float(), loss_mask_T=s.loss_mask, mask_token_id=cfg.mask_token_id)
+        cache_taus.append(float(np.mean(steps)))
+    reader.close()
+    print(f"live tau {np.round(live_taus, 3).tolist()} cache tau {np.round(cache_taus, 3).tolist()} "
+          f"dflash eval {out['tau']:.3f}")
+    assert out["tau"] == pytest.approx(np.mean(cache_taus))
+    assert max(abs(a - b) for a, b in zip(live_taus, cache_taus)) <= 0.25
+    assert abs(out["tau"] - np.mean(live_taus)) <= 0.1
+    assert np.mean(live_taus) > 1.8, "the overfit drafter should give long accept chains"
