@@ -177,6 +177,10 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
     dtype = getattr(torch, dtype_name)
     drafter, dcfg = load_drafter(drafter_dir, device=device, dtype=dtype)
     drafter.eval()
+    # Each anchor chunk has its own context length; compiled flex attention would recompile for every new
+    # shape. The chunked dense SDPA path has no compile step and is exact, and eval is forward-only.
+    drafter.attn_backend = "dense"
+    log.info("drafter attention backend dense for eval (varying chunk shapes; no recompiles)")
     if dcfg.hidden_size != reader.hidden_size:
         raise CacheMismatchError("hidden_size", dcfg.hidden_size, reader.hidden_size,
                                  hint="the drafter was made for another target")
