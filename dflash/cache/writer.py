@@ -17,6 +17,7 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,10 +131,13 @@ class CacheWriter:
 
     # -- caller side ---------------------------------------------------------------------------------------
     def append(self, *, sample_ids: np.ndarray, lengths: np.ndarray, input_ids: np.ndarray,
-               loss_mask: np.ndarray, hidden: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+               loss_mask: np.ndarray, hidden: torch.Tensor, scales: torch.Tensor | None = None,
+               on_consumed: Callable[[], None] | None = None) -> None:
         """Queue a batch of samples (concatenated, no padding). Blocks while the queue is full.
 
-        The writer keeps references to the arrays until it has copied them: do not modify them afterwards."""
+        The writer keeps references to the arrays until it has copied them: do not modify them afterwards.
+        `on_consumed` is called from the writer thread once it has copied them, so the caller can recycle
+        the (pinned) buffers; it is not called when the writer fails or is aborted."""
         self._check_usable()
         sample_ids = np.asarray(sample_ids, np.int64).reshape(-1)
         lengths = np.asarray(lengths, np.int64).reshape(-1)
@@ -163,7 +167,7 @@ class CacheWriter:
         else:
             scales_np = None
         item = (sample_ids, lengths, input_ids.astype(np.int32, copy=False),
-                loss_mask.astype(np.uint8, copy=False), hidden.numpy(), scales_np)
+                loss_mask.astype(np.uint8, copy=False), hidden.numpy(), scales_np, on_consumed)
         t0 = time.perf_counter()
         while True:
             try:
@@ -211,6 +215,10 @@ class CacheWriter:
         else:
             self.abort()
 
+    def raise_if_failed(self) -> None:
+        """Re-raise the writer thread's error, if any (for callers waiting on something else than append)."""
+        self._check_usable()
+
     def _check_usable(self) -> None:
         if self._error is not None:
             self._closed = True
@@ -239,7 +247,10 @@ class CacheWriter:
                     if self._tokens:
                         self._commit()
                     return
-                self._add(*item)
+                *batch, on_consumed = item
+                self._add(*batch)
+                if on_consumed is not None:
+                    on_consumed()
         except BaseException as e:  # noqa: BLE001 - handed to the caller thread
             self._error = e
             if self._hidden_w is not None:

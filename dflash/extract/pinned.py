@@ -1,0 +1,69 @@
+"""A pool of pinned host buffers, allocated once and recycled, for the device->host copies of extraction.
+
+Why: pinning memory (cudaHostAlloc) is slow, ~1-3 GB/s. A fresh pinned tensor per batch (1.7 GB for a
+32K-token bf16 batch of the 27B target) cost 45% of the extraction throughput on the H200 (5.7K vs 10.4K
+tokens/s forward-only; benchmarks/results/extract_h200.json before this pool). The writer thread hands a
+buffer back (CacheWriter.append(on_consumed=...)) once it has copied the bytes into its shard block, so
+`queue_depth + 2` buffers cover the batch being copied, the one waiting to be appended, and the queue.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+
+import torch
+
+ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class PinnedPool:
+    """`count` pinned uint8 buffers of `nbytes` each; acquire() blocks until one is free."""
+
+    def __init__(self, *, count: int, nbytes: int, pin: bool = True) -> None:
+        self.nbytes = _aligned(nbytes)
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(count):
+            self._free.put(torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin))
+
+    def acquire(self, *, check: Callable[[], None] | None = None) -> torch.Tensor:
+        """A free buffer; while waiting, `check()` runs every 50 ms (it raises if the consumer died)."""
+        while True:
+            try:
+                return self._free.get(timeout=0.05)
+            except queue.Empty:
+                if check is not None:
+                    check()
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._free.put(buf)
+
+
+def batch_views(buf: torch.Tensor, *, bits_shape: tuple[int, ...], bits_dtype: torch.dtype,
+                scales_shape: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Carve the encoded hidden bits and (fp8) scales of one batch out of a pool buffer."""
+    elt = torch.empty((), dtype=bits_dtype).element_size()
+    nbits = elt
+    for d in bits_shape:
+        nbits *= d
+    bits = buf[:nbits].view(bits_dtype).view(bits_shape)
+    if scales_shape is None:
+        return bits, None
+    off = _aligned(nbits)
+    nscales = 4
+    for d in scales_shape:
+        nscales *= d
+    if off + nscales > buf.numel():
+        raise ValueError(f"pool buffer of {buf.numel()} bytes is too small for {off + nscales}")
+    return bits, buf[off:off + nscales].view(torch.float32).view(scales_shape)
+
+
+def batch_nbytes(*, tokens: int, num_taps: int, hidden: int, storage: str) -> int:
+    """Bytes of one batch's encoded hidden states (+ fp8 scales) for `tokens` real tokens."""
+    if storage == "fp8":
+        return _aligned(tokens * num_taps * hidden) + tokens * num_taps * 4
+    return tokens * num_taps * hidden * 2

@@ -1,0 +1,62 @@
+"""The recycled pinned-buffer pool of extraction and the writer's on_consumed hand-back."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.cache import CacheReader, CacheWriter
+from dflash.extract.pinned import PinnedPool, batch_nbytes, batch_views
+from tests.unit.test_cache_roundtrip import make_fp
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_batch_views_fit_and_do_not_overlap(storage):
+    T, K, D = 37, 3, 24
+    buf = torch.zeros(batch_nbytes(tokens=T, num_taps=K, hidden=D, storage=storage), dtype=torch.uint8)
+    dtype = torch.uint16 if storage == "bf16" else torch.uint8
+    bits, scales = batch_views(buf, bits_shape=(T, K, D), bits_dtype=dtype,
+                               scales_shape=(T, K) if storage == "fp8" else None)
+    bits.fill_(7)
+    if scales is not None:
+        scales.fill_(1.5)
+        assert (bits == 7).all()  # scales did not overwrite the bits
+    assert bits.shape == (T, K, D) and bits.dtype == dtype
+
+
+def test_pool_blocks_until_release_and_runs_check():
+    pool = PinnedPool(count=1, nbytes=100, pin=False)
+    buf = pool.acquire()
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 3:
+            threading.Timer(0.01, pool.release, args=(buf,)).start()
+
+    assert pool.acquire(check=check) is buf
+    assert len(calls) >= 3
+
+
+def test_pool_check_error_propagates():
+    pool = PinnedPool(count=1, nbytes=8, pin=False)
+    pool.acquire()
+
+    def boom():
+        raise RuntimeError("writer died")
+
+    with pytest.raises(RuntimeError, match="writer died"):
+        pool.acquire(check=boom)
+
+
+def test_writer_calls_on_consumed_after_copying(tmp_path):
+    fp = make_fp(storage="bf16", taps=(1, 2), D=16)
+    consumed = []
+    hidden = torch.randn(10, 2, 16).to(torch.bfloat16)
+    with CacheWriter(tmp_path / "c", fp, shard_tokens=64) as w:
+        w.append(sample_ids=np.array([0, 1]), lengths=np.array([4, 6]), input_ids=np.arange(10, dtype=np.int32),
+                 loss_mask=np.ones(10, np.uint8), hidden=hidden, on_consumed=lambda: consumed.append(True))
+    assert consumed == [True]
+    r = CacheReader(tmp_path / "c")
+    assert torch.equal(r.read(1).hidden.view(torch.uint16), hidden[4:].view(torch.uint16))
