@@ -1,0 +1,244 @@
+"""Sweep benchmark: 4 drafters trained as ONE `dflash sweep` versus the same 4 runs one after another.
+
+    python benchmarks/bench_sweep.py --synthetic --tiny   # CPU (hidden 256, 8-layer target, ~2 minutes)
+    python benchmarks/bench_sweep.py --synthetic          # H200: 27B features (hidden 5120, 5 taps of 64 layers)
+
+Both arms run the same code path (dflash.sweep.runner.run_sweep): the sweep arm is one spec of 4 runs (a 2 x 2
+grid over lr and num_layers, plus tap subsets whose union is every cached tap), the sequential arm is 4 specs
+of one run each, run one after another, so per-run work (setup, steps, final checkpoint, export) is identical
+and only the sharing differs. Reported, in one run on one machine:
+  bytes_read_ratio_vs_sequential = cache bytes read by the sweep / by the 4 sequential runs   (target <= 0.3)
+  wall_ratio_vs_sequential       = wall time of the sweep / of the 4 sequential runs         (target < 1.0)
+(the minimum over --repeats alternations of the arms) and the per-run final losses of both arms (equal on CPU fp32: the sweep trains each run exactly as alone).
+The page cache of the cache files is dropped (posix_fadvise DONTNEED) before each arm, so reads come from disk.
+
+--synthetic builds everything under --work-dir: a Qwen3.5 text config (27B shape, or tiny with --tiny), the
+tiny byte tokenizer, a model.safetensors with only the embedding and LM head (random; the trainer reads
+nothing else), and an fp8 cache written by CacheWriter of random token ids with a loss-free prompt and
+random-normal hidden states. Writes benchmarks/results/sweep_<name>.json; the last stdout line is that JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN35_27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                  num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                  linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+
+
+def say(msg: str) -> None:
+    print(f"[bench_sweep {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def shapes(tiny: bool) -> dict:
+    if tiny:
+        return dict(hidden=256, vocab=4096, target_layers=8, taps=(1, 2, 3, 4, 5), seq_len=256, anchors=32,
+                    block=8, mask_token_id=4000, layers=(1, 2), intermediate=512, batch_tokens=1024)
+    # 1- and 2-layer drafters at the 27B hidden size: 4 of them (+ fp32 Adam) fit one H200 side by side
+    return dict(hidden=5120, vocab=248320, target_layers=64, taps=(1, 16, 31, 46, 61), seq_len=2048, anchors=512,
+                block=16, mask_token_id=248070, layers=(1, 2), intermediate=None, batch_tokens=4096)
+
+
+def make_target(path: pathlib.Path, sh: dict) -> None:
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5TextConfig
+
+    from dflash.target.testing import tiny_qwen35_text_kwargs, tiny_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    if sh["hidden"] == 5120:
+        kw = dict(QWEN35_27B)
+    else:
+        kw = tiny_qwen35_text_kwargs(num_layers=sh["target_layers"], vocab_size=sh["vocab"])
+        kw.update(hidden_size=sh["hidden"], intermediate_size=2 * sh["hidden"])
+    cfg = Qwen3_5TextConfig(**{**kw, "tie_word_embeddings": False})
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    cfg.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    save_file({n: (0.02 * torch.randn(sh["vocab"], sh["hidden"], generator=g)).to(torch.bfloat16)
+               for n in ("model.embed_tokens.weight", "lm_head.weight")}, str(path / "model.safetensors"))
+
+
+def make_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_samples: int, seed: int = 0) -> int:
+    from transformers import AutoTokenizer
+
+    from dflash.cache import CacheWriter, Fingerprint
+    from dflash.cache.format import encode_hidden
+    from dflash.train.build import target_config_hash, tokenizer_hash
+
+    tok = AutoTokenizer.from_pretrained(target)
+    fp = Fingerprint(target=str(target), target_config_hash=target_config_hash(target),
+                     num_target_layers=sh["target_layers"], hidden_size=sh["hidden"], target_dtype="bfloat16",
+                     tokenizer_hash=tokenizer_hash(tok), chat_template_hash="", tap_layer_ids=sh["taps"],
+                     storage="fp8", max_length=sh["seq_len"])
+    S, K, D = sh["seq_len"], len(sh["taps"]), sh["hidden"]
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    per_append = max(1, (1 << 13) // S)
+    with CacheWriter(path, fp) as w:
+        for start in range(0, num_samples, per_append):
+            n = min(per_append, num_samples - start)
+            T = n * S
+            mask = np.ones(T, np.uint8)
+            for i in range(n):  # a prompt of 10-40% without loss, then the response
+                mask[i * S: i * S + int(rng.uniform(0.1, 0.4) * S)] = 0
+            bits, scales = encode_hidden(torch.randn(T, K, D, generator=g), "fp8")
+            w.append(sample_ids=np.arange(start, start + n, dtype=np.int64), lengths=np.full(n, S, np.int64),
+                     input_ids=rng.integers(0, sh["vocab"], size=T).astype(np.int32), loss_mask=mask,
+                     hidden=bits, scales=scales)
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def drop_page_cache(path: pathlib.Path) -> None:
+    """Evict the cache files from the page cache (clean pages; no root needed)."""
+    os.sync()
+    for f in path.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def spec_data(sh: dict, *, steps: int, num_readers: int) -> dict:
+    taps = list(sh["taps"])
+    base = dict(block_size=sh["block"], num_anchors=sh["anchors"], batch_tokens=sh["batch_tokens"], steps=steps,
+                mask_token_id=sh["mask_token_id"], log_every=max(1, steps // 4), save_every=10**6,
+                num_readers=num_readers, prefetch=4, warmup_ratio=0.1)
+    if sh["intermediate"] is not None:
+        base["intermediate_size"] = sh["intermediate"]
+    l1, l2 = sh["layers"]
+    # 2 x 2 over lr and layers; two of the runs use tap subsets (their union is all taps)
+    runs = [dict(name="lr6e-4_L1", lr=6e-4, num_layers=l1), dict(name="lr1e-3_L1", lr=1e-3, num_layers=l1),
+            dict(name="lr6e-4_L2", lr=6e-4, num_layers=l2, taps=taps[::2]),
+            dict(name="lr1e-3_L2", lr=1e-3, num_layers=l2, taps=taps[1:])]
+    return {"base": base, "runs": runs}
+
+
+def timed_sweep(data: dict, *, cache: pathlib.Path, model: pathlib.Path, out: pathlib.Path, device: str) -> dict:
+    from dflash.sweep.runner import run_sweep
+    from dflash.sweep.spec import spec_from_dict
+
+    spec = spec_from_dict(data, cache=str(cache), model=str(model), output=str(out))
+    drop_page_cache(cache)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = run_sweep(spec, output=out, device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "bytes_read": res.bytes_read,
+            "final_step_loss": {r["name"]: r["final_step_loss"] for r in res.rows}}
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--synthetic", action="store_true", help="random-feature cache + embedding/head-only target "
+                   "(the only mode: a real SmolLM2 cache cannot be carried to the GPU machine)")
+    p.add_argument("--tiny", action="store_true", help="CPU sizes (hidden 256)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12 tiny, 30 27B)")
+    p.add_argument("--samples", type=int, default=None, help="cache samples (default 48 tiny, 64 27B)")
+    p.add_argument("--num-readers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="alternations of the two arms (min wall per arm)")
+    p.add_argument("--work-dir", default="/tmp/dflash_bench_sweep", help="local-disk folder (wiped first)")
+    p.add_argument("--result-name", default=None, help="results file suffix (default: h200 on CUDA, cpu)")
+    args = p.parse_args()
+    if not args.synthetic:
+        p.error("pass --synthetic (random features; see the module docstring)")
+    logging.basicConfig(level=logging.WARNING)
+    os.environ["DFLASH_NO_PROGRESS"] = "1"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sh = shapes(args.tiny or device == "cpu")
+    steps = args.steps or (12 if sh["hidden"] < 5120 else 30)
+    samples = args.samples or (48 if sh["hidden"] < 5120 else 64)
+    work = pathlib.Path(args.work_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    say(f"device {device}; hidden {sh['hidden']}, taps {sh['taps']}, {samples} samples of {sh['seq_len']} tokens")
+    make_target(work / "target", sh)
+    cache_bytes = make_cache(work / "cache", work / "target", sh, num_samples=samples)
+    say(f"cache: {cache_bytes / 2**20:.1f} MiB (fp8)")
+    data = spec_data(sh, steps=steps, num_readers=args.num_readers)
+
+    # warm-up (imports, kernels, flex compile on CUDA): one short run, not measured
+    timed_sweep({"base": {**data["base"], "steps": 2}, "runs": data["runs"][:1]}, cache=work / "cache",
+                model=work / "target", out=work / "warm", device=device)
+    # arms alternate `repeats` times; each arm's wall is its minimum (the CPU machine is shared: the min is
+    # the least-disturbed measurement); bytes and losses are the same in every repeat
+    sweeps, seqs = [], []
+    for rep in range(args.repeats):
+        say(f"sweep arm (repeat {rep}): 4 runs from one stream")
+        sweeps.append(timed_sweep(data, cache=work / "cache", model=work / "target", out=work / f"sweep{rep}",
+                                  device=device))
+        say(f"  {sweeps[-1]['wall_s']:.1f} s, {sweeps[-1]['bytes_read'] / 2**20:.1f} MiB read")
+        seq = {"wall_s": 0.0, "bytes_read": 0, "final_step_loss": {}}
+        for run in data["runs"]:
+            r = timed_sweep({"base": data["base"], "runs": [run]}, cache=work / "cache", model=work / "target",
+                            out=work / f"seq{rep}_{run['name']}", device=device)
+            seq["wall_s"] += r["wall_s"]
+            seq["bytes_read"] += r["bytes_read"]
+            seq["final_step_loss"].update(r["final_step_loss"])
+        seqs.append(seq)
+        say(f"sequential arm (repeat {rep}): {seq['wall_s']:.1f} s, {seq['bytes_read'] / 2**20:.1f} MiB read")
+    sweep = min(sweeps, key=lambda r: r["wall_s"])
+    seq = min(seqs, key=lambda r: r["wall_s"])
+    sweep["all_wall_s"] = [r["wall_s"] for r in sweeps]
+    seq["all_wall_s"] = [r["wall_s"] for r in seqs]
+
+    name = args.result_name or ("h200" if device == "cuda" else "cpu")
+    out = {
+        "benchmark": "bench_sweep", "name": name,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "num_runs": len(data["runs"]), "steps_per_run": steps, "cache_samples": samples, "cache_bytes": cache_bytes,
+        "shape": {k: (list(v) if isinstance(v, tuple) else v) for k, v in sh.items()},
+        "runs": data["runs"],
+        "wall_ratio_vs_sequential": sweep["wall_s"] / seq["wall_s"],
+        "bytes_read_ratio_vs_sequential": sweep["bytes_read"] / seq["bytes_read"],
+        "targets": {"bytes_read_ratio_vs_sequential": "<= 0.3", "wall_ratio_vs_sequential": "< 1.0"},
+        "sweep": sweep, "sequential": seq,
+        "losses_equal": sweep["final_step_loss"] == seq["final_step_loss"],
+        "hardware": {"device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
+                     "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": _version("transformers"), "numpy": np.__version__,
+                     "dflash": _version("dflash")},
+    }
+    res_dir = ROOT / "benchmarks" / "results"
+    res_dir.mkdir(parents=True, exist_ok=True)
+    (res_dir / f"sweep_{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    say(f"wall ratio {out['wall_ratio_vs_sequential']:.3f}, bytes ratio {out['bytes_read_ratio_vs_sequential']:.3f}; "
+        f"wrote {res_dir / f'sweep_{name}.json'}")
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
