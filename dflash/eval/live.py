@@ -17,6 +17,12 @@ min(L, tokens kept after y[pos]) + 1, the same clamp as walk_accept_chain.
 Tradeoff: the drafter recomputes the context K/V of all positions every step (no drafter KV cache). That is
 O(steps x length) drafter work, fine for tests and evaluation of short prompts, not a serving engine.
 Hybrid targets (Gated-DeltaNet) need recurrent-state rollback on rejection; they are refused.
+Exactness: in fp32 (CPU) the output equals model.generate(do_sample=False) and the steps equal the offline
+chain (tests/unit/test_eval_live.py). In bf16 the target's verify forward over B tokens and a one-token decode
+step round differently, so after a near-tie the output can leave plain greedy decoding: measured on CPU with
+SmolLM2 bf16, 3 of 6 prompts diverged from model.generate at tokens 6, 8 and 26 (bf16 generate itself also
+left the fp32 greedy path there); the live steps still equalled the offline chain over the live output's own
+one-prefill bf16 features on all 6. So in bf16 compare tau, not tokens, and expect per-prompt tau noise.
 """
 
 from __future__ import annotations

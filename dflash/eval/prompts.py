@@ -100,7 +100,7 @@ def iter_prompts(path, *, skips: PromptSkips, limit: int | None = None) -> Itera
     path = pathlib.Path(path)
     if not path.is_file():
         raise DataError(f"prompt file {path} does not exist")
-    if not (path.name.endswith(".jsonl") or path.name.endswith(".jsonl.gz") or path.name.endswith(".json")):
+    if not (path.name.endswith(".jsonl") or path.name.endswith(".jsonl.gz")):
         raise DataError(f"prompt file {path}: expected .jsonl or .jsonl.gz")
     n = 0
     with _open_text(path) as f:
