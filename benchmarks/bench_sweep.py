@@ -81,7 +81,7 @@ def make_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_sample
 
     from dflash.cache import CacheWriter, Fingerprint
     from dflash.cache.format import encode_hidden
-    from dflash.train.build import target_config_hash, tokenizer_hash
+    from dflash.target.identity import target_config_hash, tokenizer_hash
 
     tok = AutoTokenizer.from_pretrained(target)
     fp = Fingerprint(target=str(target), target_config_hash=target_config_hash(target),

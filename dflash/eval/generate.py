@@ -15,7 +15,6 @@ greedy decoding after a near-tie; in fp32 this is rare. The response is still a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -24,6 +23,7 @@ from typing import Callable, Sequence
 
 from dflash.errors import ConfigError, DataError
 from dflash.eval.prompts import Prompt, PromptSkips, iter_prompts
+from dflash.target.identity import target_config_hash
 
 GENERATE_FIELD = "dflash_generate"
 """Per-record field that marks a conversation as produced by `dflash generate` (docs/INTERFACES.md)."""
@@ -155,15 +155,6 @@ def generate_greedy(model, tokenizer, prompts: Sequence[Prompt], *, cfg: Generat
             on_batch(batch)
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]
-
-
-def target_config_hash(model_dir) -> str:
-    """sha256 of the target's config.json as canonical JSON: the same value extraction puts in the cache
-    fingerprint (dflash.extract.preflight.config_hash; a test pins the equality), so extraction can tell
-    that these responses came from its own target."""
-    with open(pathlib.Path(model_dir) / "config.json") as f:
-        obj = json.load(f)
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def generation_record(g: Generation, *, target: str, config_hash: str | None, cfg: GenerateConfig) -> dict:

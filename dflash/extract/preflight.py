@@ -8,7 +8,6 @@ sending them around); only rank 0 prints. Cost: tokenization is repeated per ran
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -17,9 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from dflash.cache.format import Fingerprint
-from dflash.errors import ConfigError, DataError
+from dflash.errors import ConfigError
 from dflash.extract.plan import ExtractPlan, make_plan
 from dflash.extract.space import CacheBytes, estimate_cache_bytes
+from dflash.target.identity import chat_template_hash, tokenizer_hash
+from dflash.target.identity import target_config_hash as config_hash
 
 log = logging.getLogger(__name__)
 
@@ -61,27 +62,6 @@ def sha256_source(path: str) -> str:
     for f in sorted(q for q in p.rglob("*") if q.is_file()):
         h.update(f"{f.relative_to(p).as_posix()}\0{sha256_file(f)}\n".encode())
     return h.hexdigest()
-
-
-def sha256_json(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def config_hash(model_dir: str) -> str:
-    """sha256 of config.json as canonical JSON (key order and whitespace do not matter)."""
-    with open(Path(model_dir) / "config.json") as f:
-        return sha256_json(json.load(f))
-
-
-def tokenizer_hash(tokenizer) -> str:
-    """sha256 over the vocabulary, added tokens and special-token map: independent of file layout."""
-    vocab = sorted(tokenizer.get_vocab().items())
-    specials = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
-    return sha256_json({"vocab": vocab, "special": specials, "class": type(tokenizer).__name__})
-
-
-def chat_template_hash(tokenizer) -> str:
-    return sha256_json(tokenizer.chat_template)
 
 
 def target_greedy_of(paths: list[str], *, target_config_hash: str) -> tuple[bool, str]:

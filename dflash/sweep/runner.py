@@ -20,7 +20,7 @@ import logging
 import pathlib
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 from dflash.errors import ConfigError
 from dflash.sweep.spec import RunSpec, SweepSpec, plan_groups

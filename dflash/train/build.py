@@ -2,21 +2,19 @@
 target given with --model is the one the cache was extracted from.
 
 Every automatic choice is returned with its reason so the trainer can log it (STYLE.md 8).
-Tradeoff: the target check compares config and tokenizer hashes computed the same way as `dflash extract`
-(mirrored here, since train may not import extract; tests/unit/test_train_build.py pins them equal).
+The target check compares the config and tokenizer hashes of dflash.target.identity, which `dflash extract`
+wrote into the cache fingerprint.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 from dflash.drafter.config import DrafterConfig
 from dflash.errors import CacheMismatchError, ConfigError
+from dflash.target.identity import target_config_hash, tokenizer_hash
 
 
 def select_taps(cache_taps: Sequence[int], requested: Sequence[int] | None) -> tuple[int, ...]:
@@ -95,22 +93,7 @@ def build_drafter_config(cfg: Any, *, hidden_size: int, taps: Sequence[int], num
     return ResolvedDrafter(config=dc, reasons=tuple(reasons))
 
 
-# ---- the target check (hashes mirror dflash.extract.preflight; a test pins them equal)
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def target_config_hash(model_dir: str | os.PathLike) -> str:
-    with open(Path(model_dir) / "config.json") as f:
-        return _sha256_json(json.load(f))
-
-
-def tokenizer_hash(tokenizer: Any) -> str:
-    vocab = sorted(tokenizer.get_vocab().items())
-    specials = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
-    return _sha256_json({"vocab": vocab, "special": specials, "class": type(tokenizer).__name__})
-
+# ---- the target check (the same dflash.target.identity hashes extraction wrote into the fingerprint)
 
 def check_target_matches(fingerprint: Any, *, model_dir: str | os.PathLike, tokenizer: Any, embed_hidden: int,
                          num_target_layers: int) -> None:

@@ -1,6 +1,5 @@
 """format.py: fingerprint json and mismatch naming, fp8 quantization error bound, chunk sizing."""
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

@@ -53,3 +53,24 @@ def test_validate_rejects(taps, match):
 def test_validate_accepts_and_returns_tuple():
     assert validate_tap_layer_ids([1, 16, 31, 46, 61], num_layers=64) == (1, 16, 31, 46, 61)
     assert validate_tap_layer_ids([63], num_layers=64) == (63,)
+
+
+def test_identity_hashes_ignore_layout_and_see_content(tmp_path):
+    import json
+
+    from dflash.target.identity import chat_template_hash, target_config_hash, tokenizer_hash
+    from dflash.target.testing import tiny_tokenizer
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"x": 1, "y": [1, 2]}))
+    (tmp_path / "b" / "config.json").write_text(json.dumps({"y": [1, 2], "x": 1}, indent=2))
+    assert target_config_hash(tmp_path / "a") == target_config_hash(tmp_path / "b")
+    (tmp_path / "b" / "config.json").write_text(json.dumps({"y": [1, 3], "x": 1}))
+    assert target_config_hash(tmp_path / "a") != target_config_hash(tmp_path / "b")
+    t1, t2 = tiny_tokenizer(), tiny_tokenizer()
+    assert tokenizer_hash(t1) == tokenizer_hash(t2)
+    t2.add_tokens(["<new>"])
+    assert tokenizer_hash(t1) != tokenizer_hash(t2)
+    t2.chat_template = "{{ messages }}"
+    assert chat_template_hash(t1) != chat_template_hash(t2)

@@ -40,19 +40,6 @@ def test_default_heads(hidden, expect):
     assert default_heads(hidden)[:3] == expect
 
 
-def test_hash_mirror_matches_extract(tmp_path):
-    from transformers import AutoTokenizer
-
-    from dflash.extract.preflight import config_hash, tokenizer_hash
-    from dflash.target.testing import tiny_qwen35_dir
-    from dflash.train import build
-
-    d = tiny_qwen35_dir(tmp_path / "t", num_layers=2)
-    tok = AutoTokenizer.from_pretrained(d)
-    assert build.tokenizer_hash(tok) == tokenizer_hash(tok)
-    assert build.target_config_hash(d) == config_hash(d)
-
-
 def test_config_yaml_overrides_and_resume_check(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("lr: 0.001\ntaps: [1, 2]\nbetas: [0.9, 0.95]\n")
