@@ -94,9 +94,13 @@ class ExtractResult:
     wait_s: float
     """Seconds waiting on the writer queue, averaged over ranks."""
     seconds: float
+    """End to end: preflight, model load, the loop and the writer's final drain and commit."""
     num_committed_before: int
     skip_counts: dict
     dry_run: bool
+    loop_seconds: float = 0.0
+    """Steady state: from the start of the first batch to the last append (the slowest rank); excludes
+    startup and the final drain of the writer queue, which dominate a short run but not a multi-hour one."""
 
 
 def resolve_device(cfg: ExtractConfig, *, local_rank: int) -> torch.device:
@@ -170,6 +174,7 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
                 storage=cfg.storage))
         loop = _BatchLoop(samples=pre.samples, tapped=tapped, device=device, storage=cfg.storage, pad_id=pad_id,
                           writer=writer, counters=counters, pool=pool)
+        t_first = time.perf_counter()
         for r in range(plan.num_rounds):
             if r < len(my_batches):
                 loop.step(my_batches[r])
@@ -177,11 +182,15 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
                 counters.bytes_written = _bytes_written(writer)
                 reporter.report(counters)
         loop.flush()
+        loop_s = time.perf_counter() - t_first if my_batches else 0.0
     counters.bytes_written = _bytes_written(writer)
     totals = reporter.close(counters)
     if distributed:
+        slowest = torch.tensor([loop_s], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        loop_s = float(slowest[0])
         dist.barrier()
-    result = _result(cfg, pre, totals, t0, world_size if distributed else 1, dry_run=False)
+    result = _result(cfg, pre, totals, t0, world_size if distributed else 1, dry_run=False, loop_s=loop_s)
     if rank == 0:
         echo(format_summary(result, skips_text=pre.skips.summary()))
     return result
@@ -192,12 +201,13 @@ def _bytes_written(writer) -> int:
     return int(getattr(stats, "bytes_written", getattr(stats, "bytes", 0)))
 
 
-def _result(cfg, pre, totals: torch.Tensor, t0: float, world_size: int, *, dry_run: bool) -> ExtractResult:
+def _result(cfg, pre, totals: torch.Tensor, t0: float, world_size: int, *, dry_run: bool,
+            loop_s: float = 0.0) -> ExtractResult:
     return ExtractResult(
         num_samples=int(totals[SAMPLES]), num_tokens=int(totals[TOKENS]), num_padded_tokens=int(totals[PADDED]),
         bytes_written=int(totals[BYTES]), wait_s=float(totals[WAIT_S]) / max(world_size, 1),
         seconds=time.perf_counter() - t0, num_committed_before=pre.plan.num_committed,
-        skip_counts=dict(pre.skips.counts), dry_run=dry_run)
+        skip_counts=dict(pre.skips.counts), dry_run=dry_run, loop_seconds=loop_s)
 
 
 def format_summary(result: ExtractResult, *, skips_text: str) -> str:
