@@ -82,6 +82,10 @@ class TrainConfig:
     """Compute dtype for autocast: auto = bfloat16 on CUDA, float32 on CPU; or bfloat16 / float32."""
     loss_chunk_blocks: int = 128
     """Blocks per LM-head cross-entropy chunk (bounds the logits memory)."""
+    loss_impl: str = "fused"
+    """LM-head cross-entropy: fused = logits once per supervised row, input-gradient formed in the forward
+    (train.fused_ce); checkpoint = the chunk-checkpointed path over all rows (objective.chunked_ce_loss,
+    three head matmuls per row). Same math up to fp32 summation order."""
 
     # --- loader ---
     num_readers: int = 2
@@ -117,6 +121,8 @@ class TrainConfig:
         if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError(f"lr={self.lr}, grad_clip={self.grad_clip}, weight_decay={self.weight_decay}: "
                               "lr must be > 0, grad_clip and weight_decay >= 0")
+        if self.loss_impl not in ("fused", "checkpoint"):
+            raise ConfigError(f"loss_impl={self.loss_impl!r}: choose fused or checkpoint")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ConfigError(f"dtype={self.dtype!r}: choose auto, bfloat16 or float32")
         if self.taps is not None and len(self.taps) == 0:
@@ -134,8 +140,11 @@ class TrainConfig:
 
 
 # Fields that may differ between a run and its resume (paths, bookkeeping); anything else changes the math.
+# loss_impl changes only the fp32 summation order of the loss (and checkpoints written before it existed
+# lack the field).
 RESUME_MUTABLE = frozenset({"cache", "model", "output", "log_every", "save_every", "keep_checkpoints",
-                            "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps"})
+                            "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps",
+                            "loss_impl"})
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:

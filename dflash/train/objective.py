@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash.drafter.attention import BlockLayout, block_attention_mask, dense_mask
 from dflash.errors import ConfigError
 
-__all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "chunked_ce_loss",
+__all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "ce_metrics", "chunked_ce_loss",
            "decay_weights", "default_gamma", "dense_mask", "packed_layout", "sample_anchors"]
 
 IGNORE_INDEX = -100
@@ -168,9 +168,17 @@ def chunked_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N:
         correct.append(correct_n)
     weight_sum = weights_N.sum()
     loss = ce_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
+    correct_N = torch.cat(correct) if correct else torch.zeros(N, dtype=torch.bool, device=hidden_NH.device)
+    return ce_metrics(loss=loss, ce_sum=ce_sum, weight_sum=weight_sum, correct_N=correct_N, weights_N=weights_N,
+                      block_size=block_size)
 
+
+def ce_metrics(*, loss: torch.Tensor, ce_sum: torch.Tensor, weight_sum: torch.Tensor, correct_N: torch.Tensor,
+               weights_N: torch.Tensor, block_size: int) -> CELoss:
+    """CELoss from the loss sums and the per-row argmax hits; rows with weight 0 are unsupervised (their
+    `correct_N` entry is ignored). Shared by chunked_ce_loss and fused_ce.fused_ce_loss so both count alike."""
     supervised_JB = (weights_N > 0).view(-1, block_size)
-    correct_JB = torch.cat(correct).view(-1, block_size) if correct else supervised_JB.clone()
+    correct_JB = correct_N.view(-1, block_size)
     hit_JB = correct_JB & supervised_JB
     # SpecForge compute_accept_len: unsupervised slots neither break nor extend the chain.
     chain_JB = (correct_JB | ~supervised_JB)[:, 1:].long().cumprod(dim=1) * supervised_JB[:, 1:]
@@ -178,5 +186,4 @@ def chunked_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N:
     return CELoss(loss=loss, weighted_ce_sum=ce_sum, weight_sum=weight_sum,
                   correct_B=hit_JB.float().sum(0), count_B=supervised_JB.float().sum(0),
                   accept_len_sum=accept_J.sum(),
-                  num_blocks=torch.full((), float(supervised_JB.shape[0]), device=hidden_NH.device))
-
+                  num_blocks=torch.full((), float(supervised_JB.shape[0]), device=weights_N.device))

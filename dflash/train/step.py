@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dflash.train.fused_ce import fused_ce_loss
 from dflash.train.loader import MicroBatch, anchor_seed
 from dflash.train.objective import build_blocks, chunked_ce_loss, packed_layout, sample_anchors
 
@@ -62,8 +63,11 @@ def host_anchors(packed, epoch: int, *, seed: int, num_anchors: int, block_size:
 
 
 def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, *, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor,
-                     mask_token_id: int, gamma: float, loss_chunk_blocks: int):
-    """Forward of one non-empty micro-batch -> objective.CELoss (tensors only, no host sync)."""
+                     mask_token_id: int, gamma: float, loss_chunk_blocks: int, loss_impl: str = "fused"):
+    """Forward of one non-empty micro-batch -> objective.CELoss (tensors only, no host sync).
+
+    loss_impl: "fused" (train.fused_ce: head matmul once per supervised row; the row count comes from the
+    host-side HostBlocks.supervised_tokens, so no sync) or "checkpoint" (objective.chunked_ce_loss)."""
     hb: HostBlocks = mb.extra
     cfg = drafter.cfg
     B = cfg.block_size
@@ -85,8 +89,12 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, *, embed_VD: torc
     ctx_TD = drafter.context(mb.hidden_TKD)
     block_embeds_QD = embed_VD[block_ids_Q]  # frozen; embed_VD is already in the compute dtype
     hidden_QD = drafter(block_embeds_QD, ctx_TD, q_pos=layout.q_pos_Q, kv_pos=layout.kv_pos_K, mask=layout)
-    return chunked_ce_loss(hidden_QD, lm_head_VD, torch.cat(labels).reshape(-1), torch.cat(weights).reshape(-1),
-                           chunk=loss_chunk_blocks * B, block_size=B)
+    labels_Q, weights_Q = torch.cat(labels).reshape(-1), torch.cat(weights).reshape(-1)
+    if loss_impl == "fused":
+        return fused_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B,
+                             num_supervised=hb.supervised_tokens)
+    assert loss_impl == "checkpoint", loss_impl
+    return chunked_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B)
 
 
 class GradSync:

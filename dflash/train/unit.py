@@ -107,7 +107,7 @@ class DrafterUnit:
         with autocast():
             terms = micro_batch_loss(self.drafter, mb, embed_VD=self.embed_VD, lm_head_VD=self.lm_head_VD,
                                      mask_token_id=self.dc.mask_token_id, gamma=self.gamma,
-                                     loss_chunk_blocks=self.cfg.loss_chunk_blocks)
+                                     loss_chunk_blocks=self.cfg.loss_chunk_blocks, loss_impl=self.cfg.loss_impl)
         terms.weighted_ce_sum.backward()
         self.sync.add(terms)
         hb = host_blocks

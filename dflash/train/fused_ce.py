@@ -1,0 +1,118 @@
+"""Fused linear cross-entropy for the frozen LM head: the loss, the metrics and the gradient w.r.t. the hidden
+rows in one chunked forward pass (the Liger-kernel approach, in plain PyTorch).
+
+Shapes: N = block rows (J*B), R = rows with a nonzero loss weight, H = hidden size, V = vocabulary.
+
+Why: objective.chunked_ce_loss checkpoints each chunk, so the [rows x H] @ [H x V] head matmul runs three
+times per step (forward, recompute, input-gradient) over every row, slot 0 and out-of-range slots included
+(at the Qwen3.5-27B drafter shape that is ~6 H V N = 125 TFLOP of a ~250 TFLOP step). Here each chunk's
+logits are computed once: the forward also forms dCE/dlogits = w * (softmax - onehot) and multiplies it by
+the head right away, keeping only the [N x H] input-gradient (the head is frozen: no weight-gradient). The
+backward is that stored gradient times grad_output. Only the R rows with weight > 0 go through the head: 2 H V R
+forward + 2 H V R backward, which is exactly FlopModel's 4 H V (supervised tokens).
+
+Math (identical to chunked_ce_loss up to fp32 summation order): logits = (h @ W^T).float(),
+lsm = log_softmax(logits), CE = -lsm[label], ce_sum = sum(CE * w); dce_sum/dlogits = exp(lsm) * w - w onehot
+(the log_softmax/nll backward formula), cast to the logits' dtype and multiplied by W in the ambient autocast
+state, as autograd does for the checkpointed path. correct = argmax(logits) == label on the selected rows;
+unselected rows have w = 0, so they count in no metric (objective.ce_metrics treats them as unsupervised).
+
+Tradeoff: the forward does the backward's work even when the caller never calls backward (the train step always
+does); under no_grad, or when the hidden rows do not require grad, the gradient part is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.errors import ConfigError
+from dflash.train.objective import CELoss, ce_metrics
+
+__all__ = ["fused_ce_loss", "supervised_rows"]
+
+
+def supervised_rows(weights_N: torch.Tensor, *, count: int | None) -> torch.Tensor:
+    """int64 [R] indices of the rows with weight > 0, ascending.
+
+    `count` = the number of such rows when the host knows it (step.HostBlocks.supervised_tokens): a stable sort
+    of the mask then selects them with a static output size, so no device sync. None = count on the device
+    (nonzero: one host sync per call, ~tens of microseconds plus a pipeline drain on CUDA).
+    A wrong `count` is a caller bug: too large takes zero-weight rows too (harmless, only wasted work), too small
+    would drop supervised rows, so callers pass the count computed from the same loss mask.
+    """
+    mask_N = weights_N > 0
+    if count is None:
+        return mask_N.nonzero().flatten()
+    assert 0 <= count <= mask_N.shape[0], f"count={count} outside [0, {mask_N.shape[0]}]"
+    # stable descending sort of 1/0 keys: the selected rows first, in their original (ascending) order
+    return torch.sort(mask_N.to(torch.uint8), descending=True, stable=True).indices[:count]
+
+
+class _FusedHeadCE(torch.autograd.Function):
+    """ce_sum = sum over the selected rows of CE * w; the gradient w.r.t. hidden_NH is computed in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, lm_head_VH, labels_N, weights_N, rows_R, chunk: int, need_grad: bool):
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
+        correct_R = torch.zeros(rows_R.shape[0], dtype=torch.bool, device=hidden_NH.device)
+        grad_NH = torch.zeros_like(hidden_NH) if need_grad else None
+        for i in range(0, rows_R.shape[0], chunk):
+            r_n = rows_R[i:i + chunk]
+            h_nH = hidden_NH.index_select(0, r_n)
+            # clamp: a too-large host count may select zero-weight rows past the sequence end (IGNORE_INDEX
+            # labels); their weight zeroes both their CE and their gradient
+            l_n = labels_N.index_select(0, r_n).clamp(min=0)
+            w_n = weights_N.index_select(0, r_n)
+            logits_nV = h_nH @ lm_head_VH.T          # ambient autocast: the same matmul as the checkpointed path
+            low_dtype = logits_nV.dtype
+            x_nV = logits_nV.float()
+            del logits_nV
+            correct_R[i:i + chunk] = x_nV.argmax(-1) == l_n   # on the logits, as chunked_ce_loss (same ties)
+            x_nV = torch.log_softmax(x_nV, dim=-1)            # x_nV's old buffer is freed once this returns
+            ce_sum = ce_sum + (-x_nV.gather(1, l_n[:, None]).squeeze(1) * w_n).sum()
+            if need_grad:
+                # d(sum CE*w)/dlogits = exp(lsm) * w - w * onehot, in place over the log-softmax buffer
+                g_nV = x_nV.exp_().mul_(w_n[:, None])
+                g_nV.scatter_add_(1, l_n[:, None], -w_n[:, None])
+                gh_nH = g_nV.to(low_dtype) @ lm_head_VH   # [n,V] @ [V,H]; autocast as the path it replaces
+                del g_nV
+                grad_NH.index_copy_(0, r_n, gh_nH.to(grad_NH.dtype))
+            del x_nV
+        ctx.mark_non_differentiable(correct_R)
+        ctx.save_for_backward(grad_NH if need_grad else None)
+        return ce_sum, correct_R
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_correct):
+        grad_NH, = ctx.saved_tensors
+        if grad_NH is None:
+            return (None,) * 7
+        return grad_NH * grad_ce.to(grad_NH.dtype), None, None, None, None, None, None
+
+
+def fused_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: torch.Tensor,
+                  weights_N: torch.Tensor, *, chunk: int = 2048, block_size: int,
+                  num_supervised: int | None = None) -> CELoss:
+    """objective.chunked_ce_loss with the head matmul once per supervised row (see the module docstring).
+
+    `chunk` = rows of one logits chunk (peak extra memory ~ chunk x V x 10 bytes: bf16 logits, fp32 logits,
+    fp32 log-softmax). `num_supervised` = rows with weight > 0 if the host knows it (no device sync), else
+    None (one sync). The head must be frozen (lm_head_VH.requires_grad False): a trainable head would need
+    the weight gradient, which this path never forms; use chunked_ce_loss for that.
+    """
+    N = hidden_NH.shape[0]
+    assert N % block_size == 0, "rows must be whole blocks"
+    if chunk < 1:
+        raise ConfigError(f"chunk={chunk}: must be >= 1 rows")
+    if lm_head_VH.requires_grad and torch.is_grad_enabled():
+        raise ConfigError("fused_ce_loss needs a frozen LM head (it forms no head gradient); "
+                          "use loss_impl='checkpoint' (objective.chunked_ce_loss) to train the head")
+    weights_N = weights_N.to(torch.float32)
+    rows_R = supervised_rows(weights_N, count=num_supervised)
+    need_grad = torch.is_grad_enabled() and hidden_NH.requires_grad
+    ce_sum, correct_R = _FusedHeadCE.apply(hidden_NH, lm_head_VH, labels_N, weights_N, rows_R, chunk, need_grad)
+    correct_N = torch.zeros(N, dtype=torch.bool, device=hidden_NH.device).index_copy_(0, rows_R, correct_R)
+    weight_sum = weights_N.sum()
+    loss = ce_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
+    return ce_metrics(loss=loss, ce_sum=ce_sum, weight_sum=weight_sum, correct_N=correct_N, weights_N=weights_N,
+                      block_size=block_size)
