@@ -13,6 +13,7 @@ tap are adjacent and reading one sample's tokens of one tap is one contiguous pr
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -80,6 +81,63 @@ def write_all(fd: int, buffers: list) -> int:
     return total
 
 
+def _load_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()  # ctypes calls release the GIL
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+WRITEBACK_LAG_BYTES = 64 << 20
+
+
+class Writeback:
+    """Streams a file's dirty pages to disk as it grows, keeping at most ~WRITEBACK_LAG_BYTES dirty.
+
+    Why: with lots of RAM the kernel starts writeback late, so a writer that fsyncs per shard leaves the
+    disk idle while it fills the page cache and then waits for the whole shard at fsync. Starting writeback
+    of each block right after it is written (sync_file_range WRITE), waiting for the block LAG bytes back
+    and dropping its pages (fadvise DONTNEED) keeps the disk busy, makes the commit's fsync short, and keeps
+    written cache bytes from crowding the page cache (and its fresh-page allocation) out. Durability still
+    comes from fsync at commit only; these calls are hints and their errors are ignored."""
+
+    def __init__(self, fd: int, *, lag: int = WRITEBACK_LAG_BYTES) -> None:
+        self.fd, self.lag = fd, lag
+        self.started = 0   # bytes [0, started) have had writeback started
+        self.dropped = 0   # bytes [0, dropped) were waited for and dropped from the page cache
+
+    def wrote(self, end: int) -> None:
+        """The file now has `end` bytes: start writeback of the new ones, retire the ones lag bytes back."""
+        if _SYNC_FILE_RANGE is not None and end > self.started:
+            _SYNC_FILE_RANGE(self.fd, self.started, end - self.started, _SFR_WRITE)
+        self.started = end
+        old = end - self.lag
+        if old > self.dropped:
+            if _SYNC_FILE_RANGE is not None:
+                _SYNC_FILE_RANGE(self.fd, self.dropped, old - self.dropped,
+                                 _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
+            _fadvise_dontneed(self.fd, self.dropped, old - self.dropped)
+            self.dropped = old
+
+    def synced(self) -> None:
+        """After fsync: every page is clean, drop them all."""
+        _fadvise_dontneed(self.fd, 0, 0)
+        self.dropped = self.started
+
+
+def _fadvise_dontneed(fd: int, offset: int, length: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -112,6 +170,7 @@ class ArrayWriter:
         self.fd = os.open(os.path.join(array_dir, self.rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.offset = 0
         self.entries: list[tuple[tuple[int, ...], int, int]] = []
+        self.writeback = Writeback(self.fd)
 
     def write_chunks(self, chunks: Iterable[tuple[tuple[int, ...], np.ndarray]]) -> None:
         pending = []
@@ -126,6 +185,7 @@ class ArrayWriter:
                 pending = []
         if pending:
             write_all(self.fd, pending)
+        self.writeback.wrote(self.offset)
 
     def finish(self, *, shape: Sequence[int], dtype: str, chunk_shape: Sequence[int]) -> int:
         """Write the index and zarr.json, fsync; every grid position must have been written. Returns bytes."""
@@ -138,6 +198,7 @@ class ArrayWriter:
             idx = index.tobytes()
             write_all(self.fd, [idx, crc32c.crc32c(idx).to_bytes(4, "little")])
             os.fsync(self.fd)
+            self.writeback.synced()
         finally:
             self.close()
         nbytes = write_json_file(os.path.join(self.array_dir, "zarr.json"),
