@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train.py                      # H200: 27B drafter shape, 2 x 2048 tokens per step
     python benchmarks/bench_train.py --tiny               # CPU smoke run (hidden 256, 2 layers, ~1 minute)
+    python benchmarks/bench_train.py --compare-loss-impl  # also (C): run B's steps with the other loss_impl
 
 The drafter: 5 layers, hidden 5120, 32/8 heads of 128, MLP 17408, vocab 248320, block 16, 512 anchors per
 sequence, 5 taps (1, 16, 31, 46, 61) of a 64-layer target. Measures, on the same micro-batches:
@@ -10,6 +11,9 @@ sequence, 5 taps (1, 16, 31, 46, 61) of a 64-layer target. Measures, on the same
       nominal 790 TFLOP/s), peak memory, and the trainer's own loader-wait fraction;
   (B) the same steps (the trainer's step code: micro_batch_loss, backward, GradSync, clip, fused AdamW, LR
       schedule) fed from micro-batches resident on the GPU, no loader: loader_stall_fraction = 1 - A / B.
+  (C) with --compare-loss-impl: run B again with the other TrainConfig.loss_impl (fused = LM-head logits once
+      per supervised row, checkpoint = chunk-checkpointed CE over all rows): tok/s, MFU, memory of both, and
+      the largest per-window loss difference between them (the same math up to fp32 summation order).
 Medians over the measured steps; the warm-up steps (flex attention compilation, allocator growth) are
 excluded from both.
 
@@ -294,6 +298,10 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 4096, 512-token sequences (CPU)")
     p.add_argument("--keep-checkpoints", action="store_true", help="let the trainer write its checkpoint/export")
     p.add_argument("--skip-resident", action="store_true", help="skip run B (no loader-stall fraction)")
+    p.add_argument("--loss-impl", choices=("fused", "checkpoint"), default="fused",
+                   help="TrainConfig.loss_impl of runs A and B")
+    p.add_argument("--compare-loss-impl", action="store_true",
+                   help="run C: run B's resident steps with the other loss_impl; report both tok/s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-name", default=None, help="results file suffix (default: h200 on CUDA, cpu)")
     args = p.parse_args()
@@ -332,7 +340,8 @@ def main() -> None:
               num_attention_heads=sh["heads"], num_key_value_heads=sh["kv_heads"], head_dim=sh["head_dim"],
               intermediate_size=sh["intermediate"], block_size=16, rope_theta=1e7, mask_token_id=sh["mask_token_id"],
               num_anchors=sh["anchors"], steps=total_steps, batch_tokens=batch_tokens, log_every=args.log_every,
-              save_every=10**9, num_readers=args.num_readers, prefetch=args.prefetch, peak_flops=peak, seed=args.seed)
+              save_every=10**9, num_readers=args.num_readers, prefetch=args.prefetch, peak_flops=peak, seed=args.seed,
+              loss_impl=args.loss_impl)
     cfg_a = TrainConfig(output=str(work / "run_a"), **kw)
     if not args.keep_checkpoints:
         patch_out_saving()
@@ -363,12 +372,38 @@ def main() -> None:
         resident = run_resident(TrainConfig(output=str(work / "run_b"), **kw), device, warmup=args.warmup)
     stall = max(0.0, 1.0 - tok_s / resident["tok_s"]) if resident else None
 
+    compare = None
+    if args.compare_loss_impl:
+        other = "checkpoint" if args.loss_impl == "fused" else "fused"
+        base = resident
+        if base is None:  # --skip-resident: C still needs a resident run of this impl to compare with
+            say(f"run B': resident steps with loss_impl={args.loss_impl} (for the comparison)")
+            base = _fresh_resident(TrainConfig(output=str(work / "run_b"), **kw), device, args.warmup)
+        say(f"run C: the same resident steps with loss_impl={other}")
+        runs = {args.loss_impl: base,
+                other: _fresh_resident(TrainConfig(output=str(work / "run_c"), **{**kw, "loss_impl": other}),
+                                       device, args.warmup)}
+        c_loss = {r["step"]: r["loss"] for r in runs[other]["records"]}
+        compare = {impl: {k: r[k] for k in ("tok_s", "mfu", "step_time_s", "peak_mem_gib")}
+                   for impl, r in runs.items()}
+        compare["fused_speedup"] = runs["fused"]["tok_s"] / runs["checkpoint"]["tok_s"]
+        compare["max_loss_diff"] = max((abs(r["loss"] - c_loss[r["step"]]) for r in base["records"]
+                                        if r["step"] in c_loss), default=None)
+        compare["other_records"] = runs[other]["records"]
+
     rows = [("trainer, fp8 disk cache (A)", tok_s, f"MFU {mfu:.3f} (measured peak), "
              f"{mfu * peak / NOMINAL_PEAK:.3f} (790T); wait {wait:.3f}; {step_s:.3f} s/step; {mem:.1f} GiB")]
     if resident:
         rows.append(("same steps, GPU-resident batches (B)", resident["tok_s"],
                      f"MFU {resident['mfu']:.3f}; {resident['step_time_s']:.3f} s/step"))
         rows.append(("loader stall 1 - A/B", None, f"{stall:.3f} (target <= {REFERENCE['target_loader_stall_fraction']})"))
+    if compare:
+        for impl in ("checkpoint", "fused"):
+            c = compare[impl]
+            rows.append((f"resident, loss_impl={impl}", c["tok_s"],
+                         f"MFU {c['mfu']:.3f}; {c['step_time_s']:.3f} s/step; {c['peak_mem_gib']:.1f} GiB"))
+        rows.append(("fused / checkpoint", None, f"x{compare['fused_speedup']:.3f} tok/s; max window loss diff "
+                     f"{compare['max_loss_diff']:.2e}"))
     rows.append(("reference: plain PyTorch step", REFERENCE["plain_pytorch_tok_s"],
                  f"MFU {REFERENCE['plain_pytorch_mfu']} (target >= {REFERENCE['target_mfu']})"))
     print(f"\n{'what':40s} {'tok/s':>10s}  notes", flush=True)
@@ -400,15 +435,28 @@ def main() -> None:
         "config": {**{k: v for k, v in kw.items() if k not in ("cache", "model")},
                    "taps": list(sh["taps"]), "num_target_layers": sh["target_layers"], "vocab_size": sh["vocab"],
                    "hidden_size": sh["hidden"], "seq_len": sh["seq_len"], "storage": "fp8"},
+        "loss_impl": args.loss_impl,
+        "loss_impl_compare": {k: v for k, v in compare.items() if k != "other_records"} if compare else None,
         "reference": REFERENCE, "trainer_records": recs,
         "resident_records": resident["records"] if resident else None,
+        "loss_impl_other_records": compare["other_records"] if compare else None,
     }
     res_dir = ROOT / "benchmarks" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"train_{name}.json").write_text(json.dumps(out, indent=2) + "\n")
     say(f"wrote {res_dir / f'train_{name}.json'}")
     # the per-window records stay in the file; the last stdout line is the rest (short enough for a log tail)
-    print(json.dumps({k: v for k, v in out.items() if k not in ("trainer_records", "resident_records")}), flush=True)
+    print(json.dumps({k: v for k, v in out.items()
+                      if k not in ("trainer_records", "resident_records", "loss_impl_other_records")}), flush=True)
+
+
+def _fresh_resident(cfg, device: torch.device, warmup: int) -> dict:
+    """run_resident after freeing the previous run's model and optimizer, with its own peak-memory count."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return run_resident(cfg, device, warmup=warmup)
 
 
 def _version(dist: str) -> str | None:

@@ -11,10 +11,10 @@ the head right away, keeping only the [N x H] input-gradient (the head is frozen
 backward is that stored gradient times grad_output. Only the R rows with weight > 0 go through the head: 2 H V R
 forward + 2 H V R backward, which is exactly FlopModel's 4 H V (supervised tokens).
 
-Math (identical to chunked_ce_loss up to fp32 summation order): logits = (h @ W^T).float(),
-lsm = log_softmax(logits), CE = -lsm[label], ce_sum = sum(CE * w); dce_sum/dlogits = exp(lsm) * w - w onehot
-(the log_softmax/nll backward formula), cast to the logits' dtype and multiplied by W in the ambient autocast
-state, as autograd does for the checkpointed path. correct = argmax(logits) == label on the selected rows;
+Math (identical to chunked_ce_loss up to fp32 rounding order): logits = (h @ W^T).float(),
+lsm = log_softmax(logits), CE = -lsm[label], ce_sum = sum(CE * w); dce_sum/dlogits = (exp(lsm) - onehot) * w
+(autograd's log_softmax/nll backward forms exp(lsm) * w - w onehot: one rounding apart at the label), cast to the
+logits' dtype and multiplied by W in the ambient autocast state, as autograd does for the checkpointed path. correct = argmax(logits) == label on the selected rows;
 unselected rows have w = 0, so they count in no metric (objective.ce_metrics treats them as unsupervised).
 
 Tradeoff: the forward does the backward's work even when the caller never calls backward (the train step always
@@ -71,13 +71,18 @@ class _FusedHeadCE(torch.autograd.Function):
             x_nV = torch.log_softmax(x_nV, dim=-1)            # x_nV's old buffer is freed once this returns
             ce_sum = ce_sum + (-x_nV.gather(1, l_n[:, None]).squeeze(1) * w_n).sum()
             if need_grad:
-                # d(sum CE*w)/dlogits = exp(lsm) * w - w * onehot, in place over the log-softmax buffer
-                g_nV = x_nV.exp_().mul_(w_n[:, None])
-                g_nV.scatter_add_(1, l_n[:, None], -w_n[:, None])
-                gh_nH = g_nV.to(low_dtype) @ lm_head_VH   # [n,V] @ [V,H]; autocast as the path it replaces
+                # d(sum CE*w)/dlogits = (exp(lsm) - onehot) * w: exp and onehot in place over the log-softmax
+                # buffer, then one pass that multiplies by w and writes the logits' dtype (the cast autograd
+                # would apply) instead of a multiply pass and a cast pass
+                x_nV.exp_().scatter_add_(1, l_n[:, None], x_nV.new_full((l_n.shape[0], 1), -1.0))
+                g_nV = torch.mul(x_nV, w_n[:, None], out=torch.empty(x_nV.shape, dtype=low_dtype,
+                                                                      device=x_nV.device))
+                del x_nV
+                gh_nH = g_nV @ lm_head_VH   # [n,V] @ [V,H]; ambient autocast, as the path it replaces
                 del g_nV
                 grad_NH.index_copy_(0, r_n, gh_nH.to(grad_NH.dtype))
-            del x_nV
+            else:
+                del x_nV
         ctx.mark_non_differentiable(correct_R)
         ctx.save_for_backward(grad_NH if need_grad else None)
         return ce_sum, correct_R
@@ -95,8 +100,8 @@ def fused_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: t
                   num_supervised: int | None = None) -> CELoss:
     """objective.chunked_ce_loss with the head matmul once per supervised row (see the module docstring).
 
-    `chunk` = rows of one logits chunk (peak extra memory ~ chunk x V x 10 bytes: bf16 logits, fp32 logits,
-    fp32 log-softmax). `num_supervised` = rows with weight > 0 if the host knows it (no device sync), else
+    `chunk` = rows of one logits chunk (transient memory ~ chunk x V x 10 bytes at most: bf16 logits, fp32
+    logits and fp32 log-softmax; or fp32 log-softmax and the low-precision gradient). `num_supervised` = rows with weight > 0 if the host knows it (no device sync), else
     None (one sync). The head must be frozen (lm_head_VH.requires_grad False): a trainable head would need
     the weight gradient, which this path never forms; use chunked_ce_loss for that.
     """
