@@ -220,3 +220,12 @@ def test_training_runs_give_the_same_losses_with_both_impls(tmp_path):
     ref = torch.tensor(losses["checkpoint"], dtype=torch.float64)
     assert ((np_l - ref).abs() / ref).max() < 1e-5, (losses["fused"], losses["checkpoint"])
     assert accs["fused"] == accs["checkpoint"]
+
+
+def test_loss_impl_config_is_checked_and_resume_mutable():
+    from dflash.train.config import RESUME_MUTABLE, TrainConfig
+
+    with pytest.raises(ConfigError, match="loss_impl"):
+        TrainConfig(cache="c", model="m", output="o", loss_impl="liger")
+    assert TrainConfig(cache="c", model="m", output="o").loss_impl == "fused"
+    assert "loss_impl" in RESUME_MUTABLE
