@@ -48,8 +48,13 @@ def _int_list(ctx, param, value):
 @click.option("--log-every", type=int, help="Steps between metric logs (default 10).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="Compute device; auto = CUDA when available.")
+@click.option("--online", is_flag=True, default=None,
+              help="Baseline without the cache's features: load the target and compute the taps of every "
+                   "micro-batch live (the cache still supplies the token stream: same samples, order, anchors). "
+                   "Slower by the target forward; for comparisons.")
 def command(cache, model, output, config_path, steps, epochs, taps, gpus, resume, lr, batch_tokens, grad_accum,
-            seed, num_anchors, num_layers, block_size, mask_token_id, save_every, log_every, device) -> None:
+            seed, num_anchors, num_layers, block_size, mask_token_id, save_every, log_every, device,
+            online) -> None:
     """Train a DFlash drafter on a hidden-state cache; a finished run exports it to OUTPUT/drafter/.
 
     Only the target's embedding and LM head are loaded (frozen). Each optimizer step covers
@@ -63,7 +68,7 @@ def command(cache, model, output, config_path, steps, epochs, taps, gpus, resume
     overrides = dict(cache=cache, model=model, output=output, steps=steps, epochs=epochs, taps=taps, lr=lr,
                      batch_tokens=batch_tokens, grad_accum=grad_accum, seed=seed, num_anchors=num_anchors,
                      num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
-                     save_every=save_every, log_every=log_every)
+                     save_every=save_every, log_every=log_every, online=online)
     cfg = load_train_config(config_path, overrides)
     dev = None if device == "auto" else device
     from dflash.train.launch import launch

@@ -154,7 +154,8 @@ class CacheReader:
 
     def read_many(self, indices: Sequence[int], *, taps: Sequence[int] | None = None,
                   out: PackedBuffers | None = None, dequantize: bool = False) -> PackedSamples:
-        """Samples concatenated along tokens in the given order, into `out` (views of it are returned)."""
+        """Samples concatenated along tokens in the given order, into `out` (views of it are returned).
+        taps=() reads only input_ids and loss_mask (hidden is [T, 0, D]; bytes_read does not grow)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if len(idx) and (idx.min() < -len(self) or idx.max() >= len(self)):
             raise IndexError(f"sample index out of range for a cache of {len(self)} samples")
@@ -189,7 +190,9 @@ class CacheReader:
         def task(t) -> int:
             s, o, p0, p1, tap = t
             if tap is None:
-                return self._read_small(s, o, p1 - p0, pos, None if scales_np is None else scales_np[p0:p1],
+                # taps=(): ids and loss mask only (online training); no scale bytes either
+                return self._read_small(s, o, p1 - p0, pos,
+                                        None if scales_np is None or not pos else scales_np[p0:p1],
                                         ids_np[p0:p1], mask_np[p0:p1])
             kk, k = tap
             h = self._array(s, "hidden")

@@ -87,6 +87,11 @@ class TrainConfig:
     (train.fused_ce); checkpoint = the chunk-checkpointed path over all rows (objective.chunked_ce_loss,
     three head matmuls per row). Same math up to fp32 summation order."""
 
+    online: bool = False
+    """Compute the drafter's taps with the live target for every micro-batch instead of reading them from the
+    cache (the cache still gives the token stream: same samples, order and anchors as a cached run). The
+    baseline the cache replaces; the target forward is paid every step and counted in tokens/s."""
+
     # --- loader ---
     num_readers: int = 2
     """Reader threads filling pinned host buffers."""
@@ -141,10 +146,10 @@ class TrainConfig:
 
 # Fields that may differ between a run and its resume (paths, bookkeeping); anything else changes the math.
 # loss_impl changes only the fp32 summation order of the loss (and checkpoints written before it existed
-# lack the field).
+# lack the field). online feeds the same features (computed live in the cache's target dtype instead of read).
 RESUME_MUTABLE = frozenset({"cache", "model", "output", "log_every", "save_every", "keep_checkpoints",
                             "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps",
-                            "loss_impl"})
+                            "loss_impl", "online"})
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:

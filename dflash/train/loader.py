@@ -127,7 +127,7 @@ class MicroBatch:
     lengths: np.ndarray          # int64 [N] (host)
     input_ids_T: torch.Tensor    # int64 [T]
     loss_mask_T: torch.Tensor    # bool [T]
-    hidden_TKD: torch.Tensor     # compute dtype [T,K,D]
+    hidden_TKD: torch.Tensor     # compute dtype [T,K,D]; [T,0,D] from a loader with read_hidden=False (online)
     extra: Any = None            # whatever the trainer's host_fn computed in the reader thread (e.g. anchors)
 
     @property
@@ -166,13 +166,18 @@ class StreamingLoader:
     device with one non_blocking copy per array on a side stream, makes the compute stream wait for it,
     `record_stream`s the device tensors and hands the buffer back once the copy's event has fired. fp8 bits are
     dequantised on the device. Nothing here synchronises the host with the GPU.
+
+    read_hidden=False (`dflash train --online`): the same micro-batches, sample order, ids, loss masks and
+    host_fn results, but no hidden or scale bytes are read; hidden_TKD is [T, 0, D] for the caller to fill.
     """
 
     def __init__(self, reader: Any, plan: EpochPlan, *, rank: int, start_step: int, taps: Sequence[int],
                  device: torch.device, dtype: torch.dtype, num_readers: int = 2, prefetch: int = 4,
-                 host_fn: Callable[[Any, int], Any] | None = None) -> None:
+                 host_fn: Callable[[Any, int], Any] | None = None, read_hidden: bool = True) -> None:
         self.reader, self.plan, self.rank = reader, plan, rank
+        self.read_hidden = read_hidden
         self.taps, self.device, self.dtype = tuple(taps), device, dtype
+        self._read_taps: tuple[int, ...] = self.taps if read_hidden else ()
         self.host_fn = host_fn
         self.stats = LoaderStats()
         self._work: list[np.ndarray] = [mb for s in range(start_step, plan.num_steps)
@@ -188,7 +193,7 @@ class StreamingLoader:
             self._side = torch.cuda.Stream(device=device)
             max_tokens = max([int(reader.index.length[mb].sum()) for mb in self._work] + [1])
             for _ in range(self._prefetch):
-                self._free.put((_alloc_pinned(reader, max_tokens, len(self.taps)), None))
+                self._free.put((_alloc_pinned(reader, max_tokens, len(self._read_taps)), None))
         self._next_submit = 0
         self._fill()
 
@@ -207,7 +212,7 @@ class StreamingLoader:
             buffers, event = self._free.get()
             if event is not None:
                 event.synchronize()  # the previous H2D copy out of this buffer must finish before we overwrite it
-        packed = self.reader.read_many(indices, taps=self.taps, out=buffers)
+        packed = self.reader.read_many(indices, taps=self._read_taps, out=buffers)
         extra = self.host_fn(packed, self.plan.epoch) if self.host_fn is not None else None
         return _HostBatch(packed=packed, extra=extra, buffers=buffers)
 
@@ -249,6 +254,9 @@ class StreamingLoader:
             arrays = {"input_ids": _as_tensor(p.input_ids), "loss_mask": _as_tensor(p.loss_mask), "hidden": p.hidden}
         if p.scales is not None:
             arrays["scales"] = p.scales
+        if not self.read_hidden:  # nothing to copy: the caller computes the taps (online training)
+            arrays.pop("hidden")
+            arrays.pop("scales", None)
         if self._cuda:
             main = torch.cuda.current_stream(d)
             with torch.cuda.stream(self._side):
@@ -261,7 +269,11 @@ class StreamingLoader:
             self._free.put((host.buffers, event))
         else:
             dev = arrays
-        hidden = _decode_hidden(dev["hidden"], dev.get("scales"), self.dtype)
+        if self.read_hidden:
+            hidden = _decode_hidden(dev["hidden"], dev.get("scales"), self.dtype)
+        else:
+            T = int(np.asarray(p.lengths).sum())
+            hidden = torch.zeros(T, 0, int(self.reader.hidden_size), dtype=self.dtype, device=d)
         return MicroBatch(sample_ids=np.asarray(p.sample_ids, dtype=np.int64),
                           lengths=np.asarray(p.lengths, dtype=np.int64),
                           input_ids_T=dev["input_ids"].long(), loss_mask_T=dev["loss_mask"].bool(),

@@ -37,6 +37,8 @@ class TrainResult:
     finished: bool
     drafter_dir: pathlib.Path | None
     last_loss: float | None
+    cache_bytes_read: int = 0
+    """Hidden/scale bytes this process read from the cache (0 for an --online run: it reads ids and masks only)."""
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, device: str | None = None) -> TrainResult:
@@ -79,6 +81,12 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
                        default_gamma=s.default_gamma, info=info, state=state,
                        progress=os.environ.get("DFLASH_NO_PROGRESS") != "1")
     dc, total_steps, pos = s.drafter_config, s.total_steps, unit.pos
+    online = None
+    if cfg.online:  # the live target computes the taps of every micro-batch; the cache gives only the tokens
+        from dflash.train.online import OnlineTaps, online_target_dtype
+
+        online = OnlineTaps.load(cfg.model, s.taps, device=device, batch_tokens=cfg.batch_tokens,
+                                 dtype=online_target_dtype(s.reader.fingerprint.target_dtype, device))
     lengths = s.reader.index.length
     finished = False
 
@@ -97,7 +105,7 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
 
             loader = StreamingLoader(s.reader, plan, rank=info.rank, start_step=pos.step_in_epoch, taps=s.taps,
                                      device=device, dtype=s.compute_dtype, num_readers=cfg.num_readers,
-                                     prefetch=cfg.prefetch, host_fn=host_fn)
+                                     prefetch=cfg.prefetch, host_fn=host_fn, read_hidden=online is None)
             with loader:
                 for step_in_epoch in range(pos.step_in_epoch, plan.num_steps):
                     if pos.global_step >= total_steps:
@@ -107,6 +115,8 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
                         mb = loader.next()
                         if mb.is_empty:
                             continue  # padding of the epoch's last step: contributes nothing
+                        if online is not None:
+                            mb = online.fill(mb, s.compute_dtype)
                         unit.micro_batch(mb, mb.extra, lambda: autocast(device, s.compute_dtype))
                     pos = ckpt.DataPosition(epoch=epoch, step_in_epoch=step_in_epoch + 1,
                                             global_step=pos.global_step + 1)
@@ -127,4 +137,4 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
         unit.close()
         s.reader.close()
     return TrainResult(run_dir=run_dir, global_step=pos.global_step, total_steps=total_steps, finished=finished,
-                       drafter_dir=drafter_dir, last_loss=unit.last_loss)
+                       drafter_dir=drafter_dir, last_loss=unit.last_loss, cache_bytes_read=s.reader.bytes_read)

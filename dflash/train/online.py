@@ -1,0 +1,107 @@
+"""`dflash train --online`: the live target computes the drafter's taps for every micro-batch (the mode the
+cache replaces; kept as the baseline that shows the cache is lossless and what it saves).
+
+The loader still streams the cache for the token stream (same sample order, ids, loss masks and anchors as a
+cached run with the same seed) but reads no hidden bytes; `OnlineTaps.fill` runs the target up to the deepest
+tap on those ids and puts the tapped residual streams where the cache's features would have been.
+
+Shapes: T = packed tokens of the micro-batch, N = samples, B = rows of one target forward, S = padded length,
+K = taps, D = hidden size.
+
+Batching: the micro-batch's samples are sorted by length and cut into forward batches of at most
+`batch_tokens` padded tokens (dflash.data.batching, as extraction does), right-padded (causal layers: real
+tokens never see the pads), and the real rows are scattered back to their packed positions.
+Tradeoff: one target replica per rank in the compute dtype, on top of the drafter; the target forward runs
+in the training loop, so it is counted in the run's tokens/s (that is the cost the cache removes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+
+from dflash.train.loader import MicroBatch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def online_target_dtype(cache_target_dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype the cache was extracted in (the faithful baseline); bf16 on CUDA / fp32 on CPU if unknown."""
+    if cache_target_dtype in _DTYPES:
+        return _DTYPES[cache_target_dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def forward_batches(lengths_N: np.ndarray, *, batch_tokens: int) -> list[np.ndarray]:
+    """Sample positions of a micro-batch grouped into padded forward batches (len x max length <= budget)."""
+    from dflash.data.batching import token_budget_batches
+
+    return token_budget_batches(np.asarray(lengths_N, dtype=np.int64), max_tokens=batch_tokens)
+
+
+class OnlineTaps:
+    """The live target of an online run: fills MicroBatch.hidden_TKD from the micro-batch's input ids."""
+
+    def __init__(self, model: torch.nn.Module, taps: tuple[int, ...], *, dtype: torch.dtype,
+                 batch_tokens: int, pad_id: int = 0) -> None:
+        from dflash.target.forward import TappedForward
+
+        self.model, self.taps, self.dtype = model, tuple(taps), dtype
+        self.tapped = TappedForward(model, self.taps)
+        self.batch_tokens, self.pad_id = batch_tokens, pad_id
+        self.forward_s = 0.0      # host wall time in fill() (on CUDA: queueing, not kernel time)
+        self.tokens = 0
+
+    @classmethod
+    def load(cls, model_path: str, taps: tuple[int, ...], *, device: torch.device, dtype: torch.dtype,
+             batch_tokens: int) -> "OnlineTaps":
+        from dflash.target.load import load_target
+
+        model, tokenizer = load_target(model_path, device=device, dtype=dtype)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        log.info("online: live target %s (%s) computes taps %s for every micro-batch", model_path, dtype,
+                 list(taps))
+        return cls(model, taps, dtype=dtype, batch_tokens=batch_tokens, pad_id=int(pad))
+
+    def hidden(self, input_ids_T: torch.Tensor, lengths_N: np.ndarray) -> torch.Tensor:
+        """Tapped target hidden states [T, K, D] (the target's dtype) of packed samples, in packed order."""
+        import time
+
+        t0 = time.perf_counter()
+        lengths = np.asarray(lengths_N, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        T, device = int(starts[-1]), input_ids_T.device
+        out_TKD: torch.Tensor | None = None
+        for group in forward_batches(lengths, batch_tokens=max(self.batch_tokens, int(lengths.max()))):
+            g_len = lengths[group]
+            S = int(g_len.max())
+            # host-built index maps (no device sync): packed row of every (row, column) that is a real token
+            valid_BS = np.arange(S)[None, :] < g_len[:, None]
+            src_BS = np.where(valid_BS, starts[group][:, None] + np.arange(S)[None, :], 0)
+            src = torch.from_numpy(src_BS).to(device, non_blocking=True)
+            ids_BS = input_ids_T[src]
+            ids_BS = torch.where(torch.from_numpy(valid_BS).to(device, non_blocking=True), ids_BS,
+                                 torch.full_like(ids_BS, self.pad_id))
+            hidden_BSKD = self.tapped(ids_BS)
+            rows = torch.from_numpy(src_BS[valid_BS]).to(device, non_blocking=True)
+            valid = torch.from_numpy(valid_BS).to(device, non_blocking=True)
+            if out_TKD is None:
+                out_TKD = torch.empty(T, hidden_BSKD.shape[2], hidden_BSKD.shape[3], dtype=hidden_BSKD.dtype,
+                                      device=device)
+            out_TKD[rows] = hidden_BSKD[valid]  # row-major over (row, column): the packed order of `rows`
+        assert out_TKD is not None
+        self.forward_s += time.perf_counter() - t0
+        self.tokens += T
+        return out_TKD
+
+    def fill(self, mb: MicroBatch, dtype: torch.dtype) -> MicroBatch:
+        """The micro-batch with hidden_TKD computed by the target and cast to the drafter's compute dtype."""
+        with torch.inference_mode():
+            h = self.hidden(mb.input_ids_T, mb.lengths)
+        # a normal tensor: inference tensors cannot be saved for the drafter's backward
+        return dataclasses.replace(mb, hidden_TKD=h.to(dtype).clone())
