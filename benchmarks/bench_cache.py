@@ -26,6 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from common import drop_page_cache  # noqa: E402
 from dflash.cache import CacheReader, CacheWriter, Fingerprint, PackedBuffers  # noqa: E402
 
 
@@ -68,22 +69,7 @@ def all_files(*dirs: str) -> list[str]:
 
 
 def make_cold(dirs: list[str], want: bool) -> str:
-    if not want:
-        return "warm"
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for p in all_files(*dirs):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return "fadvise_dontneed"
-
+    return drop_page_cache(*dirs) if want else "warm"
 
 def write_cache(path, args, storage, lengths, pool, pool_scales):
     t0 = time.perf_counter()

@@ -25,7 +25,6 @@ import os
 import pathlib
 import platform
 import shutil
-import statistics
 import sys
 import time
 
@@ -35,9 +34,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-QWEN35_27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-                  num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-                  linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+from common import QWEN35_27B, matmul_peak, sync  # noqa: E402
 
 
 def sample_lengths(total_tokens: int, *, seed: int, batch_tokens: int,
@@ -103,27 +100,6 @@ def build_random_model(model_dir: pathlib.Path, device: torch.device, *, fla_con
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     model.dflash_kernels = select_kernels(model, device, fla_conv=fla_conv)
     return model, AutoTokenizer.from_pretrained(model_dir)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def matmul_peak(device: torch.device) -> float:
-    n = 8192 if device.type == "cuda" else 1024
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(12):
-        sync(device)
-        t = time.perf_counter()
-        for _ in range(5):
-            a @ b
-        sync(device)
-        times.append((time.perf_counter() - t) / 5)
-    return 2 * n**3 / statistics.median(times[2:])
 
 
 def forward_only(cfg, model, device) -> tuple[float, int, int]:

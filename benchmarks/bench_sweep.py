@@ -37,9 +37,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-QWEN35_27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-                  num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-                  linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+from common import drop_page_cache, make_head_only_target  # noqa: E402
 
 
 def say(msg: str) -> None:
@@ -53,27 +51,6 @@ def shapes(tiny: bool) -> dict:
     # 1- and 2-layer drafters at the 27B hidden size: 4 of them (+ fp32 Adam) fit one H200 side by side
     return dict(hidden=5120, vocab=248320, target_layers=64, taps=(1, 16, 31, 46, 61), seq_len=2048, anchors=512,
                 block=16, mask_token_id=248070, layers=(1, 2), intermediate=None, batch_tokens=4096)
-
-
-def make_target(path: pathlib.Path, sh: dict) -> None:
-    from safetensors.torch import save_file
-    from transformers import Qwen3_5TextConfig
-
-    from dflash.target.testing import tiny_qwen35_text_kwargs, tiny_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    if sh["hidden"] == 5120:
-        kw = dict(QWEN35_27B)
-    else:
-        kw = tiny_qwen35_text_kwargs(num_layers=sh["target_layers"], vocab_size=sh["vocab"])
-        kw.update(hidden_size=sh["hidden"], intermediate_size=2 * sh["hidden"])
-    cfg = Qwen3_5TextConfig(**{**kw, "tie_word_embeddings": False})
-    cfg.architectures = ["Qwen3_5ForCausalLM"]
-    cfg.save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    g = torch.Generator().manual_seed(1)
-    save_file({n: (0.02 * torch.randn(sh["vocab"], sh["hidden"], generator=g)).to(torch.bfloat16)
-               for n in ("model.embed_tokens.weight", "lm_head.weight")}, str(path / "model.safetensors"))
 
 
 def make_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_samples: int, seed: int = 0) -> int:
@@ -104,18 +81,6 @@ def make_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_sample
                      input_ids=rng.integers(0, sh["vocab"], size=T).astype(np.int32), loss_mask=mask,
                      hidden=bits, scales=scales)
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def drop_page_cache(path: pathlib.Path) -> None:
-    """Evict the cache files from the page cache (clean pages; no root needed)."""
-    os.sync()
-    for f in path.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def spec_data(sh: dict, *, steps: int, num_readers: int) -> dict:
@@ -183,7 +148,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     say(f"device {device}; hidden {sh['hidden']}, taps {sh['taps']}, {samples} samples of {sh['seq_len']} tokens")
-    make_target(work / "target", sh)
+    make_head_only_target(work / "target", hidden=sh["hidden"], vocab=sh["vocab"], target_layers=sh["target_layers"])
     cache_bytes = make_cache(work / "cache", work / "target", sh, num_samples=samples)
     say(f"cache: {cache_bytes / 2**20:.1f} MiB (fp8)")
     data = spec_data(sh, steps=steps, num_readers=args.num_readers)

@@ -47,9 +47,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-QWEN35_27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-                  num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-                  linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+from common import drop_page_cache, make_head_only_target, matmul_peak, sync  # noqa: E402
 NOMINAL_PEAK = 790e12
 REFERENCE = {"plain_pytorch_tok_s": 7000, "plain_pytorch_mfu": 0.53, "target_mfu": 0.60,
              "target_loader_stall_fraction": 0.02}
@@ -67,52 +65,7 @@ def shapes(tiny: bool) -> dict:
                 target_layers=64, taps=(1, 16, 31, 46, 61), seq_len=2048, anchors=512, mask_token_id=248070)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def matmul_peak(device: torch.device) -> float:
-    """Dense matmul FLOP/s measured here (bf16 8192^3 on CUDA; fp32 1024^3 on CPU), as bench_extract."""
-    n = 8192 if device.type == "cuda" else 1024
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(12):
-        sync(device)
-        t = time.perf_counter()
-        for _ in range(5):
-            a @ b
-        sync(device)
-        times.append((time.perf_counter() - t) / 5)
-    return 2 * n**3 / statistics.median(times[2:])
-
-
 # ------------------------------------------------------------------------------------------------- setup
-
-def make_target(path: pathlib.Path, sh: dict, device: torch.device) -> None:
-    """config.json (Qwen3.5 text, untied), tokenizer, and a model.safetensors with only embedding + head."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3_5TextConfig
-
-    from dflash.target.testing import tiny_qwen35_text_kwargs, tiny_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    if sh["hidden"] == 5120:
-        kw = dict(QWEN35_27B)
-    else:
-        kw = tiny_qwen35_text_kwargs(num_layers=sh["target_layers"], vocab_size=sh["vocab"])
-        kw.update(hidden_size=sh["hidden"], intermediate_size=2 * sh["hidden"])
-    cfg = Qwen3_5TextConfig(**{**kw, "tie_word_embeddings": False})
-    cfg.architectures = ["Qwen3_5ForCausalLM"]
-    cfg.save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    g = torch.Generator(device=device).manual_seed(1)
-    tensors = {name: (0.02 * torch.randn(sh["vocab"], sh["hidden"], device=device, generator=g))
-               .to(torch.bfloat16).cpu() for name in ("model.embed_tokens.weight", "lm_head.weight")}
-    save_file(tensors, str(path / "model.safetensors"))
-
 
 def make_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_samples: int, seed: int,
                device: torch.device) -> dict:
@@ -154,26 +107,6 @@ def make_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_sample
     return {"samples": num_samples, "bytes": nbytes, "write_s": time.perf_counter() - t0}
 
 
-def drop_page_cache(path: pathlib.Path) -> str:
-    """Make the first reads come from the disk: drop_caches as root, else fadvise DONTNEED per file."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for f in path.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "posix_fadvise DONTNEED"
-
-
-# ------------------------------------------------------------------------------------------- run A
 
 def patch_out_saving() -> None:
     """Checkpoints (~20 GB of fp32 weights and Adam states at this shape) and the export are no part of a step."""
@@ -328,7 +261,8 @@ def main() -> None:
         f"({args.warmup} warm-up), {seqs_per_step} x {sh['seq_len']} tokens per step, {num_samples} samples")
 
     t = time.perf_counter()
-    make_target(work / "target", sh, device)
+    make_head_only_target(work / "target", hidden=sh["hidden"], vocab=sh["vocab"],
+                          target_layers=sh["target_layers"], device=device)
     say(f"target folder (embedding + head only) written in {time.perf_counter() - t:.1f} s")
     cache_info = make_cache(work / "cache", work / "target", sh, num_samples=num_samples, seed=args.seed,
                             device=device)

@@ -1,0 +1,90 @@
+"""Helpers shared by the benchmark scripts: the 27B target shape, a measured matmul peak, cold page cache,
+and a target folder that holds only the embedding and LM head (what training reads of a target).
+
+Scripts import it as `from common import ...` (they run as `python benchmarks/bench_X.py`, so this folder is
+on sys.path) and need only torch, numpy, transformers and safetensors besides dflash.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import statistics
+import time
+
+import torch
+
+# Qwen3.5-27B text shape (DESIGN.md, "Performance method"): 26.9B parameters.
+QWEN35_27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                  num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                  linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device: torch.device) -> float:
+    """Dense matmul FLOP/s measured here: bf16 8192^3 on CUDA (~700-720 TFLOP/s on the H200), fp32 1024^3 on
+    CPU; median of 10 timed groups after 2 warm-up groups."""
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(12):
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        sync(device)
+        times.append((time.perf_counter() - t) / 5)
+    return 2 * n**3 / statistics.median(times[2:])
+
+
+def drop_page_cache(*paths: str | os.PathLike) -> str:
+    """Make the next reads of `paths` (files or folders) come from the disk: drop_caches as root, else
+    posix_fadvise DONTNEED per file (clean pages only). Returns which method worked."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for p in paths:
+        p = pathlib.Path(p)
+        for f in ([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "posix_fadvise DONTNEED"
+
+
+def make_head_only_target(path: pathlib.Path, *, hidden: int, vocab: int, target_layers: int,
+                          device: torch.device | str = "cpu") -> None:
+    """config.json (Qwen3.5 text, untied; the 27B shape when hidden is 5120, else a tiny one), the tiny
+    tokenizer, and a model.safetensors holding only model.embed_tokens.weight and lm_head.weight (random
+    bf16): enough for `dflash train`, which reads nothing else of a target."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5TextConfig
+
+    from dflash.target.testing import tiny_qwen35_text_kwargs, tiny_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    if hidden == QWEN35_27B["hidden_size"]:
+        kw = dict(QWEN35_27B)
+    else:
+        kw = tiny_qwen35_text_kwargs(num_layers=target_layers, vocab_size=vocab)
+        kw.update(hidden_size=hidden, intermediate_size=2 * hidden)
+    cfg = Qwen3_5TextConfig(**{**kw, "tie_word_embeddings": False})
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    cfg.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    g = torch.Generator(device=device).manual_seed(1)
+    tensors = {name: (0.02 * torch.randn(vocab, hidden, device=device, generator=g)).to(torch.bfloat16).cpu()
+               for name in ("model.embed_tokens.weight", "lm_head.weight")}
+    save_file(tensors, str(path / "model.safetensors"))
