@@ -23,6 +23,7 @@ COMMITS = "commits"
 SHARDS = "shards"
 STAGING = "_staging"
 LOCK = ".lock"
+TOKENIZED = "_tokenized"  # dflash extract's stored tokenization; never read by cache readers
 _SHARD_RE = re.compile(r"^r(\d{4,})-(\d{6,})$")
 _LOG_RE = re.compile(r"^rank-(\d+)\.jsonl$")
 

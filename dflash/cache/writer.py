@@ -165,7 +165,7 @@ class CacheWriter:
                     existing = Fingerprint.from_json(cm.read_manifest(self.path)["fingerprint"])
                     existing.check_matches(self.fingerprint)
                 else:
-                    other = sorted(set(os.listdir(self.path)) - {cm.LOCK})
+                    other = sorted(set(os.listdir(self.path)) - {cm.LOCK, cm.TOKENIZED})
                     if other:
                         raise CacheFormatError(f"{self.path} is not empty ({other[:3]}...) and has no {cm.MANIFEST}: "
                                                "refusing to write a cache into it; pick a new directory")

@@ -49,6 +49,21 @@ def iter_samples(
     are tokenized (and only their skips counted). `max_records` stops after that many records (ids).
     `num_workers` > 0 tokenizes in that many spawned processes (same output, same order).
     Paths and arguments are checked at the call, before the first record is read."""
+    skipped = skipped if skipped is not None else SkipCounter()
+    return _collect(iter_results(
+        paths, tokenizer, max_length=max_length, template_kwargs=template_kwargs, rank=rank, world_size=world_size,
+        max_records=max_records, num_workers=num_workers,
+    ), skipped)
+
+
+def iter_results(
+    paths: Sequence[str | pathlib.Path], tokenizer, *, max_length: int | None = None,
+    template_kwargs: dict | None = None, rank: int = 0, world_size: int = 1, max_records: int | None = None,
+    num_workers: int = 0,
+) -> Iterator[tuple[int, int, tuple[np.ndarray, np.ndarray] | Skip]]:
+    """(sample_id, source_index, (input_ids, loss_mask) or Skip) for each of this rank's records in id order:
+    iter_samples before skip accounting, for callers that keep the skips' ids (dflash.extract.tokenized).
+    Same arguments as iter_samples, checked at the call."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"rank={rank}, world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size")
     if max_length is not None and max_length < 1:
@@ -56,7 +71,6 @@ def iter_samples(
     if num_workers < 0:
         raise ConfigError(f"num_workers={num_workers}: must be >= 0 (0 tokenizes in this process)")
     checked = check_paths(paths)
-    skipped = skipped if skipped is not None else SkipCounter()
     items = _iter_items(checked, rank=rank, world_size=world_size, max_records=max_records)
     if num_workers == 0:
         results = (
@@ -68,7 +82,7 @@ def iter_samples(
         results = _tokenize_in_workers(
             items, tokenizer, max_length=max_length, template_kwargs=template_kwargs, num_workers=num_workers,
         )
-    return _collect(results, skipped)
+    return results
 
 
 def _iter_items(checked, *, rank, world_size, max_records) -> Iterator[tuple[int, int, Record | Skip]]:

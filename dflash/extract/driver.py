@@ -123,7 +123,7 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
     t0 = time.perf_counter()
     distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
     device = resolve_device(cfg, local_rank=local_rank)
-    pre = build_preflight(cfg, world_size=world_size)
+    pre = build_preflight(cfg, world_size=world_size, rank=rank)
     plan = pre.plan
     if rank == 0:
         lens = [len(s.input_ids) for s in pre.samples]
@@ -136,7 +136,13 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
                          skips_text=pre.skips.summary()))
         echo(f"taps: {list(pre.fingerprint.tap_layer_ids)}, storage {cfg.storage}, target_greedy "
              f"{pre.fingerprint.target_greedy} ({pre.target_greedy_reason})")
-    check_free_space(cfg.output, needed_bytes=pre.cache_bytes.total)
+        echo(pre.tokenize_text)
+    try:
+        check_free_space(cfg.output, needed_bytes=pre.cache_bytes.total)
+    except Exception:
+        if rank == 0 and pre.created_output:
+            _remove_created_output(cfg.output)
+        raise
     if cfg.dry_run:
         return _result(cfg, pre, torch.zeros(5, dtype=torch.float64), t0, world_size, dry_run=True)
 
@@ -194,6 +200,16 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
     if rank == 0:
         echo(format_summary(result, skips_text=pre.skips.summary()))
     return result
+
+
+def _remove_created_output(path: str) -> None:
+    """A refused run leaves no folder it created: remove it when it holds only the stored tokenization."""
+    import shutil
+
+    from dflash.cache.commit import LOCK, TOKENIZED
+
+    if os.path.isdir(path) and set(os.listdir(path)) <= {LOCK, TOKENIZED}:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _bytes_written(writer) -> int:

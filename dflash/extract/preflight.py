@@ -1,8 +1,8 @@
 """Everything `dflash extract` does before touching model weights: check paths, read the target's config
 and tokenizer, build the fingerprint, refuse a mismatching cache, tokenize, plan, and estimate bytes.
 
-Every rank runs this (tokenization is deterministic, so every rank gets the same samples and plan without
-sending them around); only rank 0 prints. Cost: tokenization is repeated per rank, in parallel.
+Every rank runs this and gets the same samples and plan; only rank 0 prints. Tokenization is split over
+the ranks and stored in CACHE/_tokenized (dflash.extract.tokenized), so a rerun loads it instead.
 """
 
 from __future__ import annotations
@@ -35,14 +35,20 @@ class Preflight:
     """The target's HF config (text part for multimodal checkpoints)."""
     tokenizer: object
     fingerprint: Fingerprint
-    samples: list
-    """dflash.data TokenizedSample, in sample-id order."""
+    samples: object
+    """dflash.extract.tokenized.TokenizedSamples: a sequence of dflash.data TokenizedSample in sample-id order."""
     skips: object
     """dflash.data SkipCounter."""
     plan: ExtractPlan
     cache_bytes: CacheBytes
     """Estimated bytes this run adds to the cache."""
     target_greedy_reason: str
+    tokenize_seconds: float = 0.0
+    """Wall time of tokenizing (or loading the stored tokenization) on this rank."""
+    tokenize_text: str = ""
+    """One line for the report: tokenized or loaded, how long, where stored."""
+    created_output: bool = False
+    """The output folder did not exist before this run (a refused run removes it again)."""
 
 
 def sha256_file(path: Path, *, chunk: int = 1 << 22) -> str:
@@ -89,12 +95,15 @@ def target_greedy_of(paths: list[str], *, target_config_hash: str) -> tuple[bool
     return True, f"every record is marked {GENERATE_KEY} greedy"
 
 
-def build_preflight(cfg, *, world_size: int) -> Preflight:
-    """cfg: dflash.extract.driver.ExtractConfig. Raises DflashError subclasses before any model work."""
+def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | None = None) -> Preflight:
+    """cfg: dflash.extract.driver.ExtractConfig. Raises DflashError subclasses before any model work. With a
+    torch.distributed group of world_size ranks initialized, every rank must call this (it meets barriers).
+    num_workers: tokenizer processes per rank (None: the cores split between the local ranks)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash.cache import committed_sample_ids, open_cache_fingerprint
-    from dflash.data import load_samples, token_budget_batches
+    from dflash.data import token_budget_batches
+    from dflash.extract.tokenized import TOKENIZED_DIR, tokenization_key, tokenize_or_load
     from dflash.data.sources import check_paths
     from dflash.target.taps import default_tap_layer_ids
     from dflash.target.load import check_model_path, text_config
@@ -130,11 +139,24 @@ def build_preflight(cfg, *, world_size: int) -> Preflight:
     existing = open_cache_fingerprint(cfg.output) if os.path.isdir(cfg.output) else None
     if existing is not None:
         existing.check_matches(fingerprint)  # CacheMismatchError naming the field
-    samples, skips = load_samples(list(cfg.data), tokenizer, max_length=cfg.max_length,
-                                  template_kwargs=cfg.template_kwargs)
+    key = tokenization_key(sources=fingerprint.sources, paths=list(cfg.data),
+                           tokenizer_hash=fingerprint.tokenizer_hash,
+                           chat_template_hash=fingerprint.chat_template_hash,
+                           template_kwargs=fingerprint.template_kwargs, max_length=cfg.max_length)
+    created_output = not os.path.exists(cfg.output)
+    # A dry run into a new folder writes nothing (not even the tokenization); otherwise the parts are kept.
+    folder = None if (cfg.dry_run and created_output) else os.path.join(cfg.output, TOKENIZED_DIR, key)
+    import torch.distributed as dist
+
+    distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
+    tok = tokenize_or_load(paths=list(cfg.data), tokenizer=tokenizer, max_length=cfg.max_length,
+                           template_kwargs=cfg.template_kwargs, folder=folder, rank=rank, world_size=world_size,
+                           distributed=distributed, num_workers=num_workers,
+                           show_progress=cfg.show_progress and rank == 0)
+    samples, skips = tok.samples, tok.skips
     committed = committed_sample_ids(cfg.output) if existing is not None else set()
-    sample_ids = np.array([s.sample_id for s in samples], dtype=np.int64)
-    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+    sample_ids = samples.sample_ids
+    lengths = samples.lengths
     plan = make_plan(sample_ids=sample_ids, lengths=lengths, committed=committed, world_size=world_size,
                      max_tokens=cfg.batch_tokens, batch_fn=token_budget_batches)
     todo = ~np.isin(sample_ids, np.fromiter(committed, dtype=np.int64, count=len(committed)))
@@ -143,7 +165,19 @@ def build_preflight(cfg, *, world_size: int) -> Preflight:
                                        storage=cfg.storage, shard_tokens=cfg.shard_tokens,
                                        chunk_tokens=_hidden_chunk_tokens(int(config.hidden_size), cfg.storage))
     return Preflight(config=config, tokenizer=tokenizer, fingerprint=fingerprint, samples=samples, skips=skips,
-                     plan=plan, cache_bytes=cache_bytes, target_greedy_reason=greedy_reason)
+                     plan=plan, cache_bytes=cache_bytes, target_greedy_reason=greedy_reason,
+                     tokenize_seconds=tok.seconds, tokenize_text=_tokenize_text(tok, len(samples)),
+                     created_output=created_output)
+
+
+def _tokenize_text(tok, num_samples: int) -> str:
+    where = f"stored in {tok.folder}" if tok.folder else "not stored (dry run into a new folder)"
+    if tok.loaded:
+        return f"tokenization: loaded {num_samples:,} samples from {tok.folder} in {tok.seconds:.1f}s"
+    rate = num_samples / tok.seconds if tok.seconds else 0.0
+    workers = f"{tok.num_workers} worker processes" if tok.num_workers else "in-process"
+    return (f"tokenization: {num_samples:,} samples in {tok.seconds:.1f}s ({rate:,.0f} samples/s, {workers} per "
+            f"rank), {where}")
 
 
 def _hidden_chunk_tokens(hidden_size: int, storage: str) -> int:
@@ -162,7 +196,7 @@ def _check_output(path: str) -> None:
     """Refuse a non-empty directory that is not a cache (STYLE 11), and a file in the way."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"--output {path} exists and is not a directory")
-    if os.path.isdir(path) and set(os.listdir(path)) - {".lock"} and not os.path.exists(os.path.join(path, "manifest.json")):
+    if os.path.isdir(path) and set(os.listdir(path)) - {".lock", "_tokenized"} and not os.path.exists(os.path.join(path, "manifest.json")):
         raise ConfigError(f"--output {path} is a non-empty directory without a cache manifest; "
                           "choose an empty or new directory")
 
