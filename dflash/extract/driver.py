@@ -126,11 +126,10 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
     pre = build_preflight(cfg, world_size=world_size, rank=rank)
     plan = pre.plan
     if rank == 0:
-        lens = [len(s.input_ids) for s in pre.samples]
         shapes = [(len(b.members), b.padded_len) for bs in plan.rank_batches for b in bs]
         eta = estimate_eta(config=pre.config, deepest_tap=max(pre.fingerprint.tap_layer_ids), batch_shapes=shapes,
                            world_size=world_size, device=device, dtype=DTYPES[cfg.dtype]) if shapes else None
-        echo(format_plan(num_samples=len(lens), num_committed=plan.num_committed, num_todo=plan.num_todo,
+        echo(format_plan(num_samples=len(pre.samples), num_committed=plan.num_committed, num_todo=plan.num_todo,
                          num_tokens=plan.num_tokens_todo, padded_tokens=plan.num_padded_tokens,
                          cache_bytes=pre.cache_bytes, eta=eta, world_size=world_size, device=str(device),
                          skips_text=pre.skips.summary()))

@@ -196,7 +196,8 @@ def _check_output(path: str) -> None:
     """Refuse a non-empty directory that is not a cache (STYLE 11), and a file in the way."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"--output {path} exists and is not a directory")
-    if os.path.isdir(path) and set(os.listdir(path)) - {".lock", "_tokenized"} and not os.path.exists(os.path.join(path, "manifest.json")):
+    extra = set(os.listdir(path)) - {".lock", "_tokenized"} if os.path.isdir(path) else set()
+    if extra and not os.path.exists(os.path.join(path, "manifest.json")):
         raise ConfigError(f"--output {path} is a non-empty directory without a cache manifest; "
                           "choose an empty or new directory")
 

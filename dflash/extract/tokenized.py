@@ -319,7 +319,8 @@ def load_part(path: str) -> Part:
     meta = json.loads(bytes(a["meta"]))
     if meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"{path}: tokenized part version {meta.get('version')}, expected {FORMAT_VERSION}")
-    return Part(ids=a["ids"], masks=a["masks"], offsets=np.asarray(a["offsets"]), sample_ids=np.asarray(a["sample_ids"]),
+    return Part(ids=a["ids"], masks=a["masks"], offsets=np.asarray(a["offsets"]),
+                sample_ids=np.asarray(a["sample_ids"]),
                 source_index=np.asarray(a["source_index"]), skips=json.loads(bytes(a["skips"])))
 
 
