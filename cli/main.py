@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "train_cmd",
     "export_cmd",
     "sweep_cmd",
+    "demo_cmd",
 )
 
 
