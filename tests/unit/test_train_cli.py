@@ -59,6 +59,12 @@ def test_train_export_and_refusals(runner, assets, tmp_path):
     res = runner.invoke(cli, _args(cache, target, out, "--steps", "3"))
     assert res.exit_code == 1 and "is not empty" in res.output and "--resume" in res.output
 
+    # --resume of a finished run trains nothing more and says so (it used to crash formatting a None loss)
+    res = runner.invoke(cli, _args(cache, target, out, "--steps", "3", "--config", str(yaml), "--resume"))
+    assert res.exit_code == 0, res.output
+    assert "trained 3 steps (already finished)" in res.output
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
     res = runner.invoke(cli, ["export", str(out), "--output", str(tmp_path / "exp")])
     assert res.exit_code == 0, res.output
     hf = json.loads((tmp_path / "exp" / "config.json").read_text())
