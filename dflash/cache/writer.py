@@ -248,13 +248,7 @@ class CacheWriter:
         if self._closed:
             return self.stats
         self._closed = True
-        while self._thread.is_alive():
-            try:
-                self._queue.put(_CLOSE, timeout=0.05)
-                break
-            except queue.Full:
-                pass
-        self._thread.join()
+        self._stop_thread()
         if self._error is not None:
             self._raise_worker_error()
         self._update_manifest()
@@ -264,6 +258,10 @@ class CacheWriter:
         """Stop the thread and commit nothing more (the shard being filled is dropped)."""
         self._closed = True
         self._abort.set()
+        self._stop_thread()
+
+    def _stop_thread(self) -> None:
+        """Queue the close marker (unless the thread already died) and wait for the thread."""
         while self._thread.is_alive():
             try:
                 self._queue.put(_CLOSE, timeout=0.05)

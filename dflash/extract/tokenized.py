@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash.cache.commit import TOKENIZED as TOKENIZED_DIR  # the cache writer tolerates this folder
+from dflash.cache.commit import TOKENIZED as TOKENIZED_DIR  # noqa: F401 - re-exported; the writer tolerates it
+from dflash.cache.shardfile import fsync_dir
 from dflash.data.samples import TokenizedSample
 from dflash.data.skips import Skip, SkipCounter
 
@@ -306,11 +307,7 @@ def write_part(folder: str, part: Part, *, rank: int, world_size: int) -> str:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, dest)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(folder)
     return dest
 
 

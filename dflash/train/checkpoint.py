@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash.cache.shardfile import fsync_dir
 from dflash.errors import ModelNotFoundError
 
 CHECKPOINT_FORMAT = "dflash-train-checkpoint"
@@ -89,14 +90,6 @@ def atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
         if tmp.exists():
             tmp.unlink()
     fsync_dir(path.parent)
-
-
-def fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, *, model_state: dict, optimizer_state: dict, scheduler_state: dict,
