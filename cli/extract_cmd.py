@@ -44,11 +44,14 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
               show_default=True, help="Dtype the target runs in.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: one GPU per process when CUDA is available, else CPU.")
+@click.option("--fla-conv/--no-fla-conv", default=True, show_default=True,
+              help="On CUDA with flash-linear-attention: FLA's Triton causal conv1d for Gated-DeltaNet layers "
+                   "(faster than transformers' torch fallback). Ignored on CPU.")
 @click.option("--dry-run", is_flag=True, default=False,
               help="Print samples, tokens, bytes on disk and an ETA, then stop without loading the model.")
 @click.option("--no-progress", is_flag=True, default=False, help="Do not draw the progress bar.")
 def command(model, data, output, taps, storage, max_length, num_procs, batch_tokens, shard_tokens, no_thinking,
-            dtype, device, dry_run, no_progress) -> None:
+            dtype, device, fla_conv, dry_run, no_progress) -> None:
     """Run the target model over conversation data and write the hidden-state cache.
 
     Prints the plan (samples, tokens, bytes on disk, ETA) before any model work and refuses to start when
@@ -64,5 +67,5 @@ def command(model, data, output, taps, storage, max_length, num_procs, batch_tok
         model=model, data=tuple(data), output=output, taps=taps, storage=storage, max_length=max_length,
         batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         template_kwargs={"enable_thinking": False} if no_thinking else {},
-        dtype=dtype, device=device, dry_run=dry_run, show_progress=not no_progress)
+        dtype=dtype, device=device, fla_conv=fla_conv, dry_run=dry_run, show_progress=not no_progress)
     launch(cfg, num_procs=num_procs, echo=click.echo)

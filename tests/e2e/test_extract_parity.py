@@ -135,7 +135,7 @@ def test_help_explains_every_option():
     res = _cli("--help")
     assert res.exit_code == 0
     for opt in ("--model", "--data", "--output", "--taps", "--storage", "--max-length", "--gpus", "--procs",
-                "--dry-run", "--batch-tokens", "--no-thinking", "--shard-tokens"):
+                "--dry-run", "--batch-tokens", "--no-thinking", "--shard-tokens", "--fla-conv"):
         assert opt in res.output
 
 
