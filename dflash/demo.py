@@ -178,17 +178,11 @@ def prepare_output(cfg: DemoConfig, *, fresh: bool) -> pathlib.Path:
 
 def write_conversations(path: pathlib.Path, *, count: int) -> int:
     """The first `count` usable ShareGPT conversations as {"messages": [...]} lines (atomic; kept if present)."""
-    from dflash.data import iter_records
-    from dflash.data.assets import sharegpt_path
+    from dflash.data.assets import sharegpt_conversations
 
     if path.is_file():
         return sum(1 for _ in path.open())
-    lines = []
-    for rec in iter_records(sharegpt_path()):
-        if getattr(rec, "messages", None):
-            lines.append(json.dumps({"messages": rec.messages}, ensure_ascii=False))
-        if len(lines) == count:
-            break
+    lines = [json.dumps(c, ensure_ascii=False) for c in sharegpt_conversations(count)]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     os.replace(tmp, path)

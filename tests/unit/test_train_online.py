@@ -20,18 +20,12 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def fp32_cache(tmp_path_factory, smollm2_dir):
-    from dflash.data import iter_records
-    from dflash.data.assets import sharegpt_path
+    from dflash.data.assets import sharegpt_conversations
     from dflash.extract.driver import ExtractConfig
     from dflash.extract.launch import launch
 
     d = tmp_path_factory.mktemp("online")
-    lines = []
-    for rec in iter_records(sharegpt_path()):
-        if getattr(rec, "messages", None):
-            lines.append(json.dumps({"messages": rec.messages}))
-        if len(lines) == NUM_CONVERSATIONS:
-            break
+    lines = [json.dumps(c) for c in sharegpt_conversations(NUM_CONVERSATIONS)]
     (d / "chats.jsonl").write_text("\n".join(lines) + "\n")
     cfg = ExtractConfig(model=str(smollm2_dir), data=(str(d / "chats.jsonl"),), output=str(d / "cache"),
                         dtype="float32", max_length=96, batch_tokens=512, show_progress=False, device="cpu")
