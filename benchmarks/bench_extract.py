@@ -34,7 +34,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import QWEN35_27B, matmul_peak, sync  # noqa: E402
+from common import QWEN35_27B, matmul_peak, package_version, sync  # noqa: E402
 
 
 def sample_lengths(total_tokens: int, *, seed: int, batch_tokens: int,
@@ -280,7 +280,7 @@ def main() -> None:
                     "cpus": os.cpu_count(), "platform": platform.platform()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__,
-                     "fla": _version("fla-core"), "zarr": _version("zarr")},
+                     "fla": package_version("fla-core"), "zarr": package_version("zarr")},
         "model": "tiny Qwen3.5" if args.tiny else "Qwen3.5-27B shape, random weights",
         "kernels": str(getattr(model, "dflash_kernels", "")),
         "taps": list(taps), "layers_run": num_layers_run, "samples": len(lengths), "real_tokens": real,
@@ -292,15 +292,6 @@ def main() -> None:
     res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"extract_{name}.json").write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out))
-
-
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import drop_page_cache, make_head_only_target, matmul_peak, sync  # noqa: E402
+from common import drop_page_cache, make_head_only_target, matmul_peak, package_version, sync  # noqa: E402
 NOMINAL_PEAK = 790e12
 REFERENCE = {"plain_pytorch_tok_s": 7000, "plain_pytorch_mfu": 0.53, "target_mfu": 0.60,
              "target_loader_stall_fraction": 0.02}
@@ -353,8 +353,8 @@ def main() -> None:
         "machine": {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
                     "cpus": os.cpu_count(), "platform": platform.platform()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": __import__("transformers").__version__, "triton": _version("triton"),
-                     "zarr": _version("zarr")},
+                     "transformers": __import__("transformers").__version__, "triton": package_version("triton"),
+                     "zarr": package_version("zarr")},
         "model": "tiny drafter" if args.tiny else "Qwen3.5-27B drafter shape, random weights and features",
         "tok_s": tok_s, "mfu": mfu, "mfu_vs_nominal_790": mfu * peak / NOMINAL_PEAK,
         "loader_stall_fraction": stall, "trainer_wait_fraction": wait,
@@ -391,15 +391,6 @@ def _fresh_resident(cfg, device: torch.device, warmup: int) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return run_resident(cfg, device, warmup=warmup)
-
-
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

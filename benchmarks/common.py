@@ -88,3 +88,13 @@ def make_head_only_target(path: pathlib.Path, *, hidden: int, vocab: int, target
     tensors = {name: (0.02 * torch.randn(vocab, hidden, device=device, generator=g)).to(torch.bfloat16).cpu()
                for name in ("model.embed_tokens.weight", "lm_head.weight")}
     save_file(tensors, str(path / "model.safetensors"))
+
+
+def package_version(dist: str) -> str | None:
+    """Installed version of distribution `dist`, or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
