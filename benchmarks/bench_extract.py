@@ -34,7 +34,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import QWEN35_27B, matmul_peak, package_version, sync  # noqa: E402
+from common import QWEN35_27B, machine_info, matmul_peak, package_version, sync  # noqa: E402
 
 
 def sample_lengths(total_tokens: int, *, seed: int, batch_tokens: int,
@@ -276,8 +276,7 @@ def main() -> None:
     out = {
         "benchmark": "extract", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(["python"] + sys.argv),
-        "machine": {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
-                    "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine_info(device),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__,
                      "fla": package_version("fla-core"), "zarr": package_version("zarr")},

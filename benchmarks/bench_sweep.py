@@ -37,7 +37,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import drop_page_cache, make_head_only_target  # noqa: E402
+from common import drop_page_cache, make_head_only_target, make_random_fp8_cache  # noqa: E402
 
 
 def say(msg: str) -> None:
@@ -51,36 +51,6 @@ def shapes(tiny: bool) -> dict:
     # 1- and 2-layer drafters at the 27B hidden size: 4 of them (+ fp32 Adam) fit one H200 side by side
     return dict(hidden=5120, vocab=248320, target_layers=64, taps=(1, 16, 31, 46, 61), seq_len=2048, anchors=512,
                 block=16, mask_token_id=248070, layers=(1, 2), intermediate=None, batch_tokens=4096)
-
-
-def make_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_samples: int, seed: int = 0) -> int:
-    from transformers import AutoTokenizer
-
-    from dflash.cache import CacheWriter, Fingerprint
-    from dflash.cache.format import encode_hidden
-    from dflash.target.identity import target_config_hash, tokenizer_hash
-
-    tok = AutoTokenizer.from_pretrained(target)
-    fp = Fingerprint(target=str(target), target_config_hash=target_config_hash(target),
-                     num_target_layers=sh["target_layers"], hidden_size=sh["hidden"], target_dtype="bfloat16",
-                     tokenizer_hash=tokenizer_hash(tok), chat_template_hash="", tap_layer_ids=sh["taps"],
-                     storage="fp8", max_length=sh["seq_len"])
-    S, K, D = sh["seq_len"], len(sh["taps"]), sh["hidden"]
-    rng = np.random.default_rng(seed)
-    g = torch.Generator().manual_seed(seed)
-    per_append = max(1, (1 << 13) // S)
-    with CacheWriter(path, fp) as w:
-        for start in range(0, num_samples, per_append):
-            n = min(per_append, num_samples - start)
-            T = n * S
-            mask = np.ones(T, np.uint8)
-            for i in range(n):  # a prompt of 10-40% without loss, then the response
-                mask[i * S: i * S + int(rng.uniform(0.1, 0.4) * S)] = 0
-            bits, scales = encode_hidden(torch.randn(T, K, D, generator=g), "fp8")
-            w.append(sample_ids=np.arange(start, start + n, dtype=np.int64), lengths=np.full(n, S, np.int64),
-                     input_ids=rng.integers(0, sh["vocab"], size=T).astype(np.int32), loss_mask=mask,
-                     hidden=bits, scales=scales)
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def spec_data(sh: dict, *, steps: int, num_readers: int) -> dict:
@@ -149,7 +119,7 @@ def main() -> None:
     work.mkdir(parents=True)
     say(f"device {device}; hidden {sh['hidden']}, taps {sh['taps']}, {samples} samples of {sh['seq_len']} tokens")
     make_head_only_target(work / "target", hidden=sh["hidden"], vocab=sh["vocab"], target_layers=sh["target_layers"])
-    cache_bytes = make_cache(work / "cache", work / "target", sh, num_samples=samples)
+    cache_bytes = make_random_fp8_cache(work / "cache", work / "target", sh, num_samples=samples)["bytes"]
     say(f"cache: {cache_bytes / 2**20:.1f} MiB (fp8)")
     data = spec_data(sh, steps=steps, num_readers=args.num_readers)
 

@@ -41,13 +41,13 @@ import sys
 import threading
 import time
 
-import numpy as np
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import drop_page_cache, make_head_only_target, matmul_peak, package_version, sync  # noqa: E402
+from common import (drop_page_cache, machine_info, make_head_only_target, make_random_fp8_cache,  # noqa: E402
+                    matmul_peak, package_version, sync)
 NOMINAL_PEAK = 790e12
 REFERENCE = {"plain_pytorch_tok_s": 7000, "plain_pytorch_mfu": 0.53, "target_mfu": 0.60,
              "target_loader_stall_fraction": 0.02}
@@ -66,47 +66,6 @@ def shapes(tiny: bool) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- setup
-
-def make_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_samples: int, seed: int,
-               device: torch.device) -> dict:
-    """Random samples written through CacheWriter as fp8 (quantised on `device`); returns size and time."""
-    from transformers import AutoTokenizer
-
-    from dflash.cache import CacheWriter, Fingerprint
-    from dflash.cache.format import encode_hidden
-    from dflash.target.identity import target_config_hash, tokenizer_hash
-
-    tok = AutoTokenizer.from_pretrained(target)  # reloaded, as the trainer does: same class, same hash
-    fp = Fingerprint(target=str(target), target_config_hash=target_config_hash(target),
-                     num_target_layers=sh["target_layers"], hidden_size=sh["hidden"], target_dtype="bfloat16",
-                     tokenizer_hash=tokenizer_hash(tok), chat_template_hash="", tap_layer_ids=sh["taps"],
-                     storage="fp8", max_length=sh["seq_len"])
-    S, K, D = sh["seq_len"], len(sh["taps"]), sh["hidden"]
-    rng = np.random.default_rng(seed)
-    g = torch.Generator(device=device).manual_seed(seed)
-    outlier_channels = torch.randperm(D, generator=torch.Generator().manual_seed(seed))[:8].to(device)
-    per_append = max(1, (1 << 14) // S)
-    t0 = time.perf_counter()
-    with CacheWriter(path, fp) as w:
-        for start in range(0, num_samples, per_append):
-            n = min(per_append, num_samples - start)
-            T = n * S
-            ids = rng.integers(0, sh["vocab"], size=T).astype(np.int32)
-            mask = np.ones(T, np.uint8)
-            for i in range(n):  # loss on the response only: a prompt of 10-40% of the sequence first
-                mask[i * S: i * S + int(rng.uniform(0.1, 0.4) * S)] = 0
-            hidden = torch.randn(T, K, D, device=device, generator=g)
-            hidden[:, :, outlier_channels] *= 20.0  # massive-activation channels, as real hidden states have
-            spikes = torch.rand(T, K, D, device=device, generator=g) < 1e-4
-            hidden = torch.where(spikes, hidden * 50.0, hidden)
-            bits, scales = encode_hidden(hidden, "fp8")
-            w.append(sample_ids=np.arange(start, start + n, dtype=np.int64), lengths=np.full(n, S, np.int64),
-                     input_ids=ids, loss_mask=mask, hidden=bits.cpu(), scales=scales.cpu())
-    os.sync()
-    nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return {"samples": num_samples, "bytes": nbytes, "write_s": time.perf_counter() - t0}
-
-
 
 def patch_out_saving() -> None:
     """Checkpoints (~20 GB of fp32 weights and Adam states at this shape) and the export are no part of a step."""
@@ -264,7 +223,7 @@ def main() -> None:
     make_head_only_target(work / "target", hidden=sh["hidden"], vocab=sh["vocab"],
                           target_layers=sh["target_layers"], device=device)
     say(f"target folder (embedding + head only) written in {time.perf_counter() - t:.1f} s")
-    cache_info = make_cache(work / "cache", work / "target", sh, num_samples=num_samples, seed=args.seed,
+    cache_info = make_random_fp8_cache(work / "cache", work / "target", sh, num_samples=num_samples, seed=args.seed,
                             device=device)
     say(f"fp8 cache: {cache_info['bytes'] / 1e9:.2f} GB in {cache_info['write_s']:.1f} s")
     peak = matmul_peak(device)
@@ -350,8 +309,7 @@ def main() -> None:
     out = {
         "benchmark": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(["python"] + sys.argv),
-        "machine": {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
-                    "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine_info(device),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__, "triton": package_version("triton"),
                      "zarr": package_version("zarr")},

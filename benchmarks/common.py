@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import platform
 import statistics
 import time
 
+import numpy as np
 import torch
 
 # Qwen3.5-27B text shape (DESIGN.md, "Performance method"): 26.9B parameters.
@@ -98,3 +100,51 @@ def package_version(dist: str) -> str | None:
         return version(dist)
     except PackageNotFoundError:
         return None
+
+
+def machine_info(device: torch.device) -> dict:
+    return {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
+            "cpus": os.cpu_count(), "platform": platform.platform()}
+
+
+def make_random_fp8_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_samples: int, seed: int = 0,
+                          device: torch.device | str = "cpu") -> dict:
+    """A cache of `num_samples` random sequences of sh["seq_len"] tokens written through CacheWriter as fp8
+    (quantised on `device`), with a fingerprint the trainer accepts for the head-only target at `target`.
+    sh holds hidden, taps, target_layers, vocab, seq_len. Returns samples, bytes on disk and write seconds."""
+    from transformers import AutoTokenizer
+
+    from dflash.cache import CacheWriter, Fingerprint
+    from dflash.cache.format import encode_hidden
+    from dflash.target.identity import target_config_hash, tokenizer_hash
+
+    tok = AutoTokenizer.from_pretrained(target)  # reloaded, as the trainer does: same class, same hash
+    fp = Fingerprint(target=str(target), target_config_hash=target_config_hash(target),
+                     num_target_layers=sh["target_layers"], hidden_size=sh["hidden"], target_dtype="bfloat16",
+                     tokenizer_hash=tokenizer_hash(tok), chat_template_hash="", tap_layer_ids=sh["taps"],
+                     storage="fp8", max_length=sh["seq_len"])
+    S, K, D = sh["seq_len"], len(sh["taps"]), sh["hidden"]
+    device = torch.device(device)
+    rng = np.random.default_rng(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    outlier_channels = torch.randperm(D, generator=torch.Generator().manual_seed(seed))[:8].to(device)
+    per_append = max(1, (1 << 14) // S)
+    t0 = time.perf_counter()
+    with CacheWriter(path, fp) as w:
+        for start in range(0, num_samples, per_append):
+            n = min(per_append, num_samples - start)
+            T = n * S
+            ids = rng.integers(0, sh["vocab"], size=T).astype(np.int32)
+            mask = np.ones(T, np.uint8)
+            for i in range(n):  # loss on the response only: a prompt of 10-40% of the sequence first
+                mask[i * S: i * S + int(rng.uniform(0.1, 0.4) * S)] = 0
+            hidden = torch.randn(T, K, D, device=device, generator=g)
+            hidden[:, :, outlier_channels] *= 20.0  # massive-activation channels, as real hidden states have
+            spikes = torch.rand(T, K, D, device=device, generator=g) < 1e-4
+            hidden = torch.where(spikes, hidden * 50.0, hidden)
+            bits, scales = encode_hidden(hidden, "fp8")
+            w.append(sample_ids=np.arange(start, start + n, dtype=np.int64), lengths=np.full(n, S, np.int64),
+                     input_ids=ids, loss_mask=mask, hidden=bits.cpu(), scales=scales.cpu())
+    os.sync()
+    nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return {"samples": num_samples, "bytes": nbytes, "write_s": time.perf_counter() - t0}
