@@ -225,7 +225,8 @@ def main() -> None:
         on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         results[storage] = {"seconds": secs, "tokens": res.num_tokens, "tok_s": res.num_tokens / secs,
                             # steady state: first batch start .. last append (no startup, no final drain)
-                            "loop_seconds": res.loop_seconds,
+                            "loop_seconds": res.loop_seconds, "setup_seconds": res.setup_seconds,
+                            "drain_seconds": res.drain_seconds,
                             "tok_s_steady": res.num_tokens / res.loop_seconds if res.loop_seconds else None,
                             "wait_on_disk_s": res.wait_s, "bytes_on_disk": on_disk,
                             "bytes_per_token": on_disk / res.num_tokens,
@@ -254,6 +255,7 @@ def main() -> None:
             "mfu": r["tok_s"] * total_flops / real / peak,
             "ratio_vs_forward_only": r["tok_s"] / fo_tok_s,
             "tok_s_steady": r["tok_s_steady"], "loop_seconds": r["loop_seconds"],
+            "setup_seconds": r["setup_seconds"], "drain_seconds": r["drain_seconds"],
             "ratio_steady_vs_forward_only": r["tok_s_steady"] / fo_tok_s if r["tok_s_steady"] else None,
             "ratio_vs_peer_style": r["tok_s"] / peer["tok_s"] if peer else None,
             "padding_fraction": 1 - real / padded, "storage": storage,
@@ -264,7 +266,8 @@ def main() -> None:
                      f"{r['disk_write_MB_s']:.0f} MB/s, waited {r['wait_on_disk_s']:.1f}s on disk"))
         if r["tok_s_steady"]:
             rows.append((f"  steady state ({storage})", r["tok_s_steady"],
-                         f"first batch .. last append, {r['loop_seconds']:.1f}s of {r['seconds']:.1f}s"))
+                         f"first batch .. last append, {r['loop_seconds']:.1f}s of {r['seconds']:.1f}s "
+                         f"(setup {r['setup_seconds']:.1f}s, drain {r['drain_seconds']:.1f}s)"))
     if peer:
         rows.append(("peer style (full fwd + torch.save)", peer["tok_s"], ""))
     rows.append(("FLOP floor", floor_tok_s, f"{total_flops / real / 1e9:.1f} GFLOP/tok, peak {peak / 1e12:.0f} TFLOP/s"))

@@ -113,9 +113,44 @@ def run_trainer(cfg, device: torch.device) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------- run B
 
-def run_resident(cfg, device: torch.device, *, warmup: int) -> dict:
+KERNEL_KINDS = (  # (kind, name fragments), first match wins; names of CUDA kernels on the H200 (torch 2.11)
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_")),
+    ("flex attention", ("triton_tem", "flex")),
+    ("compiled elementwise", ("triton_",)),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("copy/fill", ("memcpy", "memset", "copy_kernel", "fill")),
+    ("softmax/CE", ("softmax", "nll", "log_softmax", "cross_entropy")),
+    ("reduce", ("reduce",)),
+    ("eager elementwise", ("elementwise", "vectorized", "unrolled", "cat", "index")),
+)
+
+
+def kernel_summary(prof, *, steps: int, wall_s: float) -> dict:
+    """GPU time per optimizer step by kernel kind and the top kernels, from a torch.profiler run of `steps`
+    steps that took `wall_s`: where a step's time goes, and how much of it the GPU sits idle."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0:
+            rows.append({"kernel": e.key[:160], "ms_per_step": e.self_device_time_total / 1e3 / steps,
+                         "calls_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    kinds: dict[str, float] = {}
+    for r in rows:
+        name = r["kernel"].lower()
+        kind = next((k for k, frags in KERNEL_KINDS if any(f in name for f in frags)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + r["ms_per_step"]
+    busy = sum(r["ms_per_step"] for r in rows)
+    step_ms = wall_s * 1e3 / steps
+    return {"step_ms": step_ms, "gpu_busy_ms": busy, "gpu_idle_fraction": max(0.0, 1 - busy / step_ms),
+            "ms_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top_kernels": rows[:30]}
+
+
+def run_resident(cfg, device: torch.device, *, warmup: int, profile_steps: int = 0) -> dict:
     """The trainer's step code (train.unit.DrafterUnit: micro_batch, end_step with its own timing and metrics
-    record) over micro-batches preloaded on the device: no loader in the loop."""
+    record) over micro-batches preloaded on the device: no loader in the loop. With profile_steps, the last
+    that many steps run under torch.profiler (kernel_summary) and are left out of the medians."""
     from dflash.train import checkpoint as ckpt
     from dflash.train.distributed import init_distributed
     from dflash.train.loader import StreamingLoader, plan_epoch
@@ -152,26 +187,42 @@ def run_resident(cfg, device: torch.device, *, warmup: int) -> dict:
     stop = threading.Event()
     t = threading.Thread(target=tail_metrics, args=(run_dir / "metrics.jsonl", stop, "B"), daemon=True)
     t.start()
+    prof, t_prof = None, 0.0
     try:
         for step, mbs in enumerate(steps_mbs):
+            if profile_steps and step == len(steps_mbs) - profile_steps and device.type == "cuda":
+                sync(device)
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
+                t_prof = time.perf_counter()
             unit.begin_step()
             for mb in mbs:
                 if not mb.is_empty:
                     unit.micro_batch(mb, mb.extra, lambda: autocast(device, s.compute_dtype))
             pos = ckpt.DataPosition(epoch=0, step_in_epoch=step + 1, global_step=step + 1)
             unit.end_step(pos, step_tokens=sum(mb.num_tokens for mb in mbs), stall_s=lambda: 0.0)
+        if prof is not None:
+            sync(device)
+            t_prof = time.perf_counter() - t_prof
+            prof.__exit__(None, None, None)
     finally:
         unit.close()
         stop.set()
         t.join()
+    profile = kernel_summary(prof, steps=profile_steps, wall_s=t_prof) if prof is not None else None
+    if profile:
+        say(f"profile of {profile_steps} steps: {profile['step_ms']:.0f} ms/step, GPU busy {profile['gpu_busy_ms']:.0f} "
+            f"ms; by kind (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in profile["ms_per_step_by_kind"].items()))
     recs = read_metrics(run_dir)
-    measured = [r for r in recs if r["first_step"] > warmup]
+    last_unprofiled = len(steps_mbs) - (profile_steps if prof is not None else 0)
+    measured = [r for r in recs if r["first_step"] > warmup and r["step"] <= last_unprofiled]
     if not measured:
         raise RuntimeError(f"no measured log windows in {run_dir}/metrics.jsonl")
     return {"tok_s": statistics.median(r["tokens_per_s"] for r in measured),
             "mfu": statistics.median(r["mfu"] for r in measured),
             "step_time_s": statistics.median(r["step_time_s"] for r in measured),
-            "peak_mem_gib": max(r["mem_gb"] for r in recs), "records": recs}
+            "peak_mem_gib": max(r["mem_gb"] for r in recs), "records": recs, "profile": profile}
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -194,6 +245,13 @@ def main() -> None:
                    help="TrainConfig.loss_impl of runs A and B")
     p.add_argument("--compare-loss-impl", action="store_true",
                    help="run C: run B's resident steps with the other loss_impl; report both tok/s")
+    p.add_argument("--compile-elementwise", choices=("auto", "on", "off"), default="auto",
+                   help="TrainConfig.compile_elementwise of runs A and B (auto = on CUDA)")
+    p.add_argument("--compare-compile", action="store_true",
+                   help="run D: run B's resident steps with compile_elementwise flipped; report both tok/s")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="profile the last N resident steps of run B with torch.profiler (CUDA; 0 = off); "
+                        "they are left out of B's medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-name", default=None, help="results file suffix (default: h200 on CUDA, cpu)")
     args = p.parse_args()
@@ -234,7 +292,7 @@ def main() -> None:
               intermediate_size=sh["intermediate"], block_size=16, rope_theta=1e7, mask_token_id=sh["mask_token_id"],
               num_anchors=sh["anchors"], steps=total_steps, batch_tokens=batch_tokens, log_every=args.log_every,
               save_every=10**9, num_readers=args.num_readers, prefetch=args.prefetch, peak_flops=peak, seed=args.seed,
-              loss_impl=args.loss_impl)
+              loss_impl=args.loss_impl, compile_elementwise=args.compile_elementwise)
     cfg_a = TrainConfig(output=str(work / "run_a"), **kw)
     if not args.keep_checkpoints:
         patch_out_saving()
@@ -262,7 +320,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         say("run B: the same steps from micro-batches resident on the device")
-        resident = run_resident(TrainConfig(output=str(work / "run_b"), **kw), device, warmup=args.warmup)
+        resident = run_resident(TrainConfig(output=str(work / "run_b"), **kw), device, warmup=args.warmup,
+                                profile_steps=args.profile_steps)
     stall = max(0.0, 1.0 - tok_s / resident["tok_s"]) if resident else None
 
     compare = None
@@ -284,6 +343,21 @@ def main() -> None:
                                         if r["step"] in c_loss), default=None)
         compare["other_records"] = runs[other]["records"]
 
+    compile_cmp = None
+    if args.compare_compile and resident:
+        compiled_now = args.compile_elementwise == "on" or (args.compile_elementwise == "auto" and device.type == "cuda")
+        flipped = "off" if compiled_now else "on"
+        say(f"run D: the same resident steps with compile_elementwise={flipped}")
+        d = _fresh_resident(TrainConfig(output=str(work / "run_d"), **{**kw, "compile_elementwise": flipped}),
+                            device, args.warmup)
+        d_loss = {r["step"]: r["loss"] for r in d["records"]}
+        runs = {("on" if compiled_now else "off"): resident, flipped: d}
+        compile_cmp = {k: {m: r[m] for m in ("tok_s", "mfu", "step_time_s", "peak_mem_gib")} for k, r in runs.items()}
+        compile_cmp["compiled_speedup"] = runs["on"]["tok_s"] / runs["off"]["tok_s"]
+        compile_cmp["max_loss_diff"] = max((abs(r["loss"] - d_loss[r["step"]]) for r in resident["records"]
+                                            if r["step"] in d_loss), default=None)
+        compile_cmp["other_records"] = d["records"]
+
     rows = [("trainer, fp8 disk cache (A)", tok_s, f"MFU {mfu:.3f} (measured peak), "
              f"{mfu * peak / NOMINAL_PEAK:.3f} (790T); wait {wait:.3f}; {step_s:.3f} s/step; {mem:.1f} GiB")]
     if resident:
@@ -297,6 +371,13 @@ def main() -> None:
                          f"MFU {c['mfu']:.3f}; {c['step_time_s']:.3f} s/step; {c['peak_mem_gib']:.1f} GiB"))
         rows.append(("fused / checkpoint", None, f"x{compare['fused_speedup']:.3f} tok/s; max window loss diff "
                      f"{compare['max_loss_diff']:.2e}"))
+    if compile_cmp:
+        for k in ("off", "on"):
+            c = compile_cmp[k]
+            rows.append((f"resident, compile_elementwise={k}", c["tok_s"],
+                         f"MFU {c['mfu']:.3f}; {c['step_time_s']:.3f} s/step; {c['peak_mem_gib']:.1f} GiB"))
+        rows.append(("compiled / eager", None, f"x{compile_cmp['compiled_speedup']:.3f} tok/s; max window loss "
+                     f"diff {compile_cmp['max_loss_diff']:.2e}"))
     rows.append(("reference: plain PyTorch step", REFERENCE["plain_pytorch_tok_s"],
                  f"MFU {REFERENCE['plain_pytorch_mfu']} (target >= {REFERENCE['target_mfu']})"))
     print(f"\n{'what':40s} {'tok/s':>10s}  notes", flush=True)
@@ -332,6 +413,10 @@ def main() -> None:
         "reference": REFERENCE, "trainer_records": recs,
         "resident_records": resident["records"] if resident else None,
         "loss_impl_other_records": compare["other_records"] if compare else None,
+        "compile_elementwise": args.compile_elementwise,
+        "compile_compare": {k: v for k, v in compile_cmp.items() if k != "other_records"} if compile_cmp else None,
+        "compile_other_records": compile_cmp["other_records"] if compile_cmp else None,
+        "profile": resident["profile"] if resident else None,
     }
     res_dir = ROOT / "benchmarks" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)

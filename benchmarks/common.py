@@ -103,8 +103,15 @@ def package_version(dist: str) -> str | None:
 
 
 def machine_info(device: torch.device) -> dict:
-    return {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
+    """What ran it; BENCH_NOTE (set by benchmarks/run_h200.sh) says what else ran on the machine meanwhile."""
+    info = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
             "cpus": os.cpu_count(), "platform": platform.platform()}
+    if device.type == "cuda":
+        info["gpus_on_machine"] = torch.cuda.device_count()
+        info["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if os.environ.get("BENCH_NOTE"):
+        info["note"] = os.environ["BENCH_NOTE"]
+    return info
 
 
 def make_random_fp8_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_samples: int, seed: int = 0,

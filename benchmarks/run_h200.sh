@@ -2,25 +2,55 @@
 # The GPU measurements, sized so that each stage fits one device call (10 min). Run from the repo root on the
 # H200 machine with the carried wheels in .whl/ (zarr, numcodecs, donfig, google-crc32c, crc32c, msgspec,
 # fla-core, flash-linear-attention, gguf; see the README of the device tool):
-#   bash benchmarks/run_h200.sh io      # bench_cache (~2 min) + bench_extract 400K tokens (~4 min)
-#   bash benchmarks/run_h200.sh train   # bench_train with fused vs checkpointed LM-head loss (~5 min)
+#   bash benchmarks/run_h200.sh io      # bench_cache (~2 min) + bench_extract 600K tokens (~4 min)
+#   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
 #   bash benchmarks/run_h200.sh sweep   # bench_sweep --synthetic (27B features, 4 drafters)
-# Results land in benchmarks/results/*_h200.json and are copied to $OUT when set.
+#   bash benchmarks/run_h200.sh quality GGUF_PART...   # bench_quality (SmolLM2 target; scripts/split_gguf.sh)
+# On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
+#   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
+#   bash benchmarks/run_h200.sh pair2 GGUF_PART...   # quality on GPU 0 || sweep on GPU 1, then the GPU tests
+# Results land in benchmarks/results/*_h200.json and, with logs, are copied to $OUT when set.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-case "${1:-io}" in
-  io)
-    timeout 170 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --result-name h200
-    rm -rf /tmp/dflash_bench_cache
-    timeout 330 python3 benchmarks/bench_extract.py --tokens 400000 --peer-tokens 12000 --fla-conv ;;
-  train)
-    timeout 560 python3 benchmarks/bench_train.py --compare-loss-impl ;;
-  sweep)
-    timeout 560 python3 benchmarks/bench_sweep.py --synthetic ;;
-  *) echo "usage: $0 io|train|sweep" >&2; exit 2 ;;
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LOGS=${OUT:-/tmp}
+
+cache() { timeout 170 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --result-name h200
+          rm -rf /tmp/dflash_bench_cache; }
+extract() { timeout "${1:-330}" python3 benchmarks/bench_extract.py --tokens 600000 --peer-tokens 12000 --fla-conv; }
+train() { timeout "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
+sweep() { timeout "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
+quality() { local t=$1; shift
+            timeout "$t" python3 benchmarks/bench_quality.py --gguf-parts "$@" --workdir /tmp/bq \
+              --json benchmarks/results/quality_smollm2.json; }
+
+stage=${1:-io}; shift || true
+rc=0
+case "$stage" in
+  io) cache; extract || rc=$? ;;
+  train) train || rc=$? ;;
+  sweep) sweep || rc=$? ;;
+  quality) quality 560 "$@" || rc=$? ;;
+  pair1)
+    cache
+    BENCH_NOTE="bench_train ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=0 extract 400 >"$LOGS/extract.log" 2>&1 &
+    e=$!
+    BENCH_NOTE="bench_extract ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=1 train 400 >"$LOGS/train.log" 2>&1 &
+    t=$!
+    wait $e || rc=$?; wait $t || rc=$?
+    tail -n 25 "$LOGS/extract.log" "$LOGS/train.log" ;;
+  pair2)
+    BENCH_NOTE="bench_sweep ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=0 quality 540 "$@" >"$LOGS/quality.log" 2>&1 &
+    q=$!
+    ( BENCH_NOTE="bench_quality ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=1 sweep 400
+      CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning tests/gpu ) \
+      >"$LOGS/sweep.log" 2>&1 &
+    s=$!
+    wait $q || rc=$?; wait $s || rc=$?
+    tail -n 30 "$LOGS/quality.log" "$LOGS/sweep.log" ;;
+  *) echo "usage: $0 io|train|sweep|quality PARTS|pair1|pair2 PARTS" >&2; exit 2 ;;
 esac
-rc=$?
-[ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json "$OUT"/ 2>/dev/null
+[ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json benchmarks/results/quality_smollm2.json "$OUT"/ 2>/dev/null
 exit $rc

@@ -31,19 +31,41 @@ from dflash.drafter.attention import (BlockLayout, choose_backend, dense_block_a
 from dflash.drafter.config import DrafterConfig
 
 
-class RMSNorm(nn.Module):
-    """Qwen3RMSNorm: normalise in float32, scale in the input dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3RMSNorm: normalise in float32, scale in the input dtype. The weight is cast to the input dtype
+    (fp32 master weights under bf16 autocast): the output stays bf16, as it is when the exported drafter
+    runs in bf16, instead of an fp32 tensor that every following matmul casts back."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(dtype) * x32.to(dtype)
 
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+_compiled_ops: dict = {}
+
+
+def compiled_op(fn):
+    """fn under torch.compile (dynamic shapes), built once per process. Why: in eager mode the norms, RoPE
+    and SiLU-gating are chains of memory-bound kernels with fp32 temporaries (forward and backward); compiled,
+    each is one fused kernel per direction."""
+    if fn not in _compiled_ops:
+        _compiled_ops[fn] = torch.compile(fn, dynamic=True)
+    return _compiled_ops[fn]
+
+
+class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.norm_fn = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.norm_fn(x, self.weight, self.eps)
 
 
 def rope_cos_sin(pos_N: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype
@@ -73,6 +95,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(nh * d, H, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rope_fn = apply_rope
 
     def forward(self, x_QD: torch.Tensor, ctx_TD: torch.Tensor, *, rope_q, rope_k, attend) -> torch.Tensor:
         Q, T, d = x_QD.shape[0], ctx_TD.shape[0], self.head_dim
@@ -81,10 +104,10 @@ class DFlashAttention(nn.Module):
         v_KD = torch.cat([self.v_proj(ctx_TD), self.v_proj(x_QD)], dim=0)
         k_hKd = self.k_norm(k_KD.view(T + Q, self.num_kv_heads, d)).transpose(0, 1)
         v_hKd = v_KD.view(T + Q, self.num_kv_heads, d).transpose(0, 1)
-        # Under autocast the norms return fp32 (fp32 weight * bf16) while v_proj returns bf16; the kernels
-        # want one dtype, and v's is the autocast compute dtype.
-        q_hQd = apply_rope(q_hQd, *rope_q).to(v_hKd.dtype)
-        k_hKd = apply_rope(k_hKd, *rope_k).to(v_hKd.dtype)
+        # Under autocast the projections return the compute dtype; outside it (fp32 CPU runs) everything is
+        # the input dtype. The attention kernels want one dtype: v's.
+        q_hQd = self.rope_fn(q_hQd, *rope_q).to(v_hKd.dtype)
+        k_hKd = self.rope_fn(k_hKd, *rope_k).to(v_hKd.dtype)
         out_hQd = attend(q_hQd, k_hKd, v_hKd)
         return self.o_proj(out_hQd.transpose(0, 1).reshape(Q, self.num_heads * d))
 
@@ -95,9 +118,10 @@ class DFlashMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -136,6 +160,17 @@ class DFlashDrafter(nn.Module):
                 m.weight.normal_(0.0, std)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
+
+    def compile_elementwise(self) -> None:
+        """Run the norms, RoPE and SiLU-gating as torch.compile'd fused kernels (training on CUDA). Same math;
+        results differ from eager by float rounding only. Weights, names and exports are unchanged."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.norm_fn = compiled_op(rms_norm)
+            elif isinstance(m, DFlashAttention):
+                m.rope_fn = compiled_op(apply_rope)
+            elif isinstance(m, DFlashMLP):
+                m.act_fn = compiled_op(silu_mul)
 
     def context(self, target_hidden_TKD: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(concat taps)) -> [T, D]. Taps are concatenated in target_layer_ids order."""

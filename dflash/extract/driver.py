@@ -105,6 +105,10 @@ class ExtractResult:
     loop_seconds: float = 0.0
     """Steady state: from the start of the first batch to the last append (the slowest rank); excludes
     startup and the final drain of the writer queue, which dominate a short run but not a multi-hour one."""
+    setup_seconds: float = 0.0
+    """Start to the first batch (rank 0): preflight, tokenization, model load, writer open."""
+    drain_seconds: float = 0.0
+    """Last append to the end (rank 0): the writer's queue drain, last shard commit, final reduction."""
 
 
 def resolve_device(cfg: ExtractConfig, *, local_rank: int) -> torch.device:
@@ -191,7 +195,8 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
                 counters.bytes_written = _bytes_written(writer)
                 reporter.report(counters)
         loop.flush()
-        loop_s = time.perf_counter() - t_first if my_batches else 0.0
+        t_last = time.perf_counter()
+        loop_s = t_last - t_first if my_batches else 0.0
     counters.bytes_written = _bytes_written(writer)
     totals = reporter.close(counters)
     if distributed:
@@ -199,7 +204,8 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         loop_s = float(slowest[0])
         dist.barrier()
-    result = _result(cfg, pre, totals, t0, world_size if distributed else 1, dry_run=False, loop_s=loop_s)
+    result = _result(cfg, pre, totals, t0, world_size if distributed else 1, dry_run=False, loop_s=loop_s,
+                     setup_s=t_first - t0, drain_s=time.perf_counter() - t_last)
     if rank == 0:
         echo(format_summary(result, skips_text=pre.skips.summary()))
     return result
@@ -221,12 +227,13 @@ def _bytes_written(writer) -> int:
 
 
 def _result(cfg, pre, totals: torch.Tensor, t0: float, world_size: int, *, dry_run: bool,
-            loop_s: float = 0.0) -> ExtractResult:
+            loop_s: float = 0.0, setup_s: float = 0.0, drain_s: float = 0.0) -> ExtractResult:
     return ExtractResult(
         num_samples=int(totals[SAMPLES]), num_tokens=int(totals[TOKENS]), num_padded_tokens=int(totals[PADDED]),
         bytes_written=int(totals[BYTES]), wait_s=float(totals[WAIT_S]) / max(world_size, 1),
         seconds=time.perf_counter() - t0, num_committed_before=pre.plan.num_committed,
-        skip_counts=dict(pre.skips.counts), dry_run=dry_run, loop_seconds=loop_s)
+        skip_counts=dict(pre.skips.counts), dry_run=dry_run, loop_seconds=loop_s, setup_seconds=setup_s,
+        drain_seconds=drain_s)
 
 
 def format_summary(result: ExtractResult, *, skips_text: str) -> str:

@@ -5,6 +5,9 @@ Why: pinning memory (cudaHostAlloc) is slow, ~1-3 GB/s. A fresh pinned tensor pe
 tokens/s forward-only; benchmarks/results/extract_h200.json before this pool). The writer thread hands a
 buffer back (CacheWriter.append(on_consumed=...)) once it has copied the bytes into its shard block, so
 `queue_depth + 2` buffers cover the batch being copied, the one waiting to be appended, and the queue.
+Buffers are pinned on first need, not up front: pinning all of them (6 x 0.85-1.7 GB at the 27B shape) took
+seconds before the first batch, while an allocation inside the loop runs while the GPU is still busy with the
+batch just queued; and when the writer keeps up, only 2-3 buffers are ever pinned.
 """
 
 from __future__ import annotations
@@ -22,16 +25,26 @@ def _aligned(n: int) -> int:
 
 
 class PinnedPool:
-    """`count` pinned uint8 buffers of `nbytes` each; acquire() blocks until one is free."""
+    """Up to `count` pinned uint8 buffers of `nbytes` each, allocated on demand; acquire() returns a free one,
+    allocates a new one while fewer than `count` exist, and otherwise blocks until one is released."""
 
     def __init__(self, *, count: int, nbytes: int, pin: bool = True) -> None:
+        if count < 1:
+            raise ValueError(f"count={count}: a pool needs at least one buffer")
         self.nbytes = _aligned(nbytes)
+        self.count, self.pin = count, pin
+        self.allocated = 0
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
-        for _ in range(count):
-            self._free.put(torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin))
 
     def acquire(self, *, check: Callable[[], None] | None = None) -> torch.Tensor:
         """A free buffer; while waiting, `check()` runs every 50 ms (it raises if the consumer died)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        if self.allocated < self.count:  # only the caller's thread allocates; release() never does
+            self.allocated += 1
+            return torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin)
         while True:
             try:
                 return self._free.get(timeout=0.05)

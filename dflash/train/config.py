@@ -86,6 +86,9 @@ class TrainConfig:
     """LM-head cross-entropy: fused = logits once per supervised row, input-gradient formed in the forward
     (train.fused_ce); checkpoint = the chunk-checkpointed path over all rows (objective.chunked_ce_loss,
     three head matmuls per row). Same math up to fp32 summation order."""
+    compile_elementwise: str = "auto"
+    """Run the drafter's norms, RoPE and SiLU-gating as torch.compile'd fused kernels: auto = on CUDA only
+    (CPU compilation needs a C++ toolchain and gains little), on, off. Same math up to float rounding."""
 
     online: bool = False
     """Compute the drafter's taps with the live target for every micro-batch instead of reading them from the
@@ -126,6 +129,8 @@ class TrainConfig:
         if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError(f"lr={self.lr}, grad_clip={self.grad_clip}, weight_decay={self.weight_decay}: "
                               "lr must be > 0, grad_clip and weight_decay >= 0")
+        if self.compile_elementwise not in ("auto", "on", "off"):
+            raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: choose auto, on or off")
         if self.loss_impl not in ("fused", "checkpoint"):
             raise ConfigError(f"loss_impl={self.loss_impl!r}: choose fused or checkpoint")
         if self.dtype not in ("auto", "bfloat16", "float32"):
@@ -145,11 +150,11 @@ class TrainConfig:
 
 
 # Fields that may differ between a run and its resume (paths, bookkeeping); anything else changes the math.
-# loss_impl changes only the fp32 summation order of the loss (and checkpoints written before it existed
-# lack the field). online feeds the same features (computed live in the cache's target dtype instead of read).
+# loss_impl and compile_elementwise change only float rounding (and checkpoints written before they existed
+# lack the fields). online feeds the same features (computed live in the cache's target dtype instead of read).
 RESUME_MUTABLE = frozenset({"cache", "model", "output", "log_every", "save_every", "keep_checkpoints",
                             "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps",
-                            "loss_impl", "online"})
+                            "loss_impl", "compile_elementwise", "online"})
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:

@@ -155,6 +155,9 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
         reasons.extend(resolved.reasons)
     torch.manual_seed(cfg.seed)  # identical init on every rank (built on the CPU, then moved)
     drafter = DFlashDrafter(dc).to(info.device)
+    if cfg.compile_elementwise == "on" or (cfg.compile_elementwise == "auto" and info.device.type == "cuda"):
+        drafter.compile_elementwise()
+        reasons.append(f"norms, RoPE and SiLU-gating: torch.compile'd (compile_elementwise={cfg.compile_elementwise})")
     total = count_total_steps(cfg, reader.index.length, info.world_size)
     reasons.append(f"{total} optimizer steps ({'--steps' if cfg.steps else f'{cfg.epochs} epochs'}), "
                    f"{len(reader)} samples, world size {info.world_size}, grad_accum {cfg.grad_accum}")

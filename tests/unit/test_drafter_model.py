@@ -321,3 +321,41 @@ def test_fp32_weights_under_bf16_autocast():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = packed_forward(model, *case)
     assert (out.float() - ref).abs().max() < 0.1
+
+
+def test_rms_norm_output_stays_in_input_dtype_under_autocast():
+    """fp32 master weight x bf16 activations: bf16 out (as the exported drafter computes in bf16)."""
+    from dflash.drafter.model import RMSNorm
+
+    norm = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm(x)
+    assert y.dtype == torch.bfloat16
+    ref = Qwen3RMSNorm(16, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(norm.weight)
+    torch.testing.assert_close(y, ref(x), rtol=0, atol=0)
+
+
+def test_compiled_elementwise_matches_eager_forward_and_backward():
+    """compile_elementwise swaps the norms, RoPE and SiLU-gating for torch.compile'd kernels: same outputs
+    and gradients up to float rounding. The norm computes in fp32 by design (Qwen3RMSNorm), and inductor may
+    skip an fp32 rounding step that eager takes, so the tolerance is fp32's, not the fp64 model's."""
+    case = packed_case(seed=21)
+    grads, outs = [], []
+    for compiled in (False, True):
+        model = tiny_model(seed=21)
+        if compiled:
+            model.compile_elementwise()
+        out = packed_forward(model, *case)
+        out.pow(2).sum().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        scale = grads[0][name].abs().max().item()
+        assert (grads[1][name] - grads[0][name]).abs().max().item() <= 1e-5 * scale + 1e-9, name

@@ -60,3 +60,15 @@ def test_writer_calls_on_consumed_after_copying(tmp_path):
     assert consumed == [True]
     r = CacheReader(tmp_path / "c")
     assert torch.equal(r.read(1).hidden.view(torch.uint16), hidden[4:].view(torch.uint16))
+
+
+def test_pool_allocates_on_demand_up_to_count():
+    pool = PinnedPool(count=3, nbytes=10, pin=False)
+    assert pool.allocated == 0
+    a = pool.acquire()
+    pool.release(a)
+    assert pool.acquire() is a and pool.allocated == 1  # a released buffer is reused before a new one
+    b, c = pool.acquire(), pool.acquire()
+    assert pool.allocated == 3 and len({id(a), id(b), id(c)}) == 3
+    threading.Timer(0.05, pool.release, args=(b,)).start()
+    assert pool.acquire() is b and pool.allocated == 3  # at count: waits for a release
