@@ -106,7 +106,7 @@ def prompt_files(args, work: pathlib.Path) -> dict[str, pathlib.Path]:
 
         write_jsonl(train, first_user_turns(args.train_prompts, max_chars=args.max_prompt_chars))
     else:
-        lines = [ln for ln in train_src.read_text(encoding="utf-8").splitlines()
+        lines = [ln for ln in train_src.read_text(encoding="utf-8").split("\n")  # not splitlines: prompts hold U+2028 etc.
                  if ln.strip() and _prompt_chars(ln) <= args.max_prompt_chars][: args.train_prompts]
         train.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {"train": train,

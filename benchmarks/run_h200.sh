@@ -9,6 +9,7 @@
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
 #   bash benchmarks/run_h200.sh pair2 GGUF_PART...   # quality on GPU 0 || sweep on GPU 1, then the GPU tests
+#   bash benchmarks/run_h200.sh pair3   # extract on GPU 0 || sweep on GPU 1
 # Results land in benchmarks/results/*_h200.json and, with logs, are copied to $OUT when set.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -50,7 +51,14 @@ case "$stage" in
     s=$!
     wait $q || rc=$?; wait $s || rc=$?
     tail -n 30 "$LOGS/quality.log" "$LOGS/sweep.log" ;;
-  *) echo "usage: $0 io|train|sweep|quality PARTS|pair1|pair2 PARTS" >&2; exit 2 ;;
+  pair3)
+    BENCH_NOTE="bench_sweep ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=0 extract 400 >"$LOGS/extract.log" 2>&1 &
+    e=$!
+    BENCH_NOTE="bench_extract ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=1 sweep 400 >"$LOGS/sweep.log" 2>&1 &
+    s=$!
+    wait $e || rc=$?; wait $s || rc=$?
+    tail -n 25 "$LOGS/extract.log" "$LOGS/sweep.log" ;;
+  *) echo "usage: $0 io|train|sweep|quality PARTS|pair1|pair2 PARTS|pair3" >&2; exit 2 ;;
 esac
 [ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json benchmarks/results/quality_smollm2.json "$OUT"/ 2>/dev/null
 exit $rc

@@ -157,10 +157,19 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
     from dflash.target.forward import TappedForward
     from dflash.target.load import load_target
 
+    my_batches = plan.rank_batches[rank]
+    pool = None
+    if device.type == "cuda" and my_batches:
+        from dflash.extract.pinned import PinnedPool, batch_nbytes
+
+        most = max(sum(len(pre.samples[i].input_ids) for i, w in zip(b.members, b.write) if w) for b in my_batches)
+        # Pinned in the background while the target loads (pinned.py says why).
+        pool = PinnedPool(count=cfg.queue_depth + 2, prefill=True, nbytes=batch_nbytes(
+            tokens=most, num_taps=len(pre.fingerprint.tap_layer_ids), hidden=pre.fingerprint.hidden_size,
+            storage=cfg.storage))
     model, _ = load_target(cfg.model, device=device, dtype=DTYPES[cfg.dtype], fla_conv=cfg.fla_conv)
     tapped = TappedForward(model, pre.fingerprint.tap_layer_ids)
     pad_id = pre.tokenizer.pad_token_id if pre.tokenizer.pad_token_id is not None else 0
-    my_batches = plan.rank_batches[rank]
     counters = RankCounters()
     reporter = ProgressReporter(rank=rank, world_size=world_size if distributed else 1,
                                 total_samples=plan.num_todo, total_tokens=plan.num_tokens_todo,
@@ -176,15 +185,6 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
         dist.barrier()
     writer = writer or open_writer()
     with writer:
-        pool = None
-        if device.type == "cuda" and my_batches:
-            from dflash.extract.pinned import PinnedPool, batch_nbytes
-
-            most = max(sum(len(pre.samples[i].input_ids) for i, w in zip(b.members, b.write) if w)
-                       for b in my_batches)
-            pool = PinnedPool(count=cfg.queue_depth + 2, nbytes=batch_nbytes(
-                tokens=most, num_taps=len(pre.fingerprint.tap_layer_ids), hidden=pre.fingerprint.hidden_size,
-                storage=cfg.storage))
         loop = _BatchLoop(samples=pre.samples, tapped=tapped, device=device, storage=cfg.storage, pad_id=pad_id,
                           writer=writer, counters=counters, pool=pool)
         t_first = time.perf_counter()

@@ -5,14 +5,16 @@ Why: pinning memory (cudaHostAlloc) is slow, ~1-3 GB/s. A fresh pinned tensor pe
 tokens/s forward-only; benchmarks/results/extract_h200.json before this pool). The writer thread hands a
 buffer back (CacheWriter.append(on_consumed=...)) once it has copied the bytes into its shard block, so
 `queue_depth + 2` buffers cover the batch being copied, the one waiting to be appended, and the queue.
-Buffers are pinned on first need, not up front: pinning all of them (6 x 0.85-1.7 GB at the 27B shape) took
-seconds before the first batch, while an allocation inside the loop runs while the GPU is still busy with the
-batch just queued; and when the writer keeps up, only 2-3 buffers are ever pinned.
+Pinning all of them (6 x 0.85-1.7 GB at the 27B shape) takes seconds, so it is kept off the critical path: with
+`prefill=True` a background thread pins them one after another while the target loads (a 54 GB checkpoint
+takes minutes), and acquire() pins one itself only when none is free and the thread is not done (measured on
+the H200: pinning on demand in the loop cost 1.1 s of a 60 s fp8 run, extract_h200.json of 2026-11-29 13:45).
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 
 import torch
@@ -25,16 +27,43 @@ def _aligned(n: int) -> int:
 
 
 class PinnedPool:
-    """Up to `count` pinned uint8 buffers of `nbytes` each, allocated on demand; acquire() returns a free one,
-    allocates a new one while fewer than `count` exist, and otherwise blocks until one is released."""
+    """Up to `count` pinned uint8 buffers of `nbytes` each. acquire() returns a free one, pins a new one while
+    fewer than `count` exist, and otherwise blocks until one is released. prefill=True pins them all in a
+    background thread (acquire takes them as they come)."""
 
-    def __init__(self, *, count: int, nbytes: int, pin: bool = True) -> None:
+    def __init__(self, *, count: int, nbytes: int, pin: bool = True, prefill: bool = False) -> None:
         if count < 1:
             raise ValueError(f"count={count}: a pool needs at least one buffer")
         self.nbytes = _aligned(nbytes)
         self.count, self.pin = count, pin
         self.allocated = 0
+        self._lock = threading.Lock()
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        self._filler = threading.Thread(target=self._prefill, name="dflash-pin-prefill", daemon=True) if prefill else None
+        if self._filler is not None:
+            self._filler.start()
+
+    def _reserve(self) -> bool:
+        with self._lock:
+            if self.allocated >= self.count:
+                return False
+            self.allocated += 1
+            return True
+
+    def _new(self) -> torch.Tensor:
+        try:
+            return torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        except BaseException:
+            with self._lock:
+                self.allocated -= 1
+            raise
+
+    def _prefill(self) -> None:
+        while self._reserve():
+            try:
+                self._free.put(self._new())
+            except Exception:  # noqa: BLE001 - acquire() pins on demand instead, and raises there if it fails
+                return
 
     def acquire(self, *, check: Callable[[], None] | None = None) -> torch.Tensor:
         """A free buffer; while waiting, `check()` runs every 50 ms (it raises if the consumer died)."""
@@ -42,15 +71,18 @@ class PinnedPool:
             return self._free.get_nowait()
         except queue.Empty:
             pass
-        if self.allocated < self.count:  # only the caller's thread allocates; release() never does
-            self.allocated += 1
-            return torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        if self._filler is None or not self._filler.is_alive():
+            if self._reserve():
+                return self._new()
         while True:
             try:
                 return self._free.get(timeout=0.05)
             except queue.Empty:
                 if check is not None:
                     check()
+                if (self._filler is not None and not self._filler.is_alive() and self._free.empty()
+                        and self._reserve()):
+                    return self._new()
 
     def release(self, buf: torch.Tensor) -> None:
         self._free.put(buf)

@@ -139,6 +139,8 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     t0 = time.perf_counter()
     dev = torch.device(device)
     if dev.type == "cuda":
+        if dev.index is None:  # "cuda" alone: the current device (set_device needs an index)
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     info = DistInfo(rank=0, world_size=1, local_rank=dev.index or 0, device=dev)
     first = runs[0].config

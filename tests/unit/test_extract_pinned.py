@@ -72,3 +72,11 @@ def test_pool_allocates_on_demand_up_to_count():
     assert pool.allocated == 3 and len({id(a), id(b), id(c)}) == 3
     threading.Timer(0.05, pool.release, args=(b,)).start()
     assert pool.acquire() is b and pool.allocated == 3  # at count: waits for a release
+
+
+def test_pool_prefill_pins_every_buffer_in_the_background():
+    pool = PinnedPool(count=3, nbytes=10, pin=False, prefill=True)
+    got = [pool.acquire() for _ in range(3)]
+    assert len({id(b) for b in got}) == 3 and pool.allocated == 3
+    threading.Timer(0.05, pool.release, args=(got[1],)).start()
+    assert pool.acquire() is got[1] and pool.allocated == 3
