@@ -17,7 +17,10 @@ Claims checked in the JSON (`checks`): trained tau clearly above untrained; |tau
 |tau_online - tau_bf16| <= 1% of tau_bf16 per dataset. Throughput: tokens/s of the cached and the online run
 (median over log windows after the first, which holds compile and warmup).
 
-GPU (one H200 call, sized for < 9 minutes): python benchmarks/bench_quality.py --gguf-parts A B --json OUT.json
+GPU: python benchmarks/bench_quality.py --gguf-parts A B --workdir DIR --json OUT.json [--train-prompts 1500 --steps 300]
+  A 1500-prompt run on the H200 (quality_smollm2_partial_h200.json) took 42 s to convert the target, 166 s to
+  generate, 100 s to extract, then hit the 10-minute call limit while training: rerun the same command with
+  --resume on the same (still warm) machine and it continues after the last finished stage.
 CPU smoke: python benchmarks/bench_quality.py --tiny   (a few minutes on 2 cores; numbers are not meaningful)
 """
 
@@ -49,16 +52,28 @@ def log(msg: str) -> None:
 
 
 class Stages:
-    def __init__(self, result: dict, path: pathlib.Path) -> None:
+    """Runs the stages, saving the result JSON after each; with `earlier` (the JSON of a cut-short run in the same
+    --workdir, --resume) a stage that finished there is not run again: its recorded output is returned."""
+
+    def __init__(self, result: dict, path: pathlib.Path, *, earlier: dict | None = None) -> None:
         self.result, self.path = result, path
         result.setdefault("stage_seconds", {})
+        result.setdefault("stage_out", {})
+        self.earlier = earlier or {}
 
-    def run(self, name: str, fn):
+    def run(self, name: str, fn, *, resumable: bool = True):
+        done = self.earlier.get("stage_out", {})
+        if resumable and name in done:
+            log(f"=== {name}: done by the earlier run, not repeated ===")
+            self.result["stage_seconds"][name] = self.earlier["stage_seconds"][name]
+            self.result["stage_out"][name] = done[name]
+            return done[name]
         log(f"=== {name} ===")
         t = time.perf_counter()
         out = fn()
         dt = round(time.perf_counter() - t, 2)
         self.result["stage_seconds"][name] = dt
+        self.result["stage_out"][name] = json.loads(json.dumps(out, default=str))
         log(f"--- {name}: {dt:.1f} s")
         self.save()
         return out
@@ -179,6 +194,8 @@ def train_run(args, *, model: str, cache: pathlib.Path, out: pathlib.Path, devic
     from dflash.train.metrics import read_metrics
     from dflash.train.trainer import train
 
+    if args.resume and out.exists():  # the run a cut-short call left half done: train it again from the start
+        shutil.rmtree(out)
     cfg = TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=args.layers,
                       block_size=args.block_size, num_anchors=args.num_anchors, mask_token_id=SMOLLM2_MASK_TOKEN_ID,
                       lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=args.steps, seed=args.seed,
@@ -254,6 +271,8 @@ def parse_args(argv=None):
     ap.add_argument("--skip-online", action="store_true", help="do not train the --online drafter")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--workdir", help="folder for model, caches and runs (default: a temp folder, removed)")
+    ap.add_argument("--resume", action="store_true", help="continue a cut-short run: same --workdir and --json; "
+                    "stages that finished there are not repeated")
     ap.add_argument("--json", help="result file (default benchmarks/results/quality_smollm2[_tiny_cpu].json)")
     args = ap.parse_args(argv)
     tiny = dict(train_prompts=32, max_prompt_chars=300, eval_prompts=4, max_new_tokens=32, eval_max_new_tokens=32,
@@ -293,11 +312,17 @@ def main(argv=None) -> dict:
         "device": device, "target_dtype": target_dtype,
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
     }
-    st = Stages(result, out_json)
+    earlier = None
+    if args.resume:
+        if args.workdir is None or not out_json.is_file():
+            raise SystemExit("--resume needs the --workdir and the --json of the run it continues")
+        earlier = json.loads(out_json.read_text())
+        result["resumed_from"] = {"date": earlier.get("date"), "stages_done": list(earlier.get("stage_out", {}))}
+    st = Stages(result, out_json, earlier=earlier)
     try:
         model = st.run("a_target", lambda: target_folder(args, work))
         result["target"] = model
-        prompts = st.run("b_prompts", lambda: prompt_files(args, work))
+        prompts = st.run("b_prompts", lambda: prompt_files(args, work), resumable=False)  # cheap, gives Paths
         gen = st.run("c_generate", lambda: generate_all(args, model, prompts, work, device, target_dtype))
         result["generate"] = gen
         caches = {"train_bf16": ("train", "bf16"), "train_fp8": ("train", "fp8"),

@@ -16,6 +16,10 @@ The page cache of the cache files is dropped (posix_fadvise DONTNEED) before eac
 tiny byte tokenizer, a model.safetensors with only the embedding and LM head (random; the trainer reads
 nothing else), and an fp8 cache written by CacheWriter of random token ids with a loss-free prompt and
 random-normal hidden states. Writes benchmarks/results/sweep_<name>.json; the last stdout line is that JSON.
+
+Checkpoints and exports are patched out in both arms unless --keep-checkpoints (as in bench_train): at the 27B
+hidden size one run's final checkpoint (fp32 weights + Adam) is ~7 GB and its export ~2 GB, the same work in both
+arms, which on the first H200 try took most of the call and would fill its 64 GB disk over the repeats.
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=None, help="cache samples (default 48 tiny, 64 27B)")
     p.add_argument("--num-readers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2, help="alternations of the two arms (min wall per arm)")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="let every run write its final checkpoint and export (patched out by default)")
     p.add_argument("--work-dir", default="/tmp/dflash_bench_sweep", help="local-disk folder (wiped first)")
     p.add_argument("--result-name", default=None, help="results file suffix (default: h200 on CUDA, cpu)")
     args = p.parse_args()
@@ -118,8 +124,14 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     say(f"device {device}; hidden {sh['hidden']}, taps {sh['taps']}, {samples} samples of {sh['seq_len']} tokens")
-    make_head_only_target(work / "target", hidden=sh["hidden"], vocab=sh["vocab"], target_layers=sh["target_layers"])
-    cache_bytes = make_random_fp8_cache(work / "cache", work / "target", sh, num_samples=samples)["bytes"]
+    if not args.keep_checkpoints:
+        from bench_train import patch_out_saving
+
+        patch_out_saving()
+    make_head_only_target(work / "target", hidden=sh["hidden"], vocab=sh["vocab"], target_layers=sh["target_layers"],
+                          device=device)
+    cache_bytes = make_random_fp8_cache(work / "cache", work / "target", sh, num_samples=samples,
+                                        device=device)["bytes"]
     say(f"cache: {cache_bytes / 2**20:.1f} MiB (fp8)")
     data = spec_data(sh, steps=steps, num_readers=args.num_readers)
 
@@ -153,7 +165,7 @@ def main() -> None:
         "benchmark": "bench_sweep", "name": name,
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "num_runs": len(data["runs"]), "steps_per_run": steps, "cache_samples": samples, "cache_bytes": cache_bytes,
+        "num_runs": len(data["runs"]), "steps_per_run": steps, "checkpoints_and_exports": args.keep_checkpoints, "cache_samples": samples, "cache_bytes": cache_bytes,
         "shape": {k: (list(v) if isinstance(v, tuple) else v) for k, v in sh.items()},
         "runs": data["runs"],
         "wall_ratio_vs_sequential": sweep["wall_s"] / seq["wall_s"],

@@ -332,31 +332,18 @@ def main() -> None:
             say(f"run B': resident steps with loss_impl={args.loss_impl} (for the comparison)")
             base = _fresh_resident(TrainConfig(output=str(work / "run_b"), **kw), device, args.warmup)
         say(f"run C: the same resident steps with loss_impl={other}")
-        runs = {args.loss_impl: base,
-                other: _fresh_resident(TrainConfig(output=str(work / "run_c"), **{**kw, "loss_impl": other}),
-                                       device, args.warmup)}
-        c_loss = {r["step"]: r["loss"] for r in runs[other]["records"]}
-        compare = {impl: {k: r[k] for k in ("tok_s", "mfu", "step_time_s", "peak_mem_gib")}
-                   for impl, r in runs.items()}
-        compare["fused_speedup"] = runs["fused"]["tok_s"] / runs["checkpoint"]["tok_s"]
-        compare["max_loss_diff"] = max((abs(r["loss"] - c_loss[r["step"]]) for r in base["records"]
-                                        if r["step"] in c_loss), default=None)
-        compare["other_records"] = runs[other]["records"]
+        compare = compare_runs({args.loss_impl: base, other: _fresh_resident(
+            TrainConfig(output=str(work / "run_c"), **{**kw, "loss_impl": other}), device, args.warmup)},
+            base=args.loss_impl, fast="fused", slow="checkpoint", speedup_key="fused_speedup")
 
     compile_cmp = None
     if args.compare_compile and resident:
         compiled_now = args.compile_elementwise == "on" or (args.compile_elementwise == "auto" and device.type == "cuda")
         flipped = "off" if compiled_now else "on"
         say(f"run D: the same resident steps with compile_elementwise={flipped}")
-        d = _fresh_resident(TrainConfig(output=str(work / "run_d"), **{**kw, "compile_elementwise": flipped}),
-                            device, args.warmup)
-        d_loss = {r["step"]: r["loss"] for r in d["records"]}
-        runs = {("on" if compiled_now else "off"): resident, flipped: d}
-        compile_cmp = {k: {m: r[m] for m in ("tok_s", "mfu", "step_time_s", "peak_mem_gib")} for k, r in runs.items()}
-        compile_cmp["compiled_speedup"] = runs["on"]["tok_s"] / runs["off"]["tok_s"]
-        compile_cmp["max_loss_diff"] = max((abs(r["loss"] - d_loss[r["step"]]) for r in resident["records"]
-                                            if r["step"] in d_loss), default=None)
-        compile_cmp["other_records"] = d["records"]
+        compile_cmp = compare_runs({("on" if compiled_now else "off"): resident, flipped: _fresh_resident(
+            TrainConfig(output=str(work / "run_d"), **{**kw, "compile_elementwise": flipped}), device, args.warmup)},
+            base="on" if compiled_now else "off", fast="on", slow="off", speedup_key="compiled_speedup")
 
     rows = [("trainer, fp8 disk cache (A)", tok_s, f"MFU {mfu:.3f} (measured peak), "
              f"{mfu * peak / NOMINAL_PEAK:.3f} (790T); wait {wait:.3f}; {step_s:.3f} s/step; {mem:.1f} GiB")]
@@ -364,20 +351,10 @@ def main() -> None:
         rows.append(("same steps, GPU-resident batches (B)", resident["tok_s"],
                      f"MFU {resident['mfu']:.3f}; {resident['step_time_s']:.3f} s/step"))
         rows.append(("loader stall 1 - A/B", None, f"{stall:.3f} (target <= {REFERENCE['target_loader_stall_fraction']})"))
-    if compare:
-        for impl in ("checkpoint", "fused"):
-            c = compare[impl]
-            rows.append((f"resident, loss_impl={impl}", c["tok_s"],
-                         f"MFU {c['mfu']:.3f}; {c['step_time_s']:.3f} s/step; {c['peak_mem_gib']:.1f} GiB"))
-        rows.append(("fused / checkpoint", None, f"x{compare['fused_speedup']:.3f} tok/s; max window loss diff "
-                     f"{compare['max_loss_diff']:.2e}"))
-    if compile_cmp:
-        for k in ("off", "on"):
-            c = compile_cmp[k]
-            rows.append((f"resident, compile_elementwise={k}", c["tok_s"],
-                         f"MFU {c['mfu']:.3f}; {c['step_time_s']:.3f} s/step; {c['peak_mem_gib']:.1f} GiB"))
-        rows.append(("compiled / eager", None, f"x{compile_cmp['compiled_speedup']:.3f} tok/s; max window loss "
-                     f"diff {compile_cmp['max_loss_diff']:.2e}"))
+    for label, cmp, names, ratio in (("loss_impl", compare, ("checkpoint", "fused"), "fused / checkpoint"),
+                                     ("compile_elementwise", compile_cmp, ("off", "on"), "compiled / eager")):
+        if cmp:
+            rows.extend(variant_rows(label, cmp, names, ratio))
     rows.append(("reference: plain PyTorch step", REFERENCE["plain_pytorch_tok_s"],
                  f"MFU {REFERENCE['plain_pytorch_mfu']} (target >= {REFERENCE['target_mfu']})"))
     print(f"\n{'what':40s} {'tok/s':>10s}  notes", flush=True)
@@ -425,6 +402,28 @@ def main() -> None:
     # the per-window records stay in the file; the last stdout line is the rest (short enough for a log tail)
     print(json.dumps({k: v for k, v in out.items()
                       if k not in ("trainer_records", "resident_records", "loss_impl_other_records")}), flush=True)
+
+
+def compare_runs(runs: dict, *, base: str, fast: str, slow: str, speedup_key: str) -> dict:
+    """Two resident runs of one TrainConfig field's values: their speed and memory, fast/slow tok/s, the largest
+    per-window loss difference (same data and init: only float rounding may differ) and the other's records."""
+    (other,) = [k for k in runs if k != base]
+    other_loss = {r["step"]: r["loss"] for r in runs[other]["records"]}
+    out: dict = {k: {m: r[m] for m in ("tok_s", "mfu", "step_time_s", "peak_mem_gib")} for k, r in runs.items()}
+    out[speedup_key] = runs[fast]["tok_s"] / runs[slow]["tok_s"]
+    out["max_loss_diff"] = max((abs(r["loss"] - other_loss[r["step"]]) for r in runs[base]["records"]
+                                if r["step"] in other_loss), default=None)
+    out["other_records"] = runs[other]["records"]
+    out["speedup"] = out[speedup_key]
+    return out
+
+
+def variant_rows(label: str, cmp: dict, names: tuple[str, str], ratio: str) -> list[tuple]:
+    rows = [(f"resident, {label}={k}", cmp[k]["tok_s"],
+             f"MFU {cmp[k]['mfu']:.3f}; {cmp[k]['step_time_s']:.3f} s/step; {cmp[k]['peak_mem_gib']:.1f} GiB")
+            for k in names]
+    rows.append((ratio, None, f"x{cmp['speedup']:.3f} tok/s; max window loss diff {cmp['max_loss_diff']:.2e}"))
+    return rows
 
 
 def _fresh_resident(cfg, device: torch.device, warmup: int) -> dict:

@@ -2,10 +2,13 @@
 # The GPU measurements, sized so that each stage fits one device call (10 min). Run from the repo root on the
 # H200 machine with the carried wheels in .whl/ (zarr, numcodecs, donfig, google-crc32c, crc32c, msgspec,
 # fla-core, flash-linear-attention, gguf; see the README of the device tool):
-#   bash benchmarks/run_h200.sh io      # bench_cache (~2 min) + bench_extract 600K tokens (~4 min)
+#   bash benchmarks/run_h200.sh io      # bench_cache (~2 min) + bench_extract 600K tokens (~5 min)
+#   bash benchmarks/run_h200.sh extract # bench_extract 600K tokens alone (~5 min)
 #   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
 #   bash benchmarks/run_h200.sh sweep   # bench_sweep --synthetic (27B features, 4 drafters)
-#   bash benchmarks/run_h200.sh quality GGUF_PART...   # bench_quality (SmolLM2 target; scripts/split_gguf.sh)
+#   bash benchmarks/run_h200.sh quality GGUF_PART... [--resume]   # bench_quality, 1500 prompts, 400 steps
+#       (SmolLM2 target from scripts/split_gguf.sh parts; a call cut short at 10 minutes is continued by the
+#       same command with --resume on the still-warm machine)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
 #   bash benchmarks/run_h200.sh pair2 GGUF_PART...   # quality on GPU 0 || sweep on GPU 1, then the GPU tests
@@ -24,13 +27,14 @@ extract() { timeout "${1:-330}" python3 benchmarks/bench_extract.py --tokens 600
 train() { timeout "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
 sweep() { timeout "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
 quality() { local t=$1; shift
-            timeout "$t" python3 benchmarks/bench_quality.py --gguf-parts "$@" --workdir /tmp/bq \
-              --json benchmarks/results/quality_smollm2.json; }
+            timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 1500 --steps 400 --workdir /tmp/bq \
+              --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
 
 stage=${1:-io}; shift || true
 rc=0
 case "$stage" in
   io) cache; extract || rc=$? ;;
+  extract) extract 560 || rc=$? ;;
   train) train || rc=$? ;;
   sweep) sweep || rc=$? ;;
   quality) quality 560 "$@" || rc=$? ;;
@@ -58,7 +62,7 @@ case "$stage" in
     s=$!
     wait $e || rc=$?; wait $s || rc=$?
     tail -n 25 "$LOGS/extract.log" "$LOGS/sweep.log" ;;
-  *) echo "usage: $0 io|train|sweep|quality PARTS|pair1|pair2 PARTS|pair3" >&2; exit 2 ;;
+  *) echo "usage: $0 io|extract|train|sweep|quality PARTS [--resume]|pair1|pair2 PARTS|pair3" >&2; exit 2 ;;
 esac
-[ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json benchmarks/results/quality_smollm2.json "$OUT"/ 2>/dev/null
+[ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json /tmp/bq/quality_smollm2.json "$OUT"/ 2>/dev/null
 exit $rc
