@@ -71,6 +71,26 @@ def default_num_workers(*, local_world_size: int, data_bytes: int | None = None)
     return 0 if n == 1 else n
 
 
+def starts_pretokenized(paths: Sequence[str], *, probe: int = 8) -> bool:
+    """True when the first `probe` records of every source are pre-tokenized (`input_ids`, e.g. the output of
+    `dflash generate`). Then worker processes have nothing to do: the parent parses every record either way,
+    and a worker would only re-check ids that it is sent pickled, after seconds of start-up (measured: ~3 s of
+    the 8.8 s setup of benchmarks/results/extract_h200.json). A later conversation record is still tokenized,
+    in the rank's own process."""
+    from dflash.data.sources import Record, iter_records
+
+    for path in paths:
+        seen = 0
+        for item in iter_records(path):
+            if isinstance(item, Record):
+                if item.messages is not None:
+                    return False
+                seen += 1
+                if seen >= probe:
+                    break
+    return True
+
+
 @dataclass(frozen=True, kw_only=True)
 class Part:
     """One rank's share, in memory or memory-mapped from its file."""
@@ -152,7 +172,8 @@ def tokenize_or_load(*, paths: Sequence[str], tokenizer, max_length: int | None,
         rank, world_size = 0, 1
     if num_workers is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        num_workers = default_num_workers(local_world_size=local, data_bytes=_data_bytes(paths))
+        num_workers = 0 if starts_pretokenized(paths) else default_num_workers(
+            local_world_size=local, data_bytes=_data_bytes(paths))
     found = find_complete_parts(folder, prefer_world_size=world_size) if folder else None
     if distributed:  # one decision for all ranks: every rank tokenizes (and meets the barrier) or none does
         import torch

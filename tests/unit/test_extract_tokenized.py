@@ -153,3 +153,18 @@ def test_cache_with_tokenized_verifies_and_reruns_without_tokenizing(data, smoll
     assert again.num_samples == 0 and again.num_committed_before == first.num_samples
     assert again.skip_counts == first.skip_counts
     assert any("tokenization: loaded" in m for m in lines)
+
+
+def test_pretokenized_sources_are_read_in_process(data, tokenizer, tmp_path, monkeypatch):
+    """Worker processes only pay off for conversations: pre-tokenized input is read in the rank's process,
+    with the same samples as a worker run would give."""
+    pre = tmp_path / "pre.jsonl"
+    pre.write_text("".join(json.dumps({"input_ids": list(range(5 + i)), "loss_mask": [0, 0] + [1] * (3 + i)}) + "\n"
+                           for i in range(12)))
+    assert tz.starts_pretokenized([str(pre)])
+    assert not tz.starts_pretokenized([str(pre), data[0]])
+    monkeypatch.setattr(tz, "SMALL_DATA_BYTES", 0)  # as if the data were large
+    tok = tz.tokenize_or_load(paths=[str(pre)], tokenizer=tokenizer, max_length=MAX_LENGTH, template_kwargs={},
+                              folder=None)
+    assert tok.num_workers == 0
+    assert [len(s.input_ids) for s in tok.samples] == [5 + i for i in range(12)]
