@@ -30,6 +30,19 @@ quality() { local t=$1; shift
             timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 1500 --steps 400 --workdir /tmp/bq \
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
 
+sweep_then_gpu_tests() { sweep "$1"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning tests/gpu; }
+quality_parts() { quality "$1" "${QPARTS[@]}"; }
+# both NAME0 "CMD0 ARGS" NAME1 "CMD1 ARGS": two stages at once, GPU 0 and GPU 1, logs in $LOGS/NAME.log
+both() {
+  BENCH_NOTE="bench_$3 ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=0 $2 >"$LOGS/$1.log" 2>&1 &
+  local a=$!
+  BENCH_NOTE="bench_$1 ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=1 $4 >"$LOGS/$3.log" 2>&1 &
+  local b=$!
+  wait $a || rc=$?; wait $b || rc=$?
+  tail -n 25 "$LOGS/$1.log" "$LOGS/$3.log"
+}
+
 stage=${1:-io}; shift || true
 rc=0
 case "$stage" in
@@ -38,30 +51,9 @@ case "$stage" in
   train) train || rc=$? ;;
   sweep) sweep || rc=$? ;;
   quality) quality 560 "$@" || rc=$? ;;
-  pair1)
-    cache
-    BENCH_NOTE="bench_train ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=0 extract 400 >"$LOGS/extract.log" 2>&1 &
-    e=$!
-    BENCH_NOTE="bench_extract ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=1 train 400 >"$LOGS/train.log" 2>&1 &
-    t=$!
-    wait $e || rc=$?; wait $t || rc=$?
-    tail -n 25 "$LOGS/extract.log" "$LOGS/train.log" ;;
-  pair2)
-    BENCH_NOTE="bench_sweep ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=0 quality 540 "$@" >"$LOGS/quality.log" 2>&1 &
-    q=$!
-    ( BENCH_NOTE="bench_quality ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=1 sweep 400
-      CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning tests/gpu ) \
-      >"$LOGS/sweep.log" 2>&1 &
-    s=$!
-    wait $q || rc=$?; wait $s || rc=$?
-    tail -n 30 "$LOGS/quality.log" "$LOGS/sweep.log" ;;
-  pair3)
-    BENCH_NOTE="bench_sweep ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=0 extract 400 >"$LOGS/extract.log" 2>&1 &
-    e=$!
-    BENCH_NOTE="bench_extract ran on the other GPU meanwhile" CUDA_VISIBLE_DEVICES=1 sweep 400 >"$LOGS/sweep.log" 2>&1 &
-    s=$!
-    wait $e || rc=$?; wait $s || rc=$?
-    tail -n 25 "$LOGS/extract.log" "$LOGS/sweep.log" ;;
+  pair1) cache; both extract "extract 400" train "train 400" ;;
+  pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
+  pair3) both extract "extract 400" sweep "sweep 400" ;;
   *) echo "usage: $0 io|extract|train|sweep|quality PARTS [--resume]|pair1|pair2 PARTS|pair3" >&2; exit 2 ;;
 esac
 [ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json /tmp/bq/quality_smollm2.json "$OUT"/ 2>/dev/null
