@@ -467,6 +467,20 @@ class Plan:
     """Micro-batch budget per GPU: 2 sequences of the drafter shape's length, as bench_train."""
 
 
+def measure_n(out: dict, errors: list[str], section: str, n: int, fn) -> dict | None:
+    """out[section][N] = fn(); a failure is recorded there and in `errors` (and None returned), so what the
+    other N measured is kept and the run goes on."""
+    try:
+        r = fn()
+    except Exception as e:  # noqa: BLE001 - reported in the JSON and by the exit code
+        errors.append(f"{section} N={n}: {e!r}")
+        out[section][str(n)] = {"gpus": n, "error": repr(e)}
+        say(f"{section} N={n} FAILED: {e!r}")
+        return None
+    out[section][str(n)] = r
+    return r
+
+
 def extract_stage(args, plan: Plan, out: dict, save, errors: list[str]) -> pathlib.Path | None:
     """Extraction at every N; returns the last N's cache when training (or a later run) should use it."""
     work, sh, cuda = plan.work, plan.sh, plan.device.type == "cuda"
@@ -485,15 +499,14 @@ def extract_stage(args, plan: Plan, out: dict, save, errors: list[str]) -> pathl
     keep = None
     for i, n in enumerate(plan.counts):
         say(f"extract N={n}: {len(lengths)} samples, {sum(lengths):,} tokens")
-        try:
+
+        def measure():
             r = run_extract(n, work=work, job=job, probe=out.get("disk_probe"))
             r["rank_load_max_over_mean"] = rank_load_imbalance(lengths, batch_tokens=args.batch_tokens, world_size=n)
-        except Exception as e:  # keep what was measured; go on with the other N
-            errors.append(f"extract N={n}: {e!r}")
-            out["extract"][str(n)] = {"gpus": n, "error": repr(e)}
-            say(f"extract N={n} FAILED: {e!r}")
-        else:
-            out["extract"][str(n)] = r
+            return r
+
+        r = measure_n(out, errors, "extract", n, measure)
+        if r is not None:
             say(f"extract N={n}: {r['tok_s_sustained']:,.0f} tok/s sustained ({r['tok_s']:,.0f} end to end, "
                 f"{r['tok_s_steady'] or 0:,.0f} steady), {r['disk_write_MB_s']:,.0f} MB/s to disk, waited "
                 f"{r['wait_on_disk_s']:.1f} s on disk, sync {r['sync_seconds']:.1f} s; disk limited: "
@@ -536,18 +549,17 @@ def train_stage(args, plan: Plan, out: dict, save, errors: list[str], cache: pat
                            "cache_tokens": cache_tokens, "cache_bytes": on_disk}
     for n in plan.counts:
         say(f"train N={n}: {steps} steps ({args.train_warmup} warm-up)")
-        try:
+
+        def measure():
             r = run_train(n, work=work, kw=kw, device=plan.device.type, warmup=args.train_warmup)
             r["expected_step_imbalance"] = train_step_imbalance(
                 cache, steps=range(args.train_warmup, steps), batch_tokens=plan.train_batch_tokens, world_size=n,
                 seed=args.seed, num_anchors=sh["anchors"], block_size=16)
             r["cache_read_MB_s"] = r["tok_s_aggregate"] * on_disk / cache_tokens / 1e6
-        except Exception as e:  # keep what was measured; go on with the other N
-            errors.append(f"train N={n}: {e!r}")
-            out["train"][str(n)] = {"gpus": n, "error": repr(e)}
-            say(f"train N={n} FAILED: {e!r}")
-        else:
-            out["train"][str(n)] = r
+            return r
+
+        r = measure_n(out, errors, "train", n, measure)
+        if r is not None:
             say(f"train N={n}: {r['tok_s_aggregate']:,.0f} tok/s ({r['tok_s_per_gpu']:,.0f} per GPU; median window "
                 f"{r['tok_s']:,.0f}), stall {r['stall_frac']:.3f}, {r['cache_read_MB_s']:,.0f} MB/s from the cache, "
                 f"expected step imbalance {r['expected_step_imbalance']:.3f}, wall {r['wall_s']:.0f} s")
