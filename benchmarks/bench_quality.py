@@ -256,7 +256,8 @@ def parse_args(argv=None):
     ap.add_argument("--eval-prompts", type=int, help="per eval set; default all (80 MT-Bench, 164 HumanEval)")
     ap.add_argument("--max-new-tokens", type=int, help="training responses (GPU 256)")
     ap.add_argument("--eval-max-new-tokens", type=int, help="eval responses (GPU 256)")
-    ap.add_argument("--gen-batch-size", type=int, help="prompts per generate() call (GPU 512)")
+    ap.add_argument("--gen-batch-size", type=int, help="prompts per generate() call (GPU 2048: on the H200 a "
+                    "decode step took ~130 ms at 80, 164 and 512 rows alike, so fewer, larger calls are faster)")
     ap.add_argument("--max-length", type=int, help="extraction max tokens per sample (GPU 1024)")
     ap.add_argument("--extract-batch-tokens", type=int, help="extraction forward budget (GPU 65536)")
     ap.add_argument("--steps", type=int, help="optimizer steps of every drafter (GPU 600)")
@@ -279,7 +280,7 @@ def parse_args(argv=None):
                 gen_batch_size=16, max_length=512, extract_batch_tokens=4096, steps=24, batch_tokens=512,
                 num_anchors=16, layers=1, block_size=8, intermediate_size=512, log_every=4)
     gpu = dict(train_prompts=3000, max_prompt_chars=2000, eval_prompts=None, max_new_tokens=256, eval_max_new_tokens=256,
-               gen_batch_size=512, max_length=1024, extract_batch_tokens=65536, steps=600, batch_tokens=16384,
+               gen_batch_size=2048, max_length=1024, extract_batch_tokens=65536, steps=600, batch_tokens=16384,
                num_anchors=512, layers=5, block_size=16, intermediate_size=None, log_every=25)
     base = tiny if args.tiny else gpu
     for k, v in base.items():
