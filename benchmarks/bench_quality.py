@@ -80,10 +80,10 @@ class Stages:
 
     def save(self) -> None:
         self.result["seconds_total"] = round(time.perf_counter() - T0, 2)
+        from dflash.durable import replace_text
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.result, indent=2) + "\n")
-        os.replace(tmp, self.path)
+        replace_text(self.path, json.dumps(self.result, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------ stages

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dflash.durable import replace_text
 from dflash.errors import ConfigError
 
 # SmolLM2's tokenizer has no mask token and pads with eos: 16 = <empty_output>, a special token the chat model
@@ -170,9 +170,7 @@ def prepare_output(cfg: DemoConfig, *, fresh: bool) -> pathlib.Path:
         raise ConfigError(f"{out} is not empty and holds no {CONFIG_FILE}: it is not a demo folder; pass --fresh "
                           "to wipe it, or choose another --output")
     out.mkdir(parents=True, exist_ok=True)
-    tmp = saved_path.with_name(CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(cfg.settings(), indent=2) + "\n")
-    os.replace(tmp, saved_path)
+    replace_text(saved_path, json.dumps(cfg.settings(), indent=2) + "\n")
     return out
 
 
@@ -183,9 +181,7 @@ def write_conversations(path: pathlib.Path, *, count: int) -> int:
     if path.is_file():
         return sum(1 for _ in path.open())
     lines = [json.dumps(c, ensure_ascii=False) for c in sharegpt_conversations(count)]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    replace_text(path, "\n".join(lines) + "\n")
     return len(lines)
 
 
@@ -310,8 +306,6 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print, *, fresh: boo
     seconds = round(time.perf_counter() - t0, 2)
     result = DemoResult(output=str(out), rows=rows, step_seconds=dict(steps.seconds), seconds=seconds,
                         config=cfg.settings(), table=table)
-    tmp = out / (RESULT_FILE + ".tmp")
-    tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    os.replace(tmp, out / RESULT_FILE)
+    replace_text(out / RESULT_FILE, json.dumps(result.to_json(), indent=2) + "\n")
     echo(f"\n=== [7/7] result ({seconds:.0f} s in all) ===\n{table}\nwritten to {out / RESULT_FILE}")
     return result

@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 
 from dflash.cache.format import FORMAT_NAME, FORMAT_VERSION, Fingerprint
-from dflash.cache.shardfile import fsync_dir, write_json_file
+from dflash.cache.shardfile import write_json_file
+from dflash.durable import fsync_dir
 from dflash.errors import CacheFormatError, CacheNotFoundError
 
 MANIFEST = "manifest.json"

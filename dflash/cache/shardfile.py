@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import crc32c
 import numpy as np
 
+from dflash.durable import fsync_dir
 from dflash.errors import CacheFormatError, OutOfSpaceError
 
 MISSING = np.uint64(0xFFFFFFFFFFFFFFFF)  # zarr: an absent inner chunk (read as fill value)
@@ -136,14 +137,6 @@ def _fadvise_dontneed(fd: int, offset: int, length: int) -> None:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         except OSError:
             pass
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json_file(path: str, obj: dict) -> int:

@@ -29,7 +29,8 @@ import torch
 from dflash.cache import commit as cm
 from dflash.cache.format import (FORMAT_NAME, FORMAT_VERSION, STORED_NUMPY_DTYPE, STORED_TORCH_DTYPE,
                                  Fingerprint, choose_chunk_tokens, encode_hidden)
-from dflash.cache.shardfile import ArrayWriter, fsync_dir, write_array, write_json_file
+from dflash.cache.shardfile import ArrayWriter, write_array, write_json_file
+from dflash.durable import fsync_dir
 from dflash.errors import CacheFormatError, ConfigError, OutOfSpaceError
 
 SMALL_CHUNK_TOKENS = 4096   # input_ids / loss_mask chunk: 20 KB, read whole per sample (hidden is ~MBs)

@@ -20,18 +20,11 @@ from safetensors.torch import save_file
 
 from dflash.drafter.config import DrafterConfig
 from dflash.drafter.model import DFlashDrafter
+from dflash.durable import fsync_dir
 from dflash.errors import ConfigError, ModelNotFoundError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.PathLike, *,
@@ -59,14 +52,14 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.P
         for name in (WEIGHTS_NAME, CONFIG_NAME):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.chmod(tmp, 0o755)   # mkdtemp makes it 0700
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         if old is not None:
             shutil.rmtree(old)
     except BaseException:

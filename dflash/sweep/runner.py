@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from dflash.durable import replace_text
 from dflash.errors import ConfigError
 from dflash.sweep.spec import RunSpec, SweepSpec, plan_groups
 
@@ -59,9 +60,7 @@ def prepare_output(out: pathlib.Path, spec: SweepSpec, groups: list[list[RunSpec
                 raise ConfigError(f"--resume: the spec's runs differ from those of the sweep in {str(out)!r} "
                                   f"(see {path}); resume with the original spec or use a new --output")
     out.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name("sweep.json.tmp")
-    tmp.write_text(json.dumps(rec, indent=2) + "\n")
-    tmp.replace(path)
+    replace_text(path, json.dumps(rec, indent=2) + "\n")
 
 
 def run_sweep(spec: SweepSpec, *, output: str | pathlib.Path, gpus: int = 1, eval_cache: str | None = None,
@@ -249,9 +248,7 @@ def _evaluate(runs: Sequence[RunSpec], *, eval_cache: str, device: str, approxim
             continue
         res = evaluate_cache(drafter_dir=str(run_dir / "drafter"), cache_dir=eval_cache, model=r.config.model,
                              cfg=EvalConfig(device=device, approximate=approximate, limit=limit), progress=False)
-        tmp = out.with_name("eval.json.tmp")
-        tmp.write_text(json.dumps(res.to_json(), indent=2) + "\n")
-        tmp.replace(out)
+        replace_text(out, json.dumps(res.to_json(), indent=2) + "\n")
         log.info("%s: tau %.3f on %s", r.name, res.overall.tau, eval_cache)
 
 

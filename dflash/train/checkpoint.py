@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.cache.shardfile import fsync_dir
+from dflash.durable import fsync_dir
 from dflash.errors import ModelNotFoundError
 
 CHECKPOINT_FORMAT = "dflash-train-checkpoint"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import resource
 from typing import Any, Callable
@@ -20,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from dflash.durable import replace_text
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo, barrier
@@ -187,6 +187,4 @@ def truncate_metrics(run_dir: pathlib.Path, global_step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line)["step"] <= global_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    replace_text(path, "".join(line + "\n" for line in keep))
