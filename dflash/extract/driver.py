@@ -192,12 +192,12 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
             if r < len(my_batches):
                 loop.step(my_batches[r])
             if (r + 1) % cfg.report_every == 0:
-                counters.bytes_written = _bytes_written(writer)
+                counters.bytes_written = writer.stats.bytes_written
                 reporter.report(counters)
         loop.flush()
         t_last = time.perf_counter()
         loop_s = t_last - t_first if my_batches else 0.0
-    counters.bytes_written = _bytes_written(writer)
+    counters.bytes_written = writer.stats.bytes_written
     totals = reporter.close(counters)
     if distributed:
         slowest = torch.tensor([loop_s], dtype=torch.float64)
@@ -219,11 +219,6 @@ def _remove_created_output(path: str) -> None:
 
     if os.path.isdir(path) and set(os.listdir(path)) <= {LOCK, TOKENIZED}:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _bytes_written(writer) -> int:
-    stats = writer.stats
-    return int(getattr(stats, "bytes_written", getattr(stats, "bytes", 0)))
 
 
 def _result(cfg, pre, totals: torch.Tensor, t0: float, world_size: int, *, dry_run: bool,

@@ -1,7 +1,7 @@
 """A FLOPs-based time estimate printed before extraction starts (no model weights needed).
 
-FLOPs = 2 x (parameters of decoder layers 0..deepest tap) x padded tokens, plus causal attention
-(2 matmuls x 2 FLOPs x S^2/2 x heads x head_dim per full-attention layer and sequence). Throughput = a
+FLOPs = dflash.target.flops (the FLOP model the extraction benchmark's MFU uses) over the padded batches of the
+plan, layers 0..deepest tap. Throughput = a
 matmul timed on the run's device and dtype x an efficiency factor: on an H200 the 27B target forward reached
 ~437-481 TFLOP/s of a ~790 TFLOP/s matmul peak (DESIGN.md), so 0.55; on CPU the same factor is a guess.
 The estimate ignores the disk; the progress bar's live ETA replaces it once batches run.
@@ -29,30 +29,12 @@ class EtaEstimate:
     """One line saying how the number was made (printed next to it)."""
 
 
-def layer_param_counts(config) -> list[int]:
-    """Parameters per decoder layer, from a meta-device instance (no memory, no weights read)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    layers = model.get_decoder().layers
-    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
-
-
-def forward_flops(*, config, deepest_tap: int, batch_shapes: list[tuple[int, int]],
-                  layer_params: list[int]) -> float:
+def forward_flops(*, config, deepest_tap: int, batch_shapes: list[tuple[int, int]]) -> float:
     """batch_shapes: (rows, padded length) per batch; counts layers 0..deepest_tap only."""
-    text = getattr(config, "text_config", None) or config
-    params = sum(layer_params[: deepest_tap + 1])
-    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * len(layer_params)
-    num_attn = sum(1 for t in layer_types[: deepest_tap + 1] if "linear" not in str(t))
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    attn_width = text.num_attention_heads * head_dim
-    total = 0.0
-    for rows, length in batch_shapes:
-        total += 2.0 * params * rows * length
-        total += num_attn * rows * 2 * 2 * (length * length / 2) * attn_width
-    return total
+    from dflash.target.flops import target_flops
+
+    model = target_flops(config, num_layers_run=deepest_tap + 1)
+    return sum(rows * model.forward_flops([length]) for rows, length in batch_shapes)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -72,8 +54,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 def estimate_eta(*, config, deepest_tap: int, batch_shapes: list[tuple[int, int]], world_size: int,
                  device: torch.device, dtype: torch.dtype) -> EtaEstimate:
-    flops = forward_flops(config=config, deepest_tap=deepest_tap, batch_shapes=batch_shapes,
-                          layer_params=layer_param_counts(config))
+    flops = forward_flops(config=config, deepest_tap=deepest_tap, batch_shapes=batch_shapes)
     peak = measure_matmul_flops(device, dtype)
     rate = peak * EFFICIENCY * world_size
     how = (f"FLOPs-based guess: {flops / 1e12:.3g} TFLOP at {EFFICIENCY} x measured {device.type} "

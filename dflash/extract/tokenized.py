@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash.cache.commit import TOKENIZED as TOKENIZED_DIR  # noqa: F401 - re-exported; the writer tolerates it
-from dflash.cache.shardfile import fsync_dir
+from dflash.durable import fsync_dir
 from dflash.data.samples import TokenizedSample
 from dflash.data.skips import Skip, SkipCounter
 
@@ -72,8 +72,8 @@ def default_num_workers(*, local_world_size: int, data_bytes: int | None = None)
 
 
 def starts_pretokenized(paths: Sequence[str], *, probe: int = 8) -> bool:
-    """True when the first `probe` records of every source are pre-tokenized (`input_ids`, e.g. the output of
-    `dflash generate`). Then worker processes have nothing to do: the parent parses every record either way,
+    """True when the records among the first `probe` items of every source are pre-tokenized (`input_ids`, e.g.
+    the output of `dflash generate`). Then worker processes have nothing to do: the parent parses every record either way,
     and a worker would only re-check ids that it is sent pickled, after seconds of start-up (measured: ~3 s of
     the 8.8 s setup of benchmarks/results/extract_h200.json). A later conversation record is still tokenized,
     in the rank's own process."""
@@ -82,12 +82,11 @@ def starts_pretokenized(paths: Sequence[str], *, probe: int = 8) -> bool:
     for path in paths:
         seen = 0
         for item in iter_records(path):
-            if isinstance(item, Record):
-                if item.messages is not None:
-                    return False
-                seen += 1
-                if seen >= probe:
-                    break
+            if isinstance(item, Record) and item.messages is not None:
+                return False
+            seen += 1
+            if seen >= probe:  # items, not records: a source of bad lines is not read to its end here
+                break
     return True
 
 
