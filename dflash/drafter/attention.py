@@ -135,21 +135,97 @@ _compiled: dict[str, object] = {}
 
 
 def _compiled_fn(name: str):
-    """torch.compile'd flex_attention / create_block_mask, built once per process. Shapes change every
-    packed batch; torch.compile's automatic dynamic shapes recompile once and then stay dynamic."""
+    """torch.compile'd flex_attention, built once per process. Shapes change every packed batch;
+    torch.compile's automatic dynamic shapes recompile once and then stay dynamic."""
     if name not in _compiled:
         import torch.nn.attention.flex_attention as fa
         # Uncompiled flex attention materialises the full score matrix; compiled it is a fused kernel that
-        # skips fully masked tiles. Compiled create_block_mask never builds the dense [Q, K] mask.
+        # skips fully masked tiles.
         _compiled[name] = torch.compile(getattr(fa, name))
     return _compiled[name]
 
 
-def flex_block_mask(layout: BlockLayout, *, compiled: bool | None = None):
-    """A flex-attention BlockMask for `layout`, using the same predicate as the dense path.
-    compiled defaults to True on CUDA (eager create_block_mask builds the dense mask first)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+TILE = 128  # flex attention's default tile (BLOCK_SIZE), for queries and keys
 
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _ranges_to_indices(starts_tR: torch.Tensor, ends_tR: torch.Tensor, width: int):
+    """Per row t, the ascending, disjoint ranges [starts_tR[t, r], ends_tR[t, r]) concatenated.
+    Returns (counts [t] int32, indices [t, width] int32, zero past each row's count)."""
+    lens_tR = (ends_tR - starts_tR).clamp(min=0)
+    cum_tR = torch.cumsum(lens_tR, 1)
+    i_W = torch.arange(width, device=starts_tR.device)
+    r_tW = (i_W[None, :, None] >= cum_tR[:, None, :]).sum(-1).clamp(max=starts_tR.shape[1] - 1)
+    first_tR = cum_tR - lens_tR  # index in the row's list where range r begins
+    idx_tW = torch.gather(starts_tR, 1, r_tW) + i_W[None] - torch.gather(first_tR, 1, r_tW)
+    total_t = cum_tR[:, -1]
+    idx_tW = torch.where(i_W[None] < total_t[:, None], idx_tW, 0)
+    return total_t.to(torch.int32), idx_tW.to(torch.int32)
+
+
+def layout_tiles(layout: BlockLayout, *, tile: int = TILE) -> dict[str, torch.Tensor]:
+    """Which key tiles every query tile must visit, derived from the layout's structure: O(Q + tiles^2)
+    index arithmetic, no sync, instead of evaluating the predicate on all Q x K pairs (create_block_mask
+    does that, and with ~10 short sequences' blocks per batch Q x K reaches 10^10 pairs per step).
+
+    Requires what packed_layout and the evaluator build: sequence ids 0..N-1, each sequence's context a
+    contiguous run of indices holding positions 0, 1, 2, ... A block sees its sequence's context run up to
+    its anchor (exclusive) and its own B keys. Per query tile the visited key tiles are (a) the hull of its
+    rows' context ranges and (b) the hull of its blocks' own keys: a superset of the true tiles (the mask_mod
+    masks the rest). "full" tiles, where every pair is visible and the kernel skips the mask_mod, are
+    context tiles lying wholly inside every row's range, in tiles whose rows are all real and of one sequence.
+
+    Returns kv_num_blocks/kv_indices (partial tiles) and full_kv_num_blocks/full_kv_indices, shaped
+    [1, 1, nq] and [1, 1, nq, nk] (int32) for BlockMask.from_kv_blocks."""
+    C, J, B = layout.num_ctx, layout.num_blocks, layout.block_size
+    Q, K = J * B, C + J * B
+    dev = layout.anchor_J.device
+    nq, nk = _cdiv(Q, tile), _cdiv(K, tile)
+    pad = nq * tile - Q
+    # context index where each sequence's run starts (ids are dense 0..N-1 and N <= C)
+    start_S = torch.full((C + 1,), C, dtype=torch.int64, device=dev)
+    start_S.scatter_reduce_(0, layout.ctx_seq_C, torch.arange(C, device=dev), reduce="amin")
+    lo_J = start_S[layout.block_seq_J]
+    hi_J = lo_J + layout.anchor_J  # exclusive; == lo_J when the anchor is 0 (no context visible)
+    has_ctx_J = hi_J > lo_J
+    big = torch.iinfo(torch.int64).max // 4
+
+    def rows(x_J, fill):  # per block -> per query row, padded to whole tiles -> [nq, tile]
+        x_Q = x_J.repeat_interleave(B, output_size=Q)
+        return torch.cat([x_Q, x_Q.new_full((pad,), fill)]).view(nq, tile)
+
+    lo_t = rows(torch.where(has_ctx_J, lo_J, big), big).amin(1)
+    hi_t = rows(torch.where(has_ctx_J, hi_J, 0), 0).amax(1)
+    any_ctx_t = hi_t > lo_t
+    a0 = torch.where(any_ctx_t, lo_t // tile, 0)
+    a1 = torch.where(any_ctx_t, _cdiv(hi_t, tile), 0)
+    # full context tiles: all rows real, one sequence, each with context; full range [lo, min hi)
+    seq_tq = rows(layout.block_seq_J, -1)
+    one_seq_t = (seq_tq == seq_tq[:, :1]).all(1) & (seq_tq[:, 0] >= 0)
+    all_ctx_t = rows(has_ctx_J, False).all(1)
+    min_hi_t = rows(hi_J, -1).amin(1)
+    f0 = _cdiv(lo_t, tile)
+    f1 = min_hi_t // tile
+    has_full_t = one_seq_t & all_ctx_t & (f1 > f0)
+    f0 = torch.where(has_full_t, f0, a1)
+    f1 = torch.where(has_full_t, f1, a1)
+    # own-block keys of the tile's rows: blocks first_j..last_j sit at C + j*B
+    t_idx = torch.arange(nq, device=dev)
+    first_j = (t_idx * tile) // B
+    last_j = (torch.clamp((t_idx + 1) * tile, max=Q) - 1) // B
+    b0 = torch.maximum((C + first_j * B) // tile, a1)  # the last context tile may also hold the first blocks
+    b1 = _cdiv(C + (last_j + 1) * B, tile)
+    partial_n, partial_idx = _ranges_to_indices(torch.stack([a0, f1, b0], 1), torch.stack([f0, a1, b1], 1), nk)
+    full_n, full_idx = _ranges_to_indices(f0[:, None], f1[:, None], nk)
+    return {"kv_num_blocks": partial_n[None, None], "kv_indices": partial_idx[None, None],
+            "full_kv_num_blocks": full_n[None, None], "full_kv_indices": full_idx[None, None]}
+
+
+def layout_mask_mod(layout: BlockLayout):
+    """block_attention_mask as a flex-attention mask_mod on (query, key) indices of `layout`."""
     q_seq, q_anchor, q_block = layout.query_meta()
     kv_seq, kv_pos, kv_block = layout.key_meta()
     Q, K = q_seq.shape[0], kv_seq.shape[0]
@@ -160,11 +236,16 @@ def flex_block_mask(layout: BlockLayout, *, compiled: bool | None = None):
         return block_attention_mask(q_seq=q_seq[qi], q_anchor=q_anchor[qi], q_block=q_block[qi],
                                     kv_seq=kv_seq[ki], kv_pos=kv_pos[ki], kv_block=kv_block[ki])
 
-    device = layout.anchor_J.device
-    if compiled is None:
-        compiled = device.type == "cuda"
-    fn = _compiled_fn("create_block_mask") if compiled else create_block_mask
-    return fn(mask_mod, B=None, H=None, Q_LEN=Q, KV_LEN=K, device=device)
+    return mask_mod
+
+
+def flex_block_mask(layout: BlockLayout, *, tile: int = TILE):
+    """A flex-attention BlockMask for `layout`: tile lists from layout_tiles, layout_mask_mod on partial tiles."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    Q = layout.num_blocks * layout.block_size
+    return BlockMask.from_kv_blocks(**layout_tiles(layout, tile=tile), BLOCK_SIZE=tile,
+                                    mask_mod=layout_mask_mod(layout), seq_lengths=(Q, layout.num_ctx + Q))
 
 
 def flex_block_attention(q_hQd: torch.Tensor, k_hKd: torch.Tensor, v_hKd: torch.Tensor,

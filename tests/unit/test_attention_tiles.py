@@ -1,0 +1,100 @@
+"""layout_tiles: the flex-attention tile lists computed from a BlockLayout's structure. Pinned against the
+predicate itself: every tile holding a visible pair is visited, every tile marked full is wholly visible,
+and a compiled flex attention that skips the unlisted tiles gives the dense path's output."""
+
+import warnings
+
+import pytest
+import torch
+
+from dflash.drafter.attention import BlockLayout, dense_block_attention, dense_mask, flex_block_mask, layout_tiles
+from dflash.train.objective import packed_layout
+
+
+def random_layout(g: torch.Generator, *, num_seqs: int, block_size: int, max_len: int = 300,
+                  max_anchors: int = 40) -> BlockLayout:
+    lengths = torch.randint(2, max_len, (num_seqs,), generator=g)
+    anchors = []
+    for n in lengths.tolist():
+        k = int(torch.randint(1, max_anchors, (1,), generator=g))
+        anchors.append(torch.sort(torch.randperm(n - 1, generator=g)[:k])[0])  # 0 included: no context seen
+    return packed_layout(lengths=lengths, anchors=anchors, block_size=block_size)
+
+
+def eval_layout(first: int, last: int, block_size: int) -> BlockLayout:
+    """The evaluator's layout: one sequence, anchors first..last-1, context rows 0..last-2."""
+    anchors = torch.arange(first, last)
+    C = last - 1
+    return BlockLayout(ctx_seq_C=torch.zeros(C, dtype=torch.long), ctx_pos_C=torch.arange(C),
+                       block_seq_J=torch.zeros(anchors.numel(), dtype=torch.long), anchor_J=anchors,
+                       block_size=block_size)
+
+
+def tile_map(num, idx, nk: int) -> torch.Tensor:
+    out = torch.zeros(num.shape[-1], nk, dtype=torch.bool)
+    for t in range(num.shape[-1]):
+        out[t, idx[0, 0, t, :num[0, 0, t]].long()] = True
+    return out
+
+
+def true_tiles(layout: BlockLayout, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles holding a visible pair, tiles wholly inside [Q, K] and wholly visible) from the dense mask."""
+    m = dense_mask(layout)
+    Q, K = m.shape
+    nq, nk = -(-Q // tile), -(-K // tile)
+    padded = torch.zeros(nq * tile, nk * tile, dtype=torch.bool)
+    padded[:Q, :K] = m
+    inside = torch.zeros_like(padded)
+    inside[:Q, :K] = True
+    as_tiles = lambda x: x.view(nq, tile, nk, tile).permute(0, 2, 1, 3).flatten(2)  # noqa: E731
+    return as_tiles(padded).any(-1), as_tiles(padded).all(-1) & as_tiles(inside).all(-1)
+
+
+CASES = [(seed, b, tile) for seed in range(12) for b, tile in ((3, 16), (4, 32), (5, 16), (16, 16), (16, 128))]
+
+
+@pytest.mark.parametrize("seed,block_size,tile", CASES)
+def test_tiles_cover_every_visible_pair_and_full_tiles_are_wholly_visible(seed, block_size, tile):
+    g = torch.Generator().manual_seed(seed)
+    layout = random_layout(g, num_seqs=int(torch.randint(1, 8, (1,), generator=g)), block_size=block_size)
+    t = layout_tiles(layout, tile=tile)
+    nk = t["kv_indices"].shape[-1]
+    partial = tile_map(t["kv_num_blocks"], t["kv_indices"], nk)
+    full = tile_map(t["full_kv_num_blocks"], t["full_kv_indices"], nk)
+    visible, wholly = true_tiles(layout, tile)
+    assert not (partial & full).any()
+    assert (visible <= (partial | full)).all(), "a tile with a visible pair is skipped"
+    assert (full <= wholly).all(), "a tile marked full holds a masked pair"
+    # tight: at most one extra tile per query tile (the context hull of a tile spanning two sequences)
+    assert int((partial | full).sum()) <= int(visible.sum()) + visible.shape[0]
+    assert int(full.sum()) == int(wholly.sum())  # sorted packed blocks: every wholly visible tile is found
+
+
+@pytest.mark.parametrize("first,last,block_size,tile", [(1, 60, 4, 16), (0, 40, 16, 16), (5, 300, 16, 128)])
+def test_tiles_of_the_evaluator_layout(first, last, block_size, tile):
+    layout = eval_layout(first, last, block_size)
+    t = layout_tiles(layout, tile=tile)
+    nk = t["kv_indices"].shape[-1]
+    partial = tile_map(t["kv_num_blocks"], t["kv_indices"], nk)
+    full = tile_map(t["full_kv_num_blocks"], t["full_kv_indices"], nk)
+    visible, wholly = true_tiles(layout, tile)
+    assert (visible <= (partial | full)).all() and (full <= wholly).all() and not (partial & full).any()
+
+
+def test_compiled_flex_with_layout_tiles_equals_dense_on_cpu():
+    # Uncompiled flex attention ignores the tile lists (it applies mask_mod to every pair); compiled, it visits
+    # only the listed tiles and skips mask_mod on full ones, so this checks the lists themselves. (dynamic=False:
+    # torch 2.13's CPU flex template fails to compile this mask_mod with dynamic shapes.)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fa = torch.compile(flex_attention, dynamic=False)
+    g = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for num_seqs, block_size in ((5, 4), (3, 16)):
+            layout = random_layout(g, num_seqs=num_seqs, block_size=block_size, max_len=200, max_anchors=30)
+            Q, K = layout.num_blocks * block_size, layout.num_ctx + layout.num_blocks * block_size
+            q, k, v = (torch.randn(2, n, 16, generator=g) for n in (Q, K, K))
+            flex = fa(q[None], k[None], v[None], block_mask=flex_block_mask(layout, tile=16))[0]
+            dense = dense_block_attention(q, k, v, layout, chunk_tokens=64)
+            torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
