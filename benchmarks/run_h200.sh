@@ -6,6 +6,7 @@
 #   bash benchmarks/run_h200.sh extract # bench_extract 600K tokens alone (~5 min)
 #   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
 #   bash benchmarks/run_h200.sh sweep   # bench_sweep --synthetic (27B features, 4 drafters)
+#   bash benchmarks/run_h200.sh check   # the gpu-marked tests + bench_block_mask (~3 min)
 #   bash benchmarks/run_h200.sh quality GGUF_PART... [--resume]   # bench_quality, 2000 prompts, 400 steps
 #       (SmolLM2 target from scripts/split_gguf.sh parts; a call cut short at 10 minutes is continued by the
 #       same command with --resume on the still-warm machine)
@@ -30,8 +31,10 @@ quality() { local t=$1; shift
             timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --workdir /tmp/bq \
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
 
-sweep_then_gpu_tests() { sweep "$1"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning tests/gpu; }
+gpu_tests() { timeout "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
+  tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py; }  # named files: no hypothesis there
+block_mask() { timeout "${1:-200}" python3 benchmarks/bench_block_mask.py; }
+sweep_then_gpu_tests() { sweep "$1"; gpu_tests 120; }
 quality_parts() { quality "$1" "${QPARTS[@]}"; }
 # both NAME0 "CMD0 ARGS" NAME1 "CMD1 ARGS": two stages at once, GPU 0 and GPU 1, logs in $LOGS/NAME.log
 both() {
@@ -50,11 +53,12 @@ case "$stage" in
   extract) extract 560 || rc=$? ;;
   train) train || rc=$? ;;
   sweep) sweep || rc=$? ;;
+  check) gpu_tests || rc=$?; block_mask || rc=$? ;;
   quality) quality 560 "$@" || rc=$? ;;
   pair1) cache; both extract "extract 400" train "train 400" ;;
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 400" sweep "sweep 400" ;;
-  *) echo "usage: $0 io|extract|train|sweep|quality PARTS [--resume]|pair1|pair2 PARTS|pair3" >&2; exit 2 ;;
+  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|pair1|pair2 PARTS|pair3" >&2; exit 2 ;;
 esac
 [ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json /tmp/bq/quality_smollm2.json "$OUT"/ 2>/dev/null
 exit $rc

@@ -98,3 +98,25 @@ def test_compiled_flex_with_layout_tiles_equals_dense_on_cpu():
             flex = fa(q[None], k[None], v[None], block_mask=flex_block_mask(layout, tile=16))[0]
             dense = dense_block_attention(q, k, v, layout, chunk_tokens=64)
             torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flex_with_layout_tiles_equals_dense_on_cuda_forward_and_backward():
+    # Many 128-tiles (the trainer's size), sequences straddling tiles, anchor 0 (no context) included.
+    from dflash.drafter.attention import flex_block_attention
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    layout = random_layout(g, num_seqs=9, block_size=16, max_len=400, max_anchors=60).to(dev)
+    Q, K = layout.num_blocks * 16, layout.num_ctx + layout.num_blocks * 16
+    q, k, v = (torch.randn(4, n, 64, generator=g).to(dev).requires_grad_() for n in (Q, K, K))
+    outs = []
+    for flex in (True, False):
+        o = (flex_block_attention(q, k, v, flex_block_mask(layout), compiled=True) if flex
+             else dense_block_attention(q, k, v, layout, chunk_tokens=1024))
+        grads = torch.autograd.grad(o.pow(2).sum(), (q, k, v))
+        outs.append((o.detach(), grads))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=2e-3, atol=2e-3)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
