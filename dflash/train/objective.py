@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -23,8 +24,8 @@ from torch.utils.checkpoint import checkpoint
 from dflash.drafter.attention import BlockLayout, block_attention_mask, dense_mask
 from dflash.errors import ConfigError
 
-__all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "ce_metrics", "chunked_ce_loss",
-           "decay_weights", "default_gamma", "dense_mask", "packed_layout", "sample_anchors"]
+__all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "build_packed_blocks", "ce_metrics", "chunked_ce_loss",
+           "decay_weights", "default_gamma", "dense_mask", "packed_layout", "packed_layout_flat", "sample_anchors"]
 
 IGNORE_INDEX = -100
 """Label of block slots past the end of the sequence (their weight is 0 as well)."""
@@ -77,23 +78,44 @@ class Blocks:
 
 def build_blocks(input_ids_S: torch.Tensor, loss_mask_S: torch.Tensor, anchors_J: torch.Tensor, *,
                  block_size: int, mask_token_id: int, gamma: float | None = None) -> Blocks:
-    """Inputs, positions, labels and loss weights of the blocks anchored at `anchors_J`.
+    """Inputs, positions, labels and loss weights of the blocks anchored at `anchors_J` in one sequence.
 
     gamma defaults to the paper's value for the block size (default_gamma).
     """
-    S, device = input_ids_S.shape[0], input_ids_S.device
+    S = input_ids_S.shape[0]
+    anchors_J = anchors_J.to(device=input_ids_S.device, dtype=torch.int64)
+    return build_packed_blocks(input_ids_S, loss_mask_S, anchors_J, lengths=[S], blocks_per_sample=[anchors_J.shape[0]],
+                               block_size=block_size, mask_token_id=mask_token_id, gamma=gamma)
+
+
+def build_packed_blocks(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, anchors_J: torch.Tensor, *,
+                        lengths: Sequence[int], blocks_per_sample: Sequence[int], block_size: int,
+                        mask_token_id: int, gamma: float | None = None) -> Blocks:
+    """build_blocks of every sequence of a packed batch in one pass (a fixed number of kernels, whatever the
+    number of sequences): sequence i holds tokens [start_i, start_i + lengths[i]) of the packed tensors and
+    the next blocks_per_sample[i] anchors of anchors_J, which are positions inside that sequence.
+    positions_JB are positions inside each sequence. lengths/blocks_per_sample are host ints (no sync)."""
+    device = input_ids_T.device
     gamma = default_gamma(block_size) if gamma is None else gamma
+    J = int(sum(blocks_per_sample))
+    # per block: where its sequence starts and ends in the packed tensors (host arithmetic, one copy each)
+    starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
+    reps = np.asarray(blocks_per_sample, dtype=np.int64)
+    start_J = torch.from_numpy(np.repeat(starts, reps)).to(device, non_blocking=True)
+    end_J = torch.from_numpy(np.repeat(starts + np.asarray(lengths, dtype=np.int64), reps)).to(device, non_blocking=True)
     anchors_J = anchors_J.to(device=device, dtype=torch.int64)
     k_B = torch.arange(block_size, device=device)
     pos_JB = anchors_J[:, None] + k_B[None]
-    inside_JB = pos_JB < S
-    safe_JB = pos_JB.clamp(max=S - 1)
-    labels_JB = torch.where(inside_JB, input_ids_S.long()[safe_JB], IGNORE_INDEX)
-    block_ids_JB = torch.full_like(pos_JB, mask_token_id)
-    block_ids_JB[:, 0] = input_ids_S.long()[anchors_J]
-    # non_blocking: a blocking copy from pageable host memory synchronises the stream (once per sequence)
+    at_JB = start_J[:, None] + pos_JB
+    inside_JB = at_JB < end_J[:, None]
+    safe_JB = torch.minimum(at_JB, end_J[:, None] - 1)
+    ids_T = input_ids_T.long()
+    labels_JB = torch.where(inside_JB, ids_T[safe_JB], IGNORE_INDEX)
+    block_ids_JB = torch.full((J, block_size), mask_token_id, dtype=torch.int64, device=device)
+    block_ids_JB[:, 0] = ids_T[at_JB[:, 0]]
+    # non_blocking: a blocking copy from pageable host memory synchronises the stream
     decay_B = decay_weights(block_size=block_size, gamma=gamma).to(device, non_blocking=True)
-    weights_JB = decay_B[None] * inside_JB * loss_mask_S.to(torch.float32)[safe_JB]
+    weights_JB = decay_B[None] * inside_JB * loss_mask_T.to(torch.float32)[safe_JB]
     return Blocks(block_ids_JB=block_ids_JB, positions_JB=pos_JB, labels_JB=labels_JB, weights_JB=weights_JB)
 
 
@@ -101,22 +123,31 @@ def packed_layout(*, lengths: Sequence[int] | torch.Tensor, anchors: Sequence[to
                   block_size: int) -> BlockLayout:
     """Layout of a packed batch: sequences of `lengths` concatenated as context, then every sequence's
     blocks in order (anchors[i] holds sequence i's anchors)."""
+    assert len(anchors) == len(lengths), "one anchor tensor per sequence"
+    device = anchors[0].device if len(anchors) else torch.device("cpu")
+    anchors_J = (torch.cat([a.to(device=device, dtype=torch.int64) for a in anchors]) if len(anchors)
+                 else torch.zeros(0, dtype=torch.int64))
+    return packed_layout_flat(lengths=lengths, anchors_J=anchors_J, blocks_per_sample=[a.shape[0] for a in anchors],
+                              block_size=block_size)
+
+
+def packed_layout_flat(*, lengths: Sequence[int] | torch.Tensor, anchors_J: torch.Tensor,
+                       blocks_per_sample: Sequence[int], block_size: int) -> BlockLayout:
+    """packed_layout with the anchors concatenated: sequence i owns the next blocks_per_sample[i] of anchors_J."""
     lengths_N = torch.as_tensor(lengths, dtype=torch.int64)
-    assert len(anchors) == lengths_N.shape[0], "one anchor tensor per sequence"
-    device = anchors[0].device if len(anchors) else lengths_N.device
-    # Host lengths (the trainer's case): the total is known without a GPU sync, and a non_blocking copy of
+    device = anchors_J.device
+    # Host lengths (the trainer's case): the totals are known without a GPU sync, and a non_blocking copy of
     # a small pageable tensor is staged by the driver without waiting for the stream.
     total = int(lengths_N.sum()) if lengths_N.device.type == "cpu" else None
+    counts_N = torch.as_tensor(blocks_per_sample, dtype=torch.int64).to(device, non_blocking=True)
     lengths_N = lengths_N.to(device, non_blocking=True)
     seq_N = torch.arange(lengths_N.shape[0], device=device)
     ctx_seq_C = seq_N.repeat_interleave(lengths_N, output_size=total)
     starts_N = torch.cumsum(lengths_N, 0) - lengths_N
     ctx_pos_C = torch.arange(ctx_seq_C.shape[0], device=device) - starts_N[ctx_seq_C]
-    block_seq_J = torch.cat([torch.full((a.shape[0],), i, dtype=torch.int64, device=device)
-                             for i, a in enumerate(anchors)])
-    anchor_J = torch.cat([a.to(device=device, dtype=torch.int64) for a in anchors])
+    block_seq_J = seq_N.repeat_interleave(counts_N, output_size=anchors_J.shape[0])
     return BlockLayout(ctx_seq_C=ctx_seq_C, ctx_pos_C=ctx_pos_C, block_seq_J=block_seq_J,
-                       anchor_J=anchor_J, block_size=block_size)
+                       anchor_J=anchors_J.to(torch.int64), block_size=block_size)
 
 
 @dataclass(frozen=True)

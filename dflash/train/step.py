@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dflash.train.fused_ce import fused_ce_loss
 from dflash.train.loader import MicroBatch, anchor_seed
-from dflash.train.objective import build_blocks, chunked_ce_loss, packed_layout, sample_anchors
+from dflash.train.objective import build_packed_blocks, chunked_ce_loss, packed_layout_flat, sample_anchors
 
 
 @dataclass(frozen=True)
@@ -73,23 +73,17 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, *, embed_VD: torc
     B = cfg.block_size
     device = mb.input_ids_T.device
     anchors_J = hb.anchors_J.to(device, non_blocking=True)
-    per_sample = torch.split(anchors_J, hb.blocks_per_sample)
-    ids, labels, weights = [], [], []
-    offset = 0
-    for n, a_J in zip(mb.lengths.tolist(), per_sample):
-        blk = build_blocks(mb.input_ids_T[offset:offset + n], mb.loss_mask_T[offset:offset + n], a_J,
-                           block_size=B, mask_token_id=mask_token_id, gamma=gamma)
-        ids.append(blk.block_ids_JB)
-        labels.append(blk.labels_JB)
-        weights.append(blk.weights_JB)
-        offset += n
-    layout = packed_layout(lengths=torch.as_tensor(mb.lengths), anchors=list(per_sample),  # host: no GPU sync
-                           block_size=B)
-    block_ids_Q = torch.cat(ids).reshape(-1)
+    lengths = mb.lengths.tolist()
+    blk = build_packed_blocks(mb.input_ids_T, mb.loss_mask_T, anchors_J, lengths=lengths,
+                              blocks_per_sample=hb.blocks_per_sample, block_size=B, mask_token_id=mask_token_id,
+                              gamma=gamma)
+    layout = packed_layout_flat(lengths=lengths, anchors_J=anchors_J, blocks_per_sample=hb.blocks_per_sample,
+                                block_size=B)  # host lengths and counts: no GPU sync
+    block_ids_Q = blk.block_ids_JB.reshape(-1)
     ctx_TD = drafter.context(mb.hidden_TKD)
     block_embeds_QD = embed_VD[block_ids_Q]  # frozen; embed_VD is already in the compute dtype
     hidden_QD = drafter(block_embeds_QD, ctx_TD, q_pos=layout.q_pos_Q, kv_pos=layout.kv_pos_K, mask=layout)
-    labels_Q, weights_Q = torch.cat(labels).reshape(-1), torch.cat(weights).reshape(-1)
+    labels_Q, weights_Q = blk.labels_JB.reshape(-1), blk.weights_JB.reshape(-1)
     if loss_impl == "fused":
         return fused_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B,
                              num_supervised=hb.supervised_tokens)

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from dflash.errors import ConfigError
-from dflash.train.objective import (IGNORE_INDEX, block_attention_mask, build_blocks, chunked_ce_loss,
-                                    decay_weights, default_gamma, dense_mask, packed_layout, sample_anchors)
+from dflash.train.objective import (IGNORE_INDEX, block_attention_mask, build_blocks, build_packed_blocks,
+                                    chunked_ce_loss,
+                                    decay_weights, default_gamma, dense_mask, packed_layout, packed_layout_flat,
+                                    sample_anchors)
 
 PAPER_DECAY_GAMMA7 = [1.000, 0.867, 0.751, 0.651, 0.565, 0.490, 0.424, 0.368, 0.319, 0.276, 0.240, 0.208,
                       0.180, 0.156, 0.135]
@@ -114,6 +116,36 @@ def test_build_blocks_default_gamma_is_the_papers():
     ids, mask = torch.arange(40), torch.ones(40)
     blk = build_blocks(ids, mask, torch.tensor([0]), block_size=16, mask_token_id=1)
     assert [round(x, 3) for x in blk.weights_JB[0, 1:].tolist()] == PAPER_DECAY_GAMMA7
+
+
+def test_build_packed_blocks_equals_each_sequence_alone():
+    """One pass over a packed batch == build_blocks per sequence, concatenated: offsets, per-sequence ends
+    (a block running past its own sequence must not read the next one) and sequences without anchors."""
+    g = torch.Generator().manual_seed(4)
+    lengths = [7, 3, 12, 5, 9]
+    T = sum(lengths)
+    ids, mask = torch.randint(0, 500, (T,), generator=g), (torch.rand(T, generator=g) > 0.3).float()
+    anchors = [torch.tensor([0, 4, 6]), torch.tensor([], dtype=torch.long), torch.tensor([1, 10, 11]),
+               torch.tensor([3]), torch.tensor([0, 2, 5, 8])]
+    packed = build_packed_blocks(ids, mask, torch.cat(anchors), lengths=lengths,
+                                 blocks_per_sample=[a.numel() for a in anchors], block_size=4, mask_token_id=99)
+    alone, off = [], 0
+    for n, a in zip(lengths, anchors):
+        alone.append(build_blocks(ids[off:off + n], mask[off:off + n], a, block_size=4, mask_token_id=99))
+        off += n
+    for f in ("block_ids_JB", "positions_JB", "labels_JB", "weights_JB"):
+        assert torch.equal(getattr(packed, f), torch.cat([getattr(b, f) for b in alone])), f
+    # the block at anchor 6 of the 7-token first sequence: slots 1..3 are past its end, not the next sequence
+    assert packed.labels_JB[2].tolist() == [int(ids[6]), IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
+
+
+def test_packed_layout_flat_equals_packed_layout():
+    anchors = [torch.tensor([1, 3]), torch.tensor([], dtype=torch.long), torch.tensor([2])]
+    a = packed_layout(lengths=[5, 2, 4], anchors=anchors, block_size=2)
+    b = packed_layout_flat(lengths=[5, 2, 4], anchors_J=torch.cat(anchors), blocks_per_sample=[2, 0, 1], block_size=2)
+    for f in ("ctx_seq_C", "ctx_pos_C", "block_seq_J", "anchor_J"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert a.block_seq_J.tolist() == [0, 0, 2]
 
 
 # ------------------------------------------------------------------------------------------------- mask
