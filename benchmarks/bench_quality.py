@@ -189,7 +189,8 @@ def extract(model: str, data: pathlib.Path, out: pathlib.Path, *, storage: str, 
             "seconds": round(res.seconds, 2)}
 
 
-def train_run(args, *, model: str, cache: pathlib.Path, out: pathlib.Path, device: str, online: bool) -> dict:
+def train_run(args, *, model: str, cache: pathlib.Path, out: pathlib.Path, device: str, online: bool,
+              seed: int | None = None) -> dict:
     from dflash.train.config import TrainConfig
     from dflash.train.metrics import read_metrics
     from dflash.train.trainer import train
@@ -198,7 +199,8 @@ def train_run(args, *, model: str, cache: pathlib.Path, out: pathlib.Path, devic
         shutil.rmtree(out)
     cfg = TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=args.layers,
                       block_size=args.block_size, num_anchors=args.num_anchors, mask_token_id=SMOLLM2_MASK_TOKEN_ID,
-                      lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=args.steps, seed=args.seed,
+                      lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=args.steps,
+                      seed=args.seed if seed is None else seed,
                       log_every=args.log_every, save_every=10 ** 9, online=online,
                       intermediate_size=args.intermediate_size)
     os.environ["DFLASH_NO_PROGRESS"] = "1"
@@ -270,6 +272,9 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, help="steps per metric window (tokens/s is a median over windows)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-online", action="store_true", help="do not train the --online drafter")
+    ap.add_argument("--control-seed", type=int, help="also train a bf16 drafter with this seed (init, anchors, data "
+                    "order), last: its tau next to the bf16 one is the seed-to-seed spread the fp8 difference is "
+                    "read against")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--workdir", help="folder for model, caches and runs (default: a temp folder, removed)")
     ap.add_argument("--resume", action="store_true", help="continue a cut-short run: same --workdir and --json; "
@@ -340,13 +345,15 @@ def main(argv=None) -> dict:
                                 "bytes_fp8": result["caches"]["train_fp8"]["bytes"]}
         result["steps"] = args.steps
         result["runs"], result["datasets"] = {}, {d: {} for d in ("mtbench", "humaneval")}
-        runs = [("bf16", "train_bf16", False), ("fp8", "train_fp8", False)]
+        runs = [("bf16", "train_bf16", False, None), ("fp8", "train_fp8", False, None)]
         if not args.skip_online:
-            runs.append(("online", "train_bf16", True))
-        for i, (rname, cname, online) in enumerate(runs):
-            r = st.run(f"e_train_{rname}", lambda rname=rname, cname=cname, online=online: train_run(
+            runs.append(("online", "train_bf16", True, None))
+        if args.control_seed is not None:
+            runs.append(("bf16_control", "train_bf16", False, args.control_seed))
+        for i, (rname, cname, online, seed) in enumerate(runs):
+            r = st.run(f"e_train_{rname}", lambda rname=rname, cname=cname, online=online, seed=seed: train_run(
                 args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}", device=device,
-                online=online))
+                online=online, seed=seed))
             result["runs"][rname] = r
             drafters = {rname: r["drafter"]}
             if i == 0:
@@ -384,17 +391,18 @@ def summarise(result: dict) -> None:
         c = {}
         if "tau_untrained" in d:
             c["trained_above_untrained"] = b > d["tau_untrained"] + 0.1 * max(d["tau_untrained"], 1.0)
-        for k in ("fp8", "online"):
+        for k in ("fp8", "online", "bf16_control"):
             if f"tau_{k}" in d:
                 c[f"{k}_rel_diff"] = abs(d[f"tau_{k}"] - b) / b
-                c[f"{k}_within_1pct"] = c[f"{k}_rel_diff"] <= 0.01
+                if k != "bf16_control":  # the control is the yardstick, not a check
+                    c[f"{k}_within_1pct"] = c[f"{k}_rel_diff"] <= 0.01
         checks[ds] = c
     result["checks"] = checks
 
 
 def format_table(result: dict) -> str:
     lines = [f"{'dataset':<10} {'seqs':>5} {'tokens':>7} {'untrained':>9} {'bf16':>7} {'fp8':>7} {'online':>7}"
-             f" {'fp8 diff':>9} {'onl diff':>9}"]
+             f" {'fp8 diff':>9} {'onl diff':>9} {'seed diff':>9}"]
 
     def f(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
@@ -404,7 +412,7 @@ def format_table(result: dict) -> str:
         lines.append(f"{ds:<10} {d.get('sequences', 0):>5} {d.get('response_tokens', 0):>7} "
                      f"{f(d.get('tau_untrained')):>9} {f(d.get('tau_bf16')):>7} {f(d.get('tau_fp8')):>7} "
                      f"{f(d.get('tau_online')):>7} {f(c.get('fp8_rel_diff'), '{:.2%}'):>9} "
-                     f"{f(c.get('online_rel_diff'), '{:.2%}'):>9}")
+                     f"{f(c.get('online_rel_diff'), '{:.2%}'):>9} {f(c.get('bf16_control_rel_diff'), '{:.2%}'):>9}")
     for k, v in result.get("throughput", {}).items():
         lines.append(f"{k}: {f(v, '{:.1f}')}")
     lines.append(f"steps {result.get('steps')}, train samples {result.get('train_data', {}).get('samples')}, "

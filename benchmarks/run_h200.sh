@@ -28,7 +28,7 @@ extract() { timeout "${1:-330}" python3 benchmarks/bench_extract.py --tokens 600
 train() { timeout "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
 sweep() { timeout "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
 quality() { local t=$1; shift
-            timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --workdir /tmp/bq \
+            timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --control-seed 1 --workdir /tmp/bq \
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
 
 gpu_tests() { timeout "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \

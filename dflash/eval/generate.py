@@ -215,8 +215,6 @@ def generate_file(*, model_path: str, prompts_path, output_path, cfg: GenerateCo
     model, tokenizer = load_target(model_path, device=device, dtype=torch_dtype)
     cfg_hash = target_config_hash(model_path) if os.path.isdir(model_path) else None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
     bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress)
     gens = generate_greedy(model, tokenizer, prompts, cfg=cfg, on_batch=lambda batch: bar.update(len(batch)))
     bar.close()
