@@ -171,9 +171,9 @@ def layout_tiles(layout: BlockLayout, *, tile: int = TILE) -> dict[str, torch.Te
     index arithmetic, no sync, instead of evaluating the predicate on all Q x K pairs (create_block_mask
     does that, and with ~10 short sequences' blocks per batch Q x K reaches 10^10 pairs per step).
 
-    Requires what packed_layout and the evaluator build: sequence ids 0..N-1, each sequence's context a
-    contiguous run of indices holding positions 0, 1, 2, ... A block sees its sequence's context run up to
-    its anchor (exclusive) and its own B keys. Per query tile the visited key tiles are (a) the hull of its
+    Requires what packed_layout and the evaluator build: sequence ids 0..N-1, each sequence's context one
+    contiguous run of indices holding consecutive positions. A block sees its sequence's run up to its anchor
+    (exclusive) and its own B keys. Per query tile the visited key tiles are (a) the hull of its
     rows' context ranges and (b) the hull of its blocks' own keys: a superset of the true tiles (the mask_mod
     masks the rest). "full" tiles, where every pair is visible and the kernel skips the mask_mod, are
     context tiles lying wholly inside every row's range, in tiles whose rows are all real and of one sequence.
@@ -186,10 +186,16 @@ def layout_tiles(layout: BlockLayout, *, tile: int = TILE) -> dict[str, torch.Te
     nq, nk = _cdiv(Q, tile), _cdiv(K, tile)
     pad = nq * tile - Q
     # context index where each sequence's run starts (ids are dense 0..N-1 and N <= C)
+    idx_C = torch.arange(C, device=dev)
     start_S = torch.full((C + 1,), C, dtype=torch.int64, device=dev)
-    start_S.scatter_reduce_(0, layout.ctx_seq_C, torch.arange(C, device=dev), reduce="amin")
+    start_S.scatter_reduce_(0, layout.ctx_seq_C, idx_C, reduce="amin")
+    end_S = torch.zeros(C + 1, dtype=torch.int64, device=dev)
+    end_S.scatter_reduce_(0, layout.ctx_seq_C, idx_C + 1, reduce="amax")
+    first_pos_S = torch.cat([layout.ctx_pos_C, layout.ctx_pos_C.new_zeros(1)])[start_S]
     lo_J = start_S[layout.block_seq_J]
-    hi_J = lo_J + layout.anchor_J  # exclusive; == lo_J when the anchor is 0 (no context visible)
+    # exclusive end: keys at positions below the anchor, within the sequence's run (whatever position it starts at)
+    seen_J = (layout.anchor_J - first_pos_S[layout.block_seq_J]).clamp(min=0)
+    hi_J = torch.minimum(lo_J + seen_J, end_S[layout.block_seq_J])
     has_ctx_J = hi_J > lo_J
     big = torch.iinfo(torch.int64).max // 4
 

@@ -81,6 +81,25 @@ def test_tiles_of_the_evaluator_layout(first, last, block_size, tile):
     assert (visible <= (partial | full)).all() and (full <= wholly).all() and not (partial & full).any()
 
 
+def test_tiles_when_context_starts_past_position_0_or_ends_before_the_anchor():
+    # seq 0: context positions 7..46 (a window), anchors beyond its end too; seq 1: positions 0..29, anchors
+    # up to 60 (context truncated). Full tiles must stay inside what each block really sees.
+    ctx_seq = torch.cat([torch.zeros(40, dtype=torch.long), torch.ones(30, dtype=torch.long)])
+    ctx_pos = torch.cat([torch.arange(7, 47), torch.arange(30)])
+    anchors = torch.cat([torch.tensor([3, 7, 20, 46, 47, 60]), torch.tensor([0, 10, 29, 30, 45, 60])])
+    block_seq = torch.cat([torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.long)])
+    for tile in (4, 8, 16):
+        layout = BlockLayout(ctx_seq_C=ctx_seq, ctx_pos_C=ctx_pos, block_seq_J=block_seq, anchor_J=anchors,
+                             block_size=4)
+        t = layout_tiles(layout, tile=tile)
+        nk = t["kv_indices"].shape[-1]
+        partial = tile_map(t["kv_num_blocks"], t["kv_indices"], nk)
+        full = tile_map(t["full_kv_num_blocks"], t["full_kv_indices"], nk)
+        visible, wholly = true_tiles(layout, tile)
+        assert (visible <= (partial | full)).all() and (full <= wholly).all() and not (partial & full).any()
+        assert full.any()  # the windowed sequence still gets full tiles
+
+
 def test_compiled_flex_with_layout_tiles_equals_dense_on_cpu():
     # Uncompiled flex attention ignores the tile lists (it applies mask_mod to every pair); compiled, it visits
     # only the listed tiles and skips mask_mod on full ones, so this checks the lists themselves. (dynamic=False:
