@@ -50,13 +50,8 @@ def true_tiles(layout: BlockLayout, tile: int) -> tuple[torch.Tensor, torch.Tens
     return as_tiles(padded).any(-1), as_tiles(padded).all(-1) & as_tiles(inside).all(-1)
 
 
-CASES = [(seed, b, tile) for seed in range(12) for b, tile in ((3, 16), (4, 32), (5, 16), (16, 16), (16, 128))]
-
-
-@pytest.mark.parametrize("seed,block_size,tile", CASES)
-def test_tiles_cover_every_visible_pair_and_full_tiles_are_wholly_visible(seed, block_size, tile):
-    g = torch.Generator().manual_seed(seed)
-    layout = random_layout(g, num_seqs=int(torch.randint(1, 8, (1,), generator=g)), block_size=block_size)
+def check_tiles(layout: BlockLayout, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """layout_tiles' partial and full maps, checked against the dense predicate; returns them and the true maps."""
     t = layout_tiles(layout, tile=tile)
     nk = t["kv_indices"].shape[-1]
     partial = tile_map(t["kv_num_blocks"], t["kv_indices"], nk)
@@ -65,6 +60,17 @@ def test_tiles_cover_every_visible_pair_and_full_tiles_are_wholly_visible(seed, 
     assert not (partial & full).any()
     assert (visible <= (partial | full)).all(), "a tile with a visible pair is skipped"
     assert (full <= wholly).all(), "a tile marked full holds a masked pair"
+    return partial, full, visible, wholly
+
+
+CASES = [(seed, b, tile) for seed in range(12) for b, tile in ((3, 16), (4, 32), (5, 16), (16, 16), (16, 128))]
+
+
+@pytest.mark.parametrize("seed,block_size,tile", CASES)
+def test_tiles_cover_every_visible_pair_and_full_tiles_are_wholly_visible(seed, block_size, tile):
+    g = torch.Generator().manual_seed(seed)
+    layout = random_layout(g, num_seqs=int(torch.randint(1, 8, (1,), generator=g)), block_size=block_size)
+    partial, full, visible, wholly = check_tiles(layout, tile)
     # tight: at most one extra tile per query tile (the context hull of a tile spanning two sequences)
     assert int((partial | full).sum()) <= int(visible.sum()) + visible.shape[0]
     assert int(full.sum()) == int(wholly.sum())  # sorted packed blocks: every wholly visible tile is found
@@ -72,13 +78,7 @@ def test_tiles_cover_every_visible_pair_and_full_tiles_are_wholly_visible(seed, 
 
 @pytest.mark.parametrize("first,last,block_size,tile", [(1, 60, 4, 16), (0, 40, 16, 16), (5, 300, 16, 128)])
 def test_tiles_of_the_evaluator_layout(first, last, block_size, tile):
-    layout = eval_layout(first, last, block_size)
-    t = layout_tiles(layout, tile=tile)
-    nk = t["kv_indices"].shape[-1]
-    partial = tile_map(t["kv_num_blocks"], t["kv_indices"], nk)
-    full = tile_map(t["full_kv_num_blocks"], t["full_kv_indices"], nk)
-    visible, wholly = true_tiles(layout, tile)
-    assert (visible <= (partial | full)).all() and (full <= wholly).all() and not (partial & full).any()
+    check_tiles(eval_layout(first, last, block_size), tile)
 
 
 def test_tiles_when_context_starts_past_position_0_or_ends_before_the_anchor():
@@ -91,12 +91,7 @@ def test_tiles_when_context_starts_past_position_0_or_ends_before_the_anchor():
     for tile in (4, 8, 16):
         layout = BlockLayout(ctx_seq_C=ctx_seq, ctx_pos_C=ctx_pos, block_seq_J=block_seq, anchor_J=anchors,
                              block_size=4)
-        t = layout_tiles(layout, tile=tile)
-        nk = t["kv_indices"].shape[-1]
-        partial = tile_map(t["kv_num_blocks"], t["kv_indices"], nk)
-        full = tile_map(t["full_kv_num_blocks"], t["full_kv_indices"], nk)
-        visible, wholly = true_tiles(layout, tile)
-        assert (visible <= (partial | full)).all() and (full <= wholly).all() and not (partial & full).any()
+        _, full, _, _ = check_tiles(layout, tile)
         assert full.any()  # the windowed sequence still gets full tiles
 
 
