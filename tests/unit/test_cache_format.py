@@ -72,6 +72,9 @@ def test_chunk_tokens_power_of_two_under_budget():
     assert choose_chunk_tokens(hidden_size=5120, itemsize=2, chunk_bytes=1 << 19) == 32
     assert choose_chunk_tokens(hidden_size=5120, itemsize=1, chunk_bytes=1 << 19) == 64
     assert choose_chunk_tokens(hidden_size=1 << 20, itemsize=2, chunk_bytes=1 << 19) == 1
+    # small hidden sizes hit the token cap: chunks stay well under typical sample lengths
+    assert choose_chunk_tokens(hidden_size=576, itemsize=1, chunk_bytes=1 << 19) == 128
+    assert choose_chunk_tokens(hidden_size=576, itemsize=2, chunk_bytes=1 << 19) == 128
 
 
 def test_commit_log_torn_tail_is_ignored():

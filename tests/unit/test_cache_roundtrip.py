@@ -124,3 +124,21 @@ def test_no_cache_and_non_empty_dir(tmp_path):
     from dflash.errors import CacheFormatError
     with pytest.raises(CacheFormatError, match="not empty"):
         CacheWriter(tmp_path, make_fp())
+
+
+@pytest.mark.parametrize("storage,limit", [("bf16", 1.5), ("fp8", 1.5)])
+def test_read_amplification_of_short_samples_at_a_small_hidden_size(tmp_path, storage, limit):
+    """SmolLM2's hidden size with ShareGPT-length samples (64-512 tokens): the default chunking reads at most
+    ~1.5x the bytes the samples hold (256/512-token chunks read 1.85x / 2.72x)."""
+    D, taps = 576, TAPS
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(64, 513, size=40)
+    with CacheWriter(tmp_path, make_fp(storage, taps, D)) as w:  # default chunk_bytes, as dflash extract
+        b = make_batch(rng, lengths, len(taps), D)
+        w.append(sample_ids=np.arange(len(lengths)), lengths=lengths, **b)
+    r = CacheReader(tmp_path)
+    for i in rng.permutation(len(lengths)):
+        r.read_many([int(i)])
+    per_token = len(taps) * D * (2 if storage == "bf16" else 1) + (4 * len(taps) if storage == "fp8" else 0)
+    assert r.bytes_read / (int(lengths.sum()) * per_token) <= limit
+    r.close()
