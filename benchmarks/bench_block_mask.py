@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +27,8 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from common import machine_info, sync  # noqa: E402
 
 from dflash.drafter.attention import TILE, flex_block_mask, layout_mask_mod  # noqa: E402
 from dflash.train.objective import packed_layout  # noqa: E402
@@ -56,12 +57,10 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
     out = fn()  # warm-up: compiles
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         t = time.perf_counter()
         out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times), out
 
@@ -109,8 +108,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "bench_block_mask", "name": name,
               "command": "python benchmarks/bench_block_mask.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-              "cpu_count": torch.get_num_threads(), "torch": torch.__version__,
+              "machine": machine_info(device), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
               "num_anchors": args.num_anchors, "block_size": args.block_size, "tile": TILE, "rows": rows}
     out = ROOT / "benchmarks" / "results" / f"block_mask_{name}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

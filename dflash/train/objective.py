@@ -82,9 +82,8 @@ def build_blocks(input_ids_S: torch.Tensor, loss_mask_S: torch.Tensor, anchors_J
 
     gamma defaults to the paper's value for the block size (default_gamma).
     """
-    S = input_ids_S.shape[0]
-    anchors_J = anchors_J.to(device=input_ids_S.device, dtype=torch.int64)
-    return build_packed_blocks(input_ids_S, loss_mask_S, anchors_J, lengths=[S], blocks_per_sample=[anchors_J.shape[0]],
+    return build_packed_blocks(input_ids_S, loss_mask_S, anchors_J, lengths=[input_ids_S.shape[0]],
+                               blocks_per_sample=[anchors_J.shape[0]],
                                block_size=block_size, mask_token_id=mask_token_id, gamma=gamma)
 
 
