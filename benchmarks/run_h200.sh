@@ -7,7 +7,7 @@
 #   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
 #   bash benchmarks/run_h200.sh sweep   # bench_sweep --synthetic (27B features, 4 drafters)
 #   bash benchmarks/run_h200.sh check   # the gpu-marked tests + bench_block_mask (~3 min)
-#   bash benchmarks/run_h200.sh quality GGUF_PART... [--resume]   # bench_quality, 2000 prompts, 400 steps
+#   bash benchmarks/run_h200.sh quality GGUF_PART... [--resume]   # bench_quality, 2000 prompts, 400 steps, 3 seeds
 #       (SmolLM2 target from scripts/split_gguf.sh parts; a call cut short at 10 minutes is continued by the
 #       same command with --resume on the still-warm machine)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
@@ -28,7 +28,7 @@ extract() { timeout "${1:-330}" python3 benchmarks/bench_extract.py --tokens 600
 train() { timeout "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
 sweep() { timeout "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
 quality() { local t=$1; shift
-            timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --control-seed 1 --workdir /tmp/bq \
+            timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --seeds 3 --workdir /tmp/bq \
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
 
 gpu_tests() { timeout "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \

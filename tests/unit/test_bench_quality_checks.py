@@ -1,0 +1,46 @@
+"""The claims bench_quality.py writes into its JSON (`checks`): the 1% bounds, and with --seeds N the fp8 bound
+judged on the means over seeds while the seed-0 pair's own difference is kept."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bq():
+    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "benchmarks" / "bench_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_one_seed_judges_the_pair(bq):
+    result = {"datasets": {"mtbench": {"tau_untrained": 1.0, "tau_bf16": 1.30, "tau_fp8": 1.32, "tau_online": 1.30}}}
+    bq.summarise(result)
+    c = result["checks"]["mtbench"]
+    assert c["trained_above_untrained"]
+    assert c["fp8_rel_diff"] == pytest.approx(0.02 / 1.30)
+    assert not c["fp8_within_1pct"]
+    assert c["online_rel_diff"] == 0.0 and c["online_within_1pct"]
+    assert "fp8_rel_diff_of_means" not in c
+
+
+def test_seeds_judge_fp8_on_the_means(bq):
+    # seed 0: fp8 +2% (outside 1%); seed 1: -1.5%; seed 2: unfinished fp8, so left out of the means
+    d = {"tau_untrained": 1.0, "tau_bf16": 1.30, "tau_fp8": 1.326, "tau_bf16_seed1": 1.40, "tau_fp8_seed1": 1.379,
+         "tau_bf16_seed2": 1.50}
+    result = {"datasets": {"humaneval": d}}
+    bq.summarise(result)
+    c = result["checks"]["humaneval"]
+    assert c["fp8_rel_diff"] == pytest.approx(0.026 / 1.30)  # the seed-0 pair, kept
+    assert d["seeds_paired"] == 2
+    assert d["tau_bf16_mean"] == pytest.approx(1.35) and d["tau_fp8_mean"] == pytest.approx(1.3525)
+    assert c["fp8_rel_diff_of_means"] == pytest.approx(0.0025 / 1.35)
+    assert c["fp8_within_1pct"]  # judged on the means
+    assert c["fp8_paired_rel_diffs"] == pytest.approx([0.02, -0.015])
+    assert c["bf16_seed_spread"] == pytest.approx(0.10 / 1.35)
+    table = bq.format_table(result)
+    assert "mean over 2 seeds: bf16 1.350, fp8 1.353" in table and "+2.00%, -1.50%" in table
