@@ -57,14 +57,15 @@ def sample_lengths(total_tokens: int, *, seed: int, batch_tokens: int,
     until `total_tokens`. Re-planning the slice reproduces those batches, so the measured padding is the
     padding a full run has (a small random sample would have sparse lengths and pad ~10%).
     Returns lengths, loss-token counts, and the padding fraction of the full dataset's plan."""
-    from dflash.data.batching import padding_fraction, token_budget_batches
+    from dflash.data.batching import padding_fraction
+    from dflash.extract.plan import extraction_batches
 
     asset = json.loads((ROOT / "benchmarks" / "assets" / "sharegpt_lengths.json").read_text())
     rng = np.random.default_rng(seed)
     pick = rng.integers(0, len(asset["lengths"]), size=dataset_samples)
     all_len = np.asarray(asset["lengths"])[pick]
     all_loss = np.asarray(asset["loss_tokens"])[pick]
-    batches = token_budget_batches(all_len, max_tokens=batch_tokens)
+    batches = extraction_batches(all_len, max_tokens=batch_tokens)
     full_padding = padding_fraction(all_len, batches)
     lengths, loss = [], []
     for b in rng.permutation(len(batches)):
@@ -115,8 +116,8 @@ def build_random_model(model_dir: pathlib.Path, device: torch.device, *, fla_con
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
-def forward_only(cfg, model, device) -> tuple[float, int, int]:
-    """Seconds, real tokens, padded tokens of the same planned batches, forward only."""
+def forward_only(cfg, model, device) -> tuple[float, int, int, int]:
+    """Seconds, real tokens, padded tokens and distinct batch sizes of the same planned batches, forward only."""
     from dflash.extract.preflight import build_preflight
     from dflash.target.forward import TappedForward
 
@@ -138,7 +139,7 @@ def forward_only(cfg, model, device) -> tuple[float, int, int]:
         out = tapped(x.to(device, non_blocking=True))
         del out
     sync(device)
-    return time.perf_counter() - t, real, padded
+    return time.perf_counter() - t, real, padded, len({len(b.members) for b in batches})
 
 
 def peer_style(model, tokenizer, jsonl: pathlib.Path, out_dir: pathlib.Path, taps, device, *,
@@ -229,7 +230,7 @@ def main() -> None:
     # Warm-up: Triton autotuning, cuBLAS heuristics, allocator growth (not timed).
     run_rank(cfg_for(warm, "bf16", work / "warm_cache"), echo=quiet)
     shutil.rmtree(work / "warm_cache")
-    warm_s, _, _ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
+    warm_s, _, _, _ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
     print(f"warm-up forward pass over the measured batches: {warm_s:.1f} s", flush=True)
 
     taps = None
@@ -258,7 +259,7 @@ def main() -> None:
         shutil.rmtree(out)
 
     # After the extraction runs, so both see the same warmed kernels (Triton autotunes per new shape).
-    fo_s, real, padded = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
+    fo_s, real, padded, batch_sizes = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
     num_layers_run = max(taps) + 1
     flops = target_flops(model.config, num_layers_run=num_layers_run)
     total_flops = flops.forward_flops(lengths)
@@ -316,7 +317,9 @@ def main() -> None:
         "taps": list(taps), "layers_run": num_layers_run, "samples": len(lengths), "real_tokens": real,
         "padded_tokens": padded, "padding_fraction_full_dataset_plan": full_padding, "batch_tokens": args.batch_tokens, "matmul_peak_flops": peak,
         "forward_flops_per_token": total_flops / real, "model_build_s": build_s, "load_seconds_stand_in": load_s,
-        "warm_forward_pass_s": warm_s,
+        "warm_forward_pass_s": warm_s, "distinct_batch_sizes": batch_sizes,
+        # the warm-up pass met batch sizes (and so kernel compiles) the small warm-up extraction had not
+        "first_pass_compile_s": warm_s - fo_s,
         "forward_only_tok_s": fo_tok_s, "floor_tok_s": floor_tok_s, "peer_style": peer, **summary,
     }
     res_dir = ROOT / "benchmarks" / "results"

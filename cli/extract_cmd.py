@@ -35,7 +35,8 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
               help="Processes to run, one per GPU (default: all visible GPUs, or 1 on CPU). On CPU, N "
                    "processes share the cores via gloo. Ignored under torchrun.")
 @click.option("--batch-tokens", type=click.IntRange(min=1), default=16384, show_default=True,
-              help="Token budget per forward pass, padding included; must be >= --max-length.")
+              help="Token budget per forward pass, padding included; must be >= --max-length. Batches hold "
+                   "1-8, 10, 12, 14, 16, 20, ... samples (FLA kernels compile once per batch size).")
 @click.option("--shard-tokens", type=click.IntRange(min=1), default=1 << 16, show_default=True,
               help="Tokens per committed shard: smaller loses less work on a crash, larger makes fewer files.")
 @click.option("--no-thinking", is_flag=True, default=False,

@@ -80,6 +80,14 @@ def assign_batches(*, costs: np.ndarray, world_size: int) -> list[list[int]]:
     return out
 
 
+def extraction_batches(lengths: np.ndarray, *, max_tokens: int) -> list[np.ndarray]:
+    """The batches `dflash extract` runs: sorted-length token-budget batches of round sizes (why:
+    dflash.data.batching)."""
+    from dflash.data.batching import token_budget_batches
+
+    return token_budget_batches(lengths, max_tokens=max_tokens, round_sizes=True)
+
+
 def make_plan(
     *,
     sample_ids: np.ndarray,

@@ -17,7 +17,7 @@ import numpy as np
 
 from dflash.cache.format import Fingerprint
 from dflash.errors import ConfigError
-from dflash.extract.plan import ExtractPlan, make_plan
+from dflash.extract.plan import ExtractPlan, extraction_batches, make_plan
 from dflash.extract.space import CacheBytes, estimate_cache_bytes
 from dflash.target.identity import chat_template_hash, tokenizer_hash
 from dflash.target.identity import target_config_hash as config_hash
@@ -102,7 +102,6 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash.cache import committed_sample_ids, open_cache_fingerprint
-    from dflash.data import token_budget_batches
     from dflash.extract.tokenized import TOKENIZED_DIR, tokenization_key, tokenize_or_load
     from dflash.data.sources import check_paths
     from dflash.target.taps import default_tap_layer_ids
@@ -158,7 +157,7 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     sample_ids = samples.sample_ids
     lengths = samples.lengths
     plan = make_plan(sample_ids=sample_ids, lengths=lengths, committed=committed, world_size=world_size,
-                     max_tokens=cfg.batch_tokens, batch_fn=token_budget_batches)
+                     max_tokens=cfg.batch_tokens, batch_fn=extraction_batches)
     todo = ~np.isin(sample_ids, np.fromiter(committed, dtype=np.int64, count=len(committed)))
     cache_bytes = estimate_cache_bytes(num_tokens=plan.num_tokens_todo, num_samples=int(todo.sum()),
                                        num_taps=len(taps), hidden_size=int(config.hidden_size),
