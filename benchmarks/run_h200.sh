@@ -14,6 +14,8 @@
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
 #   bash benchmarks/run_h200.sh pair2 GGUF_PART...   # quality on GPU 0 || sweep on GPU 1, then the GPU tests
 #   bash benchmarks/run_h200.sh pair3   # extract on GPU 0 || sweep on GPU 1
+#   bash benchmarks/run_h200.sh pair4 GGUF_PART...   # quality on GPU 0 || extract on GPU 1 (then `quality PARTS
+#       --resume` calls finish quality on GPU 0: the extract rerun costs no device time of its own)
 # Results land in benchmarks/results/*_h200.json and, with logs, are copied to $OUT when set.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -58,7 +60,9 @@ case "$stage" in
   pair1) cache; both extract "extract 400" train "train 400" ;;
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 400" sweep "sweep 400" ;;
-  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|pair1|pair2 PARTS|pair3" >&2; exit 2 ;;
+  pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
+  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+     exit 2 ;;
 esac
 [ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json /tmp/bq/quality_smollm2.json "$OUT"/ 2>/dev/null
 exit $rc
