@@ -24,8 +24,8 @@ is in `tok_s_end_to_end` and not in `tok_s`. Everything else is the real extract
 
 Warm-up, untimed: one small extraction (Triton compiles, allocator growth, writer path), then a forward-only
 pass over the measured batches. FLA compiles and autotunes some kernels per batch size (the cumsum kernels take
-B as a compile-time constant); a real run meets each of its batch sizes once (56 distinct in a 274-batch,
-8.7M-token ShareGPT plan) and amortizes that, while this slice would charge all of it to whichever storage
+B as a compile-time constant); a real run meets each of its batch sizes once (17 distinct in the 291-batch
+plan of the 8.7M-token ShareGPT length asset, dflash.data.batching) and amortizes that, while this slice would charge all of it to whichever storage
 dtype ran first (bf16 measured 0.74 of forward-only cold vs fp8 0.94 right after it, 2026-11-30).
 Writes benchmarks/results/extract_<name>.json; the last stdout line is that JSON.
 """
