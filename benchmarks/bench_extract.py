@@ -12,6 +12,8 @@ Measures on the same samples (lengths drawn from real ShareGPT token lengths, be
       `setup_seconds`, and `tok_s_end_to_end` includes it;
   (b) a forward-only pass over exactly the same batches (TappedForward, nothing packed or written);
   (c) the FLOP floor: the forward's FLOPs (layers 0..deepest tap) over a bf16 matmul peak measured here;
+  (a') on CUDA, the GPU time of the forwards inside each extraction and inside (b) (`forward_timeline`), so a
+      gap to forward-only splits into slower forwards and time between them;
   (d) the peers' way: full-depth HF forward with output_hidden_states=True on padded batches (attention mask,
       dataset order, fixed batch size) and one torch.save file per sample (SpecForge/ModelOpt/EAGLE style).
 
@@ -114,6 +116,44 @@ def build_random_model(model_dir: pathlib.Path, device: torch.device, *, fla_con
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     model.dflash_kernels = select_kernels(model, device, fla_conv=fla_conv)
     return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+class ForwardTimeline:
+    """CUDA events around every TappedForward call (patched on the class, as the driver builds its own): the
+    GPU time of the forwards of a run, against the run's loop time. What remains is the GPU time of packing and
+    encoding plus the time the GPU idled between forwards; a forward slower than in the forward-only pass was
+    slowed by what ran beside it (copies, pinning)."""
+
+    def __init__(self, device: torch.device) -> None:
+        from dflash.target.forward import TappedForward
+
+        self.cuda = device.type == "cuda"
+        self.events: list = []
+        self._cls, self._orig = TappedForward, TappedForward.__call__
+        timeline = self
+
+        def timed(tapped, *a, **k):
+            if not timeline.cuda:
+                return timeline._orig(tapped, *a, **k)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = timeline._orig(tapped, *a, **k)
+            end.record()
+            timeline.events.append((start, end))
+            return out
+
+        TappedForward.__call__ = timed
+
+    def take(self) -> dict | None:
+        """Forward GPU seconds and first-start..last-end GPU seconds since the last take (None on CPU)."""
+        events, self.events = self.events, []
+        if not self.cuda or not events:
+            return None
+        torch.cuda.synchronize()
+        forward_s = sum(a.elapsed_time(b) for a, b in events) / 1e3
+        span_s = events[0][0].elapsed_time(events[-1][1]) / 1e3
+        return {"forwards": len(events), "forward_gpu_s": forward_s, "first_to_last_forward_s": span_s,
+                "between_forwards_s": span_s - forward_s}
 
 
 def forward_only(cfg, model, device) -> tuple[float, int, int, int]:
@@ -220,6 +260,7 @@ def main() -> None:
         return model, tokenizer
 
     target_load.load_target = load_prebuilt
+    timeline = ForwardTimeline(device)
     peak = matmul_peak(device)
 
     def cfg_for(src, storage, out):
@@ -231,6 +272,7 @@ def main() -> None:
     run_rank(cfg_for(warm, "bf16", work / "warm_cache"), echo=quiet)
     shutil.rmtree(work / "warm_cache")
     warm_s, _, _, _ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
+    timeline.take()
     print(f"warm-up forward pass over the measured batches: {warm_s:.1f} s", flush=True)
 
     taps = None
@@ -239,7 +281,9 @@ def main() -> None:
         out = work / f"cache_{storage}"
         os.sync()
         t = time.perf_counter()
+        timeline.take()
         res = run_rank(cfg_for(data, storage, out), echo=quiet)
+        forwards = timeline.take()
         os.sync()
         secs = time.perf_counter() - t
         from dflash.cache import CacheReader
@@ -255,11 +299,13 @@ def main() -> None:
                             "tok_s_steady": res.num_tokens / res.loop_seconds if res.loop_seconds else None,
                             "wait_on_disk_s": res.wait_s, "bytes_on_disk": on_disk,
                             "bytes_per_token": on_disk / res.num_tokens,
-                            "disk_write_MB_s": on_disk / secs / 1e6}
+                            "disk_write_MB_s": on_disk / secs / 1e6, "forward_timeline": forwards}
         shutil.rmtree(out)
 
     # After the extraction runs, so both see the same warmed kernels (Triton autotunes per new shape).
+    timeline.take()
     fo_s, real, padded, batch_sizes = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
+    fo_timeline = timeline.take()
     num_layers_run = max(taps) + 1
     flops = target_flops(model.config, num_layers_run=num_layers_run)
     total_flops = flops.forward_flops(lengths)
@@ -288,6 +334,7 @@ def main() -> None:
             "padding_fraction": 1 - real / padded, "storage": storage,
             "bytes_per_token": r["bytes_per_token"], "disk_write_MB_s": r["disk_write_MB_s"],
             "wait_on_disk_s": r["wait_on_disk_s"], "seconds": r["seconds"], "tokens": r["tokens"],
+            "forward_timeline": r["forward_timeline"],
         }
         rows.append((f"dflash extract ({storage})", r["tok_s"], f"{r['bytes_per_token']:.0f} B/tok, "
                      f"{r['disk_write_MB_s']:.0f} MB/s, waited {r['wait_on_disk_s']:.1f}s on disk"))
@@ -297,6 +344,11 @@ def main() -> None:
             rows.append((f"  steady state ({storage})", r["tok_s_steady"],
                          f"first batch .. last append, {r['loop_seconds']:.1f}s of {r['seconds']:.1f}s "
                          f"(setup {r['setup_seconds']:.1f}s, drain {r['drain_seconds']:.1f}s)"))
+        t = r["forward_timeline"]
+        if t and fo_timeline:
+            rows.append((f"  GPU forwards only ({storage})", real / t["forward_gpu_s"],
+                         f"{t['forward_gpu_s']:.1f}s of forwards (forward-only pass {fo_timeline['forward_gpu_s']:.1f}s), "
+                         f"{t['between_forwards_s']:.1f}s between them (packing, encoding, idle)"))
     if peer:
         rows.append(("peer style (full fwd + torch.save)", peer["tok_s"], ""))
     rows.append(("FLOP floor", floor_tok_s, f"{total_flops / real / 1e9:.1f} GFLOP/tok, peak {peak / 1e12:.0f} TFLOP/s"))
@@ -320,7 +372,8 @@ def main() -> None:
         "warm_forward_pass_s": warm_s, "distinct_batch_sizes": batch_sizes,
         # the warm-up pass met batch sizes (and so kernel compiles) the small warm-up extraction had not
         "first_pass_compile_s": warm_s - fo_s,
-        "forward_only_tok_s": fo_tok_s, "floor_tok_s": floor_tok_s, "peer_style": peer, **summary,
+        "forward_only_tok_s": fo_tok_s, "forward_only_timeline": fo_timeline, "floor_tok_s": floor_tok_s,
+        "peer_style": peer, **summary,
     }
     res_dir = ROOT / "benchmarks" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
