@@ -22,7 +22,8 @@ pair moves by chance, about as much as the 1% bound). Throughput: tokens/s of th
 GPU: python benchmarks/bench_quality.py --gguf-parts A B --workdir DIR --json OUT.json [--train-prompts 1500 --steps 300]
   A 1500-prompt run on the H200 (quality_smollm2_partial_h200.json) took 42 s to convert the target, 166 s to
   generate, 100 s to extract, then hit the 10-minute call limit while training: rerun the same command with
-  --resume on the same (still warm) machine and it continues after the last finished stage.
+  --resume on the same (still warm) machine and it continues after the last finished stage (a training cut
+  midway continues from its last checkpoint, every --save-every steps; checked on CPU: same final loss to the bit).
 CPU smoke: python benchmarks/bench_quality.py --tiny   (a few minutes on 2 cores; numbers are not meaningful)
 """
 
@@ -193,28 +194,34 @@ def extract(model: str, data: pathlib.Path, out: pathlib.Path, *, storage: str, 
 
 def train_run(args, *, model: str, cache: pathlib.Path, out: pathlib.Path, device: str, online: bool,
               seed: int | None = None) -> dict:
+    from dflash.train.checkpoint import latest_checkpoint
     from dflash.train.config import TrainConfig
     from dflash.train.metrics import read_metrics
     from dflash.train.trainer import train
 
-    if args.resume and out.exists():  # the run a cut-short call left half done: train it again from the start
+    # A run a cut-short call left half done continues from its last checkpoint (resume is exact: tests/unit/
+    # test_train_resume.py); `seconds` and `cache_bytes_read` then cover only this call's part.
+    resumed_from = latest_checkpoint(out) if args.resume and out.exists() else None
+    if args.resume and out.exists() and resumed_from is None:
         shutil.rmtree(out)
     cfg = TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=args.layers,
                       block_size=args.block_size, num_anchors=args.num_anchors, mask_token_id=SMOLLM2_MASK_TOKEN_ID,
                       lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=args.steps,
                       seed=args.seed if seed is None else seed,
-                      log_every=args.log_every, save_every=10 ** 9, online=online,
+                      log_every=args.log_every, save_every=args.save_every, online=online,
                       intermediate_size=args.intermediate_size)
     os.environ["DFLASH_NO_PROGRESS"] = "1"
     t = time.perf_counter()
-    res = train(cfg, device=device)
+    res = train(cfg, device=device, resume=resumed_from is not None)
     dt = time.perf_counter() - t
     recs = read_metrics(out)
     tps = [r["tokens_per_s"] for r in recs[1:]] or [r["tokens_per_s"] for r in recs]
     tok_s = statistics.median(tps) if tps else None
-    log(f"train {out.name}: {res.global_step} steps in {dt:.1f} s, final loss {res.last_loss:.4f}, "
+    part = f" (continued from {resumed_from.name})" if resumed_from is not None else ""
+    log(f"train {out.name}: {res.global_step} steps{part} in {dt:.1f} s, final loss {res.last_loss:.4f}, "
         f"{tok_s:.0f} tokens/s (median after the first window), cache bytes read {res.cache_bytes_read / 2**20:.1f} MiB")
     return {"steps": res.global_step, "seconds": round(dt, 2), "tokens_per_s": tok_s,
+            "resumed_from": resumed_from.name if resumed_from is not None else None,
             "final_loss": res.last_loss, "final_accept_len": recs[-1]["accept_len"] if recs else None,
             "cache_bytes_read": res.cache_bytes_read, "drafter": str(res.drafter_dir),
             "loss_curve": [(r["step"], round(r["loss"], 4)) for r in recs]}
@@ -272,6 +279,8 @@ def parse_args(argv=None):
     ap.add_argument("--intermediate-size", type=int, help="drafter MLP width (default 3 x 576)")
     ap.add_argument("--lr", type=float, default=6e-4, help="peak AdamW lr (cosine, warmup 4%%)")
     ap.add_argument("--log-every", type=int, help="steps per metric window (tokens/s is a median over windows)")
+    ap.add_argument("--save-every", type=int, default=100, help="steps between training checkpoints (a call cut "
+                    "short mid-training continues from the last one with --resume)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-online", action="store_true", help="do not train the --online drafter")
     ap.add_argument("--seeds", type=int, default=1, help="train the bf16 and the fp8 drafter with this many seeds "
