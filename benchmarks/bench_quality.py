@@ -218,11 +218,14 @@ def train_run(args, *, model: str, cache: pathlib.Path, out: pathlib.Path, devic
     tps = [r["tokens_per_s"] for r in recs[1:]] or [r["tokens_per_s"] for r in recs]
     tok_s = statistics.median(tps) if tps else None
     part = f" (continued from {resumed_from.name})" if resumed_from is not None else ""
-    log(f"train {out.name}: {res.global_step} steps{part} in {dt:.1f} s, final loss {res.last_loss:.4f}, "
+    final_loss = res.last_loss
+    if final_loss is None:  # resumed from the final checkpoint (cut after training, before the stage was saved)
+        final_loss = recs[-1]["loss"] if recs else float("nan")  # the last window's mean
+    log(f"train {out.name}: {res.global_step} steps{part} in {dt:.1f} s, final loss {final_loss:.4f}, "
         f"{tok_s:.0f} tokens/s (median after the first window), cache bytes read {res.cache_bytes_read / 2**20:.1f} MiB")
     return {"steps": res.global_step, "seconds": round(dt, 2), "tokens_per_s": tok_s,
             "resumed_from": resumed_from.name if resumed_from is not None else None,
-            "final_loss": res.last_loss, "final_accept_len": recs[-1]["accept_len"] if recs else None,
+            "final_loss": final_loss, "final_accept_len": recs[-1]["accept_len"] if recs else None,
             "cache_bytes_read": res.cache_bytes_read, "drafter": str(res.drafter_dir),
             "loss_curve": [(r["step"], round(r["loss"], 4)) for r in recs]}
 
