@@ -38,10 +38,11 @@ def online_target_dtype(cache_target_dtype: str, device: torch.device) -> torch.
 
 
 def forward_batches(lengths_N: np.ndarray, *, batch_tokens: int) -> list[np.ndarray]:
-    """Sample positions of a micro-batch grouped into padded forward batches (len x max length <= budget)."""
+    """Sample positions of a micro-batch grouped into padded forward batches (len x max length <= budget), of
+    round sizes as in extraction (FLA compiles per batch size: dflash.data.batching)."""
     from dflash.data.batching import token_budget_batches
 
-    return token_budget_batches(np.asarray(lengths_N, dtype=np.int64), max_tokens=batch_tokens)
+    return token_budget_batches(np.asarray(lengths_N, dtype=np.int64), max_tokens=batch_tokens, round_sizes=True)
 
 
 class OnlineTaps:
