@@ -27,8 +27,9 @@ is in `tok_s_end_to_end` and not in `tok_s`. Everything else is the real extract
 Warm-up, untimed: one small extraction (Triton compiles, allocator growth, writer path), then a forward-only
 pass over the measured batches. FLA compiles and autotunes some kernels per batch size (the cumsum kernels take
 B as a compile-time constant); a real run meets each of its batch sizes once (17 distinct in the 291-batch
-plan of the 8.7M-token ShareGPT length asset, dflash.data.batching) and amortizes that, while this slice would charge all of it to whichever storage
-dtype ran first (bf16 measured 0.74 of forward-only cold vs fp8 0.94 right after it, 2026-11-30).
+plan of the 8.7M-token ShareGPT length asset, dflash.data.batching) and amortizes that, while this slice would
+charge all of it to whichever storage dtype ran first (bf16 measured 0.74 of forward-only cold vs fp8 0.94 right
+after it, 2026-11-30).
 Writes benchmarks/results/extract_<name>.json; the last stdout line is that JSON.
 """
 
@@ -129,25 +130,25 @@ class ForwardTimeline:
 
         self.cuda = device.type == "cuda"
         self.events: list = []
-        self._cls, self._orig = TappedForward, TappedForward.__call__
-        timeline = self
+        if not self.cuda:
+            return
+        orig, events = TappedForward.__call__, self.events
 
         def timed(tapped, *a, **k):
-            if not timeline.cuda:
-                return timeline._orig(tapped, *a, **k)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = timeline._orig(tapped, *a, **k)
+            out = orig(tapped, *a, **k)
             end.record()
-            timeline.events.append((start, end))
+            events.append((start, end))
             return out
 
         TappedForward.__call__ = timed
 
     def take(self) -> dict | None:
         """Forward GPU seconds and first-start..last-end GPU seconds since the last take (None on CPU)."""
-        events, self.events = self.events, []
-        if not self.cuda or not events:
+        events = list(self.events)
+        self.events.clear()  # in place: the patched __call__ appends to this list
+        if not events:
             return None
         torch.cuda.synchronize()
         forward_s = sum(a.elapsed_time(b) for a, b in events) / 1e3
@@ -347,7 +348,8 @@ def main() -> None:
         t = r["forward_timeline"]
         if t and fo_timeline:
             rows.append((f"  GPU forwards only ({storage})", real / t["forward_gpu_s"],
-                         f"{t['forward_gpu_s']:.1f}s of forwards (forward-only pass {fo_timeline['forward_gpu_s']:.1f}s), "
+                         f"{t['forward_gpu_s']:.1f}s of forwards (forward-only pass "
+                         f"{fo_timeline['forward_gpu_s']:.1f}s), "
                          f"{t['between_forwards_s']:.1f}s between them (packing, encoding, idle)"))
     if peer:
         rows.append(("peer style (full fwd + torch.save)", peer["tok_s"], ""))

@@ -201,9 +201,11 @@ def train_run(args, *, model: str, cache: pathlib.Path, out: pathlib.Path, devic
 
     # A run a cut-short call left half done continues from its last checkpoint (resume is exact: tests/unit/
     # test_train_resume.py); `seconds` and `cache_bytes_read` then cover only this call's part.
-    resumed_from = latest_checkpoint(out) if args.resume and out.exists() else None
-    if args.resume and out.exists() and resumed_from is None:
-        shutil.rmtree(out)
+    resumed_from = None
+    if args.resume and out.exists():
+        resumed_from = latest_checkpoint(out)
+        if resumed_from is None:  # cut before its first checkpoint: start again
+            shutil.rmtree(out)
     cfg = TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=args.layers,
                       block_size=args.block_size, num_anchors=args.num_anchors, mask_token_id=SMOLLM2_MASK_TOKEN_ID,
                       lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=args.steps,
