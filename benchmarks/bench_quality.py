@@ -326,6 +326,10 @@ def main(argv=None) -> dict:
     out_json = pathlib.Path(args.json) if args.json else REPO / "benchmarks" / "results" / name
     own_work = args.workdir is None
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="dflash-quality-"))
+    if not args.resume and not own_work and work.is_dir() and any(work.iterdir()):
+        # refused before any work: a stale run folder would otherwise stop the first training minutes in
+        raise SystemExit(f"--workdir {work} holds an earlier run: pass --resume to continue it, or choose an empty "
+                         "folder")
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {
         "bench": "quality_smollm2", "tiny": args.tiny,
@@ -343,6 +347,7 @@ def main(argv=None) -> dict:
             raise SystemExit("--resume needs the --workdir and the --json of the run it continues")
         earlier = json.loads(out_json.read_text())
         result["resumed_from"] = {"date": earlier.get("date"), "stages_done": list(earlier.get("stage_out", {}))}
+    result["calls"] = call_history(earlier, result["date"], result["command"])
     st = Stages(result, out_json, earlier=earlier)
     try:
         model = st.run("a_target", lambda: target_folder(args, work))
@@ -396,6 +401,15 @@ def main(argv=None) -> dict:
     print(format_table(result), flush=True)
     log(f"written {out_json}")
     return result
+
+
+def call_history(earlier: dict | None, date: str, command: str) -> list[dict]:
+    """Every call that produced a result, oldest first: a run finished over several --resume calls keeps the
+    first call's date and command (its settings) next to the last one's, which `date`/`command` show."""
+    calls = []
+    if earlier is not None:
+        calls = earlier.get("calls") or [{"date": earlier.get("date"), "command": earlier.get("command")}]
+    return [*calls, {"date": date, "command": command}]
 
 
 def summarise(result: dict) -> None:

@@ -44,3 +44,13 @@ def test_seeds_judge_fp8_on_the_means(bq):
     assert c["bf16_seed_spread"] == pytest.approx(0.10 / 1.35)
     table = bq.format_table(result)
     assert "mean over 2 seeds: bf16 1.350, fp8 1.353" in table and "+2.00%, -1.50%" in table
+
+
+def test_call_history_keeps_every_call(bq):
+    first = bq.call_history(None, "d1", "bench_quality.py --seeds 3")
+    assert first == [{"date": "d1", "command": "bench_quality.py --seeds 3"}]
+    second = bq.call_history({"date": "d1", "command": "c1", "calls": first}, "d2", "c2 --resume")
+    assert [c["date"] for c in second] == ["d1", "d2"] and second[0]["command"] == "bench_quality.py --seeds 3"
+    # a JSON written before calls were recorded: its own date and command stand for the earlier calls
+    old = bq.call_history({"date": "d0", "command": "c0"}, "d1", "c1 --resume")
+    assert old == [{"date": "d0", "command": "c0"}, {"date": "d1", "command": "c1 --resume"}]
