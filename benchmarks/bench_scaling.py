@@ -124,13 +124,13 @@ def train_step_imbalance(cache: pathlib.Path, *, steps: range, batch_tokens: int
     """Mean over `steps` (of epoch 0) of the costliest rank's block tokens over the mean rank's, a step's cost
     being dominated by its block tokens (block_size x min(num_anchors, loss tokens - 1) per sample)."""
     from dflash.cache import CacheReader
-    from dflash.train.loader import plan_epoch
+    from dflash.train.loader import plan_epoch, sample_costs
 
     reader = CacheReader(cache, verify=False)
     idx = reader.index
     reader.close()
     plan = plan_epoch(idx.length, seed=seed, epoch=0, batch_tokens=batch_tokens, world_size=world_size,
-                      grad_accum=1)
+                      grad_accum=1, costs=sample_costs(idx.length, idx.num_loss_tokens))  # the trainer's plan
     cost = block_size * np.minimum(num_anchors, np.maximum(idx.num_loss_tokens - 1, 0))
     ratios = []
     for s in steps:

@@ -129,7 +129,7 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     from dflash.train.build import select_taps
     from dflash.train.config import check_resume_compatible
     from dflash.train.distributed import DistInfo
-    from dflash.train.loader import StreamingLoader, plan_epoch
+    from dflash.train.loader import StreamingLoader, plan_epoch, sample_costs
     from dflash.train.setup import prepare_run_dir, setup_drafter, setup_target
     from dflash.train.step import host_anchors
     from dflash.train.trainer import autocast
@@ -168,6 +168,7 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
                                  progress=False, tap_index=tap_index, name=r.name))
         anchor_keys.append((r.config.seed, r.config.num_anchors, d.drafter_config.block_size))
     lengths = reader.index.length
+    costs = sample_costs(lengths, reader.index.num_loss_tokens)  # as dflash train: the same plan as a lone run
     dtype = target.compute_dtype
     end = max(u.total_steps for u in units)
     pending = [u for u in units if not u.finished]
@@ -178,7 +179,7 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
                 u.export()  # killed between the last checkpoint and the export
         while pos is not None and pos.global_step < end and any(not u.finished for u in units):
             plan = plan_epoch(lengths, seed=first.data_seed, epoch=pos.epoch, batch_tokens=first.batch_tokens,
-                              world_size=1, grad_accum=first.grad_accum)
+                              world_size=1, grad_accum=first.grad_accum, costs=costs)
             if pos.step_in_epoch >= plan.num_steps:
                 pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
                 continue

@@ -21,7 +21,7 @@ from dflash.errors import ConfigError
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import TrainConfig, check_resume_compatible
 from dflash.train.distributed import DistInfo, barrier, destroy_distributed, init_distributed
-from dflash.train.loader import StreamingLoader, plan_epoch
+from dflash.train.loader import StreamingLoader, plan_epoch, sample_costs
 from dflash.train.setup import TrainSetup, prepare_run_dir, setup_training
 from dflash.train.step import host_anchors
 from dflash.train.unit import DrafterUnit, build_optimizer  # noqa: F401 (build_optimizer: re-exported)
@@ -88,12 +88,13 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
         online = OnlineTaps.load(cfg.model, s.taps, device=device, batch_tokens=cfg.batch_tokens,
                                  dtype=online_target_dtype(s.reader.fingerprint.target_dtype, device))
     lengths = s.reader.index.length
+    costs = sample_costs(lengths, s.reader.index.num_loss_tokens)  # balances the ranks' share of each step
     finished = False
 
     try:
         while pos.global_step < total_steps:
             plan = plan_epoch(lengths, seed=cfg.data_seed, epoch=pos.epoch, batch_tokens=cfg.batch_tokens,
-                              world_size=info.world_size, grad_accum=cfg.grad_accum)
+                              world_size=info.world_size, grad_accum=cfg.grad_accum, costs=costs)
             if pos.step_in_epoch >= plan.num_steps:
                 pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
                 continue
