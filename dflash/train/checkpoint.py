@@ -27,6 +27,9 @@ from dflash.errors import ModelNotFoundError
 
 CHECKPOINT_FORMAT = "dflash-train-checkpoint"
 CHECKPOINT_VERSION = 1
+# How epoch plans cut micro-batches into steps: 1 = packing order, 2 = cost-balanced steps (loader.balance_steps).
+# A run resumes with the plan it started with, or its epoch would repeat and skip samples.
+PLAN_VERSION = 2
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
 
 
@@ -104,12 +107,18 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model_state: dict, optimizer_
         "position": {"epoch": position.epoch, "step_in_epoch": position.step_in_epoch,
                      "global_step": position.global_step},
         "world_size": world_size, "train_config": train_config, "drafter_config": drafter_config,
-        "extra": extra or {},
+        "plan_version": PLAN_VERSION, "extra": extra or {},
     }
     atomic_torch_save(state, path)
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink()
     return path
+
+
+def balanced_plan(state: dict | None) -> bool:
+    """Whether a run (fresh: state None, or resumed from `state`) plans cost-balanced steps; checkpoints written
+    before PLAN_VERSION 2 carry no plan_version and keep the packing order."""
+    return state is None or state.get("plan_version", 1) >= 2
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
