@@ -151,13 +151,11 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     union = _union_taps(reader.tap_layer_ids, taps_of)
     units: list[DrafterUnit] = []
     anchor_keys: list[tuple] = []
-    balanced = True  # one shared plan: the packing order as long as any run was started before balanced steps
     for r, taps in zip(runs, taps_of):
         run_dir = pathlib.Path(r.config.output)
         state = prepare_run_dir(run_dir, resume=resume)
         if state is not None:
             check_resume_compatible(state["train_config"], r.config)
-        balanced = balanced and ckpt.balanced_plan(state)
         d = setup_drafter(r.config, target, info=info, resume_state=state)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(
@@ -170,7 +168,12 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
                                  progress=False, tap_index=tap_index, name=r.name))
         anchor_keys.append((r.config.seed, r.config.num_anchors, d.drafter_config.block_size))
     lengths = reader.index.length
-    costs = sample_costs(lengths, reader.index.num_loss_tokens) if balanced else None  # as dflash train
+    # One plan for all runs: the packing order (version 1) while any run started before balanced steps, and
+    # every run's checkpoints record the version used, so later resumes keep it.
+    plan_version = min(u.plan_version for u in units)
+    for u in units:
+        u.plan_version = plan_version
+    costs = sample_costs(lengths, reader.index.num_loss_tokens) if plan_version >= 2 else None  # as dflash train
     dtype = target.compute_dtype
     end = max(u.total_steps for u in units)
     pending = [u for u in units if not u.finished]

@@ -28,7 +28,7 @@ from dflash.errors import ModelNotFoundError
 CHECKPOINT_FORMAT = "dflash-train-checkpoint"
 CHECKPOINT_VERSION = 1
 # How epoch plans cut micro-batches into steps: 1 = packing order, 2 = cost-balanced steps (loader.balance_steps).
-# A run resumes with the plan it started with, or its epoch would repeat and skip samples.
+# A run keeps the plan it started with through every resume, or its epoch would repeat and skip samples.
 PLAN_VERSION = 2
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
 
@@ -97,7 +97,7 @@ def atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
 
 def save_checkpoint(run_dir: str | os.PathLike, *, model_state: dict, optimizer_state: dict, scheduler_state: dict,
                     position: DataPosition, world_size: int, train_config: dict, drafter_config: dict,
-                    keep: int = 2, extra: dict | None = None) -> pathlib.Path:
+                    keep: int = 2, extra: dict | None = None, plan_version: int = PLAN_VERSION) -> pathlib.Path:
     """Write one checkpoint atomically and delete all but the newest `keep`. Call on rank 0 only."""
     path = checkpoint_path(run_dir, position.global_step)
     state = {
@@ -107,7 +107,7 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model_state: dict, optimizer_
         "position": {"epoch": position.epoch, "step_in_epoch": position.step_in_epoch,
                      "global_step": position.global_step},
         "world_size": world_size, "train_config": train_config, "drafter_config": drafter_config,
-        "plan_version": PLAN_VERSION, "extra": extra or {},
+        "plan_version": plan_version, "extra": extra or {},
     }
     atomic_torch_save(state, path)
     for old in list_checkpoints(run_dir)[:-keep]:
@@ -115,10 +115,10 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model_state: dict, optimizer_
     return path
 
 
-def balanced_plan(state: dict | None) -> bool:
-    """Whether a run (fresh: state None, or resumed from `state`) plans cost-balanced steps; checkpoints written
-    before PLAN_VERSION 2 carry no plan_version and keep the packing order."""
-    return state is None or state.get("plan_version", 1) >= 2
+def plan_version_of(state: dict | None) -> int:
+    """The epoch plan a run uses: PLAN_VERSION when it starts fresh (state None), else the one its checkpoint
+    recorded (1 for checkpoints written before plan versions existed)."""
+    return PLAN_VERSION if state is None else int(state.get("plan_version", 1))
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

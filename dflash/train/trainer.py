@@ -88,8 +88,8 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
         online = OnlineTaps.load(cfg.model, s.taps, device=device, batch_tokens=cfg.batch_tokens,
                                  dtype=online_target_dtype(s.reader.fingerprint.target_dtype, device))
     lengths = s.reader.index.length
-    costs = None  # a run started before balanced steps keeps its plan
-    if ckpt.balanced_plan(state):  # balances the ranks' share of each step
+    costs = None  # plan version 1 (a run started before balanced steps) keeps the packing order
+    if unit.plan_version >= 2:  # balances the ranks' share of each step
         costs = sample_costs(lengths, s.reader.index.num_loss_tokens)
     finished = False
 

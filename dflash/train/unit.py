@@ -64,6 +64,7 @@ class DrafterUnit:
             self.optimizer, lambda step: lr_factor(step, total_steps=total_steps, warmup_steps=warmup,
                                                    min_lr_ratio=cfg.min_lr_ratio))
         self.pos = ckpt.DataPosition(epoch=0, step_in_epoch=0, global_step=0)
+        self.plan_version = ckpt.plan_version_of(state)  # written into every checkpoint of this run
         if state is not None:
             drafter.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -163,7 +164,8 @@ class DrafterUnit:
                                  optimizer_state=self.optimizer.state_dict(),
                                  scheduler_state=self.scheduler.state_dict(), position=self.pos,
                                  world_size=self.info.world_size, train_config=self.cfg.to_json(),
-                                 drafter_config=self.dc.to_json(), keep=self.cfg.keep_checkpoints, extra=extra)
+                                 drafter_config=self.dc.to_json(), keep=self.cfg.keep_checkpoints, extra=extra,
+                                 plan_version=self.plan_version)
         barrier(self.info)
 
     def export(self) -> pathlib.Path | None:

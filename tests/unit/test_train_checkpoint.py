@@ -93,7 +93,7 @@ def test_export_checkpoint_roundtrip(tmp_path):
 def test_plan_version_keeps_a_resumed_run_on_its_plan(tmp_path):
     _save(tmp_path, 1)
     state = ckpt.load_checkpoint(tmp_path)
-    assert state["plan_version"] == ckpt.PLAN_VERSION == 2 and ckpt.balanced_plan(state)
-    assert ckpt.balanced_plan(None)  # a fresh run
-    del state["plan_version"]  # written before balanced steps: resumes in packing order
-    assert not ckpt.balanced_plan(state)
+    assert state["plan_version"] == ckpt.PLAN_VERSION == 2 and ckpt.plan_version_of(state) == 2
+    assert ckpt.plan_version_of(None) == ckpt.PLAN_VERSION  # a fresh run
+    del state["plan_version"]  # written before plan versions: the packing order
+    assert ckpt.plan_version_of(state) == 1

@@ -84,3 +84,40 @@ def test_fp8_cache_and_tap_subset(tmp_path, monkeypatch):
     from dflash.drafter.export import read_drafter_config
 
     assert read_drafter_config(res.drafter_dir).target_layer_ids == (2, 0)
+
+
+def test_resume_keeps_the_plan_a_run_started_with(tmp_path, monkeypatch):
+    """A checkpoint written before plan versions (no plan_version: packing-order steps) resumes on that plan,
+    not on the cost-balanced one, and its later checkpoints keep saying so; a fresh run plans balanced steps."""
+    import shutil
+
+    import torch
+
+    from dflash.train import checkpoint as ckpt
+
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    target = tiny_target(tmp_path / "target")
+    cache = tiny_cache(tmp_path / "cache", target, num_samples=20)
+    kw = dict(cache=str(cache), model=str(target), steps=12, save_every=3, keep_checkpoints=10, batch_tokens=160,
+              grad_accum=2)  # two micro-batches per step: the plans differ
+
+    monkeypatch.setattr(ckpt, "PLAN_VERSION", 1)  # a run of the code before balanced steps
+    train(tiny_config(output=str(tmp_path / "old"), **kw), device="cpu")
+    old_losses = _losses(tmp_path / "old")
+    monkeypatch.setattr(ckpt, "PLAN_VERSION", 2)
+
+    run = tmp_path / "run"
+    shutil.copytree(tmp_path / "old", run)
+    for p in list_checkpoints(run):
+        if int(p.name[5:13]) > 6:
+            p.unlink()
+    state = torch.load(checkpoint_path(run, 6), weights_only=False)
+    del state["plan_version"]  # as the old code wrote it
+    torch.save(state, checkpoint_path(run, 6))
+    res = train(tiny_config(output=str(run), **kw), resume=True, device="cpu")
+    assert res.finished and _losses(run) == old_losses  # the packing-order plan, bit-exact
+    assert ckpt.load_checkpoint(checkpoint_path(run, 12))["plan_version"] == 1
+
+    train(tiny_config(output=str(tmp_path / "new"), **kw), device="cpu")
+    assert ckpt.load_checkpoint(checkpoint_path(tmp_path / "new", 12))["plan_version"] == 2
+    assert _losses(tmp_path / "new") != old_losses  # the balanced plan is another plan: the check above can fail
