@@ -136,7 +136,7 @@ def train_step_imbalance(cache: pathlib.Path, *, steps: range, batch_tokens: int
     for s in steps:
         if s >= plan.num_steps:
             break
-        per_rank = [sum(int(cost[mb].sum()) for mb in plan.rank_step(r, s)) for r in range(world_size)]
+        per_rank = plan.rank_costs(s, cost)
         if sum(per_rank):
             ratios.append(max(per_rank) / (sum(per_rank) / world_size))
     return float(np.mean(ratios)) if ratios else 1.0

@@ -30,12 +30,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash.train.loader import CONTEXT_TOKEN_COST, plan_epoch, sample_costs  # noqa: E402
-
-
-def work(lengths: np.ndarray, loss: np.ndarray, *, num_anchors: int, block_size: int) -> np.ndarray:
-    """A sample's work in a step, in block tokens, for a run with these anchors and block size."""
-    return block_size * np.clip(loss - 1, 0, num_anchors) + CONTEXT_TOKEN_COST * lengths
+from dflash.train.loader import plan_epoch, sample_costs  # noqa: E402
 
 
 def balance_bound(plan, w: np.ndarray) -> tuple[float, float]:
@@ -43,7 +38,7 @@ def balance_bound(plan, w: np.ndarray) -> tuple[float, float]:
     total = busiest = 0.0
     ratios = []
     for s in range(plan.num_steps):
-        per_rank = [sum(float(w[mb].sum()) for mb in plan.rank_step(r, s)) for r in range(plan.world_size)]
+        per_rank = plan.rank_costs(s, w)
         total += sum(per_rank)
         busiest += max(per_rank)
         if sum(per_rank):
@@ -73,7 +68,7 @@ def main(argv=None) -> dict:
         for world in (int(x) for x in args.ranks.split(",")):
             for accum in (1, 2):
                 for rname, (na, bs) in runs.items():
-                    w = work(lengths, loss, num_anchors=na, block_size=bs)
+                    w = sample_costs(lengths, loss, num_anchors=na, block_size=bs)  # the run's own work
                     res = {}
                     for mode, c in (("plain", None), ("balanced", costs)):
                         effs, ratios = zip(*(balance_bound(plan_epoch(lengths, seed=args.seed, epoch=e,

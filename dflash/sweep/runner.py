@@ -129,7 +129,7 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     from dflash.train.build import select_taps
     from dflash.train.config import check_resume_compatible
     from dflash.train.distributed import DistInfo
-    from dflash.train.loader import StreamingLoader, plan_epoch, sample_costs
+    from dflash.train.loader import StreamingLoader, plan_costs, plan_epoch
     from dflash.train.setup import prepare_run_dir, setup_drafter, setup_target
     from dflash.train.step import host_anchors
     from dflash.train.trainer import autocast
@@ -173,7 +173,7 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     plan_version = min(u.plan_version for u in units)
     for u in units:
         u.plan_version = plan_version
-    costs = sample_costs(lengths, reader.index.num_loss_tokens) if plan_version >= 2 else None  # as dflash train
+    costs = plan_costs(lengths, reader.index.num_loss_tokens, plan_version=plan_version)
     dtype = target.compute_dtype
     end = max(u.total_steps for u in units)
     pending = [u for u in units if not u.finished]

@@ -84,13 +84,20 @@ def pack_micro_batches(order: np.ndarray, lengths: np.ndarray, *, batch_tokens: 
     return [np.asarray(b, dtype=np.int64) for b in closed]
 
 
-def sample_costs(lengths: np.ndarray, loss_tokens: np.ndarray) -> np.ndarray:
-    """Estimated compute of each sample in a training step, float64 [N], in block tokens: PLAN_BLOCK x the
-    anchors it gets (min(PLAN_ANCHORS, loss tokens - 1)) plus its context tokens at CONTEXT_TOKEN_COST. Fixed
-    paper constants rather than the run's own: the estimate only ranks micro-batches, and a plan that does not
-    depend on drafter settings is shared by all runs of a sweep."""
-    anchors = np.clip(np.asarray(loss_tokens, dtype=np.float64) - 1, 0, PLAN_ANCHORS)
-    return PLAN_BLOCK * anchors + CONTEXT_TOKEN_COST * np.asarray(lengths, dtype=np.float64)
+def sample_costs(lengths: np.ndarray, loss_tokens: np.ndarray, *, num_anchors: int = PLAN_ANCHORS,
+                 block_size: int = PLAN_BLOCK) -> np.ndarray:
+    """Estimated compute of each sample in a training step, float64 [N], in block tokens: block_size x the
+    anchors it gets (min(num_anchors, loss tokens - 1)) plus its context tokens at CONTEXT_TOKEN_COST. Plans
+    use the paper's constants (the defaults) rather than the run's own: the estimate only ranks micro-batches,
+    and a plan that does not depend on drafter settings is shared by all runs of a sweep."""
+    anchors = np.clip(np.asarray(loss_tokens, dtype=np.float64) - 1, 0, num_anchors)
+    return block_size * anchors + CONTEXT_TOKEN_COST * np.asarray(lengths, dtype=np.float64)
+
+
+def plan_costs(lengths: np.ndarray, loss_tokens: np.ndarray, *, plan_version: int) -> np.ndarray | None:
+    """The `costs` plan_epoch takes for a run on `plan_version` (checkpoint.PLAN_VERSION): None, the packing
+    order, for version 1 (runs started before balanced steps)."""
+    return sample_costs(lengths, loss_tokens) if plan_version >= 2 else None
 
 
 def balance_steps(micro: list[np.ndarray], micro_costs: np.ndarray, *, world_size: int, per_step: int,
@@ -134,6 +141,10 @@ class EpochPlan:
     def rank_step(self, rank: int, step: int) -> list[np.ndarray]:
         """The grad_accum micro-batches rank `rank` runs at `step` (round robin over the step's micro-batches)."""
         return list(self.steps[step][rank::self.world_size])
+
+    def rank_costs(self, step: int, costs: np.ndarray) -> list[float]:
+        """Per rank, the summed per-sample `costs` of its micro-batches at `step` (how balanced the step is)."""
+        return [sum(float(costs[mb].sum()) for mb in self.rank_step(r, step)) for r in range(self.world_size)]
 
 
 def plan_epoch(lengths: np.ndarray, *, seed: int, epoch: int, batch_tokens: int, world_size: int,

@@ -21,7 +21,7 @@ from dflash.errors import ConfigError
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import TrainConfig, check_resume_compatible
 from dflash.train.distributed import DistInfo, barrier, destroy_distributed, init_distributed
-from dflash.train.loader import StreamingLoader, plan_epoch, sample_costs
+from dflash.train.loader import StreamingLoader, plan_costs, plan_epoch
 from dflash.train.setup import TrainSetup, prepare_run_dir, setup_training
 from dflash.train.step import host_anchors
 from dflash.train.unit import DrafterUnit, build_optimizer  # noqa: F401 (build_optimizer: re-exported)
@@ -88,9 +88,7 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
         online = OnlineTaps.load(cfg.model, s.taps, device=device, batch_tokens=cfg.batch_tokens,
                                  dtype=online_target_dtype(s.reader.fingerprint.target_dtype, device))
     lengths = s.reader.index.length
-    costs = None  # plan version 1 (a run started before balanced steps) keeps the packing order
-    if unit.plan_version >= 2:  # balances the ranks' share of each step
-        costs = sample_costs(lengths, s.reader.index.num_loss_tokens)
+    costs = plan_costs(lengths, s.reader.index.num_loss_tokens, plan_version=unit.plan_version)
     finished = False
 
     try:
