@@ -37,3 +37,7 @@ class ModelNotFoundError(DflashError, FileNotFoundError):
 
 class OutOfSpaceError(DflashError, OSError):
     """The destination has no room: raised before work starts, or when a write fails with ENOSPC."""
+
+
+class LockedError(DflashError):
+    """A folder (cache, training run) is locked by another live process; the message names its PID and host."""
