@@ -18,6 +18,7 @@ from dflash.cache.format import FORMAT_NAME, FORMAT_VERSION, Fingerprint
 from dflash.cache.shardfile import write_json_file
 from dflash.durable import fsync_dir
 from dflash.errors import CacheFormatError, CacheNotFoundError
+from dflash.locks import LOCK_FILE as RUN_LOCK  # the whole-run lock of dflash extract
 
 MANIFEST = "manifest.json"
 COMMITS = "commits"
@@ -27,6 +28,28 @@ LOCK = ".lock"
 TOKENIZED = "_tokenized"  # dflash extract's stored tokenization; never read by cache readers
 _SHARD_RE = re.compile(r"^r(\d{4,})-(\d{6,})$")
 _LOG_RE = re.compile(r"^rank-(\d+)\.jsonl$")
+_WRITER_LOCK_RE = re.compile(r"^\.dflash-lock-rank-\d+$")
+_MANIFEST_TMP_RE = re.compile(r"^\." + re.escape(MANIFEST) + r"\..+\.tmp$")
+
+
+def writer_lock_name(rank: int) -> str:
+    """The per-rank FolderLock file of a CacheWriter: one writer per rank across processes and hosts."""
+    return f".dflash-lock-rank-{rank}"
+
+
+def startup_leftovers(path: str) -> list[str] | None:
+    """The entries of a folder without a manifest when all of them are dflash's own start-up files (locks, the
+    stored tokenization, a manifest tmp file, empty cache subfolders: what a run killed before its first
+    manifest leaves), else None. Such a folder is resumed as if it were empty."""
+    names = sorted(os.listdir(path))
+    for name in names:
+        full = os.path.join(path, name)
+        if name in (LOCK, RUN_LOCK, TOKENIZED) or _WRITER_LOCK_RE.match(name) or _MANIFEST_TMP_RE.match(name):
+            continue
+        if name in (COMMITS, SHARDS, STAGING) and os.path.isdir(full) and not os.listdir(full):
+            continue
+        return None
+    return names
 
 
 @dataclass(frozen=True, kw_only=True)

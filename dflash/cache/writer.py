@@ -32,6 +32,7 @@ from dflash.cache.format import (FORMAT_NAME, FORMAT_VERSION, STORED_NUMPY_DTYPE
 from dflash.cache.shardfile import ArrayWriter, write_array, write_json_file
 from dflash.durable import fsync_dir
 from dflash.errors import CacheFormatError, ConfigError, OutOfSpaceError
+from dflash.locks import FolderLock
 
 SMALL_CHUNK_TOKENS = 4096   # input_ids / loss_mask chunk: 20 KB, read whole per sample (hidden is ~MBs)
 SCALE_CHUNK_TOKENS = 1024   # scales [T,K] chunk: 20 KB at K=5
@@ -135,8 +136,16 @@ class CacheWriter:
         self.block_tokens = self.chunk_tokens * max(1, 1 << max(0, (block_bytes // chunk).bit_length() - 1))
         self.block_tokens = min(self.block_tokens, -(-shard_tokens // self.chunk_tokens) * self.chunk_tokens)
         self.stats = WriteStats()
-        self._open_cache()
-        self._seq = self._clean_leftovers()
+        os.makedirs(self.path, exist_ok=True)
+        # Two writers of one rank would interleave shard seqs and commit the same samples twice (issue 19).
+        self._rank_lock = FolderLock(self.path, name=cm.writer_lock_name(rank), purpose=f"cache writer rank {rank}")
+        self._rank_lock.acquire()
+        try:
+            self._open_cache()
+            self._seq = self._clean_leftovers()
+        except BaseException:
+            self._rank_lock.release()
+            raise
         self._log_totals = cm.LogTotals(self.path)
         # shard being filled (owned by the thread)
         self._pipe = _BlockPipe((self.K, self.block_tokens, self.D), self.np_dtype, name=f"dflash-cache-io-{rank}")
@@ -166,10 +175,14 @@ class CacheWriter:
                     existing = Fingerprint.from_json(cm.read_manifest(self.path)["fingerprint"])
                     existing.check_matches(self.fingerprint)
                 else:
-                    other = sorted(set(os.listdir(self.path)) - {cm.LOCK, cm.TOKENIZED})
-                    if other:
+                    leftovers = cm.startup_leftovers(self.path)
+                    if leftovers is None:
+                        other = sorted(os.listdir(self.path))
                         raise CacheFormatError(f"{self.path} is not empty ({other[:3]}...) and has no {cm.MANIFEST}: "
                                                "refusing to write a cache into it; pick a new directory")
+                    for name in leftovers:  # a manifest tmp file of a run killed mid-write
+                        if name.startswith(f".{cm.MANIFEST}."):
+                            os.remove(os.path.join(self.path, name))
                     for d in (cm.COMMITS, cm.SHARDS, cm.STAGING):
                         os.makedirs(os.path.join(self.path, d), exist_ok=True)
                     cm.write_manifest_atomic(self.path, cm.build_manifest(self.fingerprint, []), tag=self._tag)
@@ -247,19 +260,27 @@ class CacheWriter:
     def close(self) -> WriteStats:
         """Commit the last (partial) shard, join the thread, re-raise its error."""
         if self._closed:
+            if not self._thread.is_alive():  # closed after a worker error seen by append
+                self._rank_lock.release()
             return self.stats
         self._closed = True
-        self._stop_thread()
-        if self._error is not None:
-            self._raise_worker_error()
-        self._update_manifest()
+        try:
+            self._stop_thread()
+            if self._error is not None:
+                self._raise_worker_error()
+            self._update_manifest()
+        finally:
+            self._rank_lock.release()
         return self.stats
 
     def abort(self) -> None:
         """Stop the thread and commit nothing more (the shard being filled is dropped)."""
         self._closed = True
         self._abort.set()
-        self._stop_thread()
+        try:
+            self._stop_thread()
+        finally:
+            self._rank_lock.release()
 
     def _stop_thread(self) -> None:
         """Queue the close marker (unless the thread already died) and wait for the thread."""

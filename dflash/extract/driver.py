@@ -122,7 +122,29 @@ def resolve_device(cfg: ExtractConfig, *, local_rank: int) -> torch.device:
 def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
              echo=print) -> ExtractResult:
     """Run this rank's share. With world_size > 1, torch.distributed (gloo) must be initialized; a dry
-    run with world_size > 1 and no process group plans for world_size ranks and stops."""
+    run with world_size > 1 and no process group plans for world_size ranks and stops.
+
+    Rank 0 of a real run holds the cache's FolderLock from before tokenization to the end, so a second run
+    on the same --output fails at once naming this one (LockedError); the other ranks write nothing before
+    rank 0 has opened its writer (a barrier), so they never write for a run that lost the lock."""
+    from dflash.extract.preflight import check_output
+    from dflash.locks import FolderLock
+
+    created_output = not os.path.exists(cfg.output)
+    lock = None
+    if rank == 0 and not cfg.dry_run:
+        check_output(cfg.output)
+        lock = FolderLock(cfg.output, purpose=f"dflash extract --output {cfg.output}").acquire()
+    try:
+        return _run_rank(cfg, rank=rank, world_size=world_size, local_rank=local_rank, echo=echo,
+                         created_output=created_output)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int, echo,
+              created_output: bool) -> ExtractResult:
     from dflash.extract.eta import estimate_eta
     from dflash.extract.preflight import build_preflight
     from dflash.extract.progress import format_plan
@@ -131,7 +153,7 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
     t0 = time.perf_counter()
     distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
     device = resolve_device(cfg, local_rank=local_rank)
-    pre = build_preflight(cfg, world_size=world_size, rank=rank)
+    pre = build_preflight(cfg, world_size=world_size, rank=rank, created_output=created_output)
     plan = pre.plan
     if rank == 0:
         shapes = [(len(b.members), b.padded_len) for bs in plan.rank_batches for b in bs]
@@ -215,9 +237,9 @@ def _remove_created_output(path: str) -> None:
     """A refused run leaves no folder it created: remove it when it holds only the stored tokenization."""
     import shutil
 
-    from dflash.cache.commit import LOCK, TOKENIZED
+    from dflash.cache.commit import startup_leftovers
 
-    if os.path.isdir(path) and set(os.listdir(path)) <= {LOCK, TOKENIZED}:
+    if os.path.isdir(path) and startup_leftovers(path) is not None:
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -95,10 +95,13 @@ def target_greedy_of(paths: list[str], *, target_config_hash: str) -> tuple[bool
     return True, f"every record is marked {GENERATE_KEY} greedy"
 
 
-def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | None = None) -> Preflight:
+def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | None = None,
+                    created_output: bool | None = None) -> Preflight:
     """cfg: dflash.extract.driver.ExtractConfig. Raises DflashError subclasses before any model work. With a
     torch.distributed group of world_size ranks initialized, every rank must call this (it meets barriers).
-    num_workers: tokenizer processes per rank (None: the cores split between the local ranks)."""
+    num_workers: tokenizer processes per rank (None: the cores split between the local ranks).
+    created_output: whether the run created the output folder (None: it does not exist yet); the caller
+    says so when it made the folder already, to hold its lock."""
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash.cache import committed_sample_ids, open_cache_fingerprint
@@ -110,7 +113,7 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
 
     model_dir = check_model_path(cfg.model)
     check_paths(cfg.data)
-    _check_output(cfg.output)
+    check_output(cfg.output)
     config = text_config(AutoConfig.from_pretrained(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.chat_template is None:
@@ -142,7 +145,8 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
                            tokenizer_hash=fingerprint.tokenizer_hash,
                            chat_template_hash=fingerprint.chat_template_hash,
                            template_kwargs=fingerprint.template_kwargs, max_length=cfg.max_length)
-    created_output = not os.path.exists(cfg.output)
+    if created_output is None:
+        created_output = not os.path.exists(cfg.output)
     # A dry run into a new folder writes nothing (not even the tokenization); otherwise the parts are kept.
     folder = None if (cfg.dry_run and created_output) else os.path.join(cfg.output, TOKENIZED_DIR, key)
     import torch.distributed as dist
@@ -191,12 +195,13 @@ def _hidden_chunk_tokens(hidden_size: int, storage: str) -> int:
                                chunk_bytes=chunk_bytes)
 
 
-def _check_output(path: str) -> None:
-    """Refuse a non-empty directory that is not a cache (STYLE 11), and a file in the way."""
+def check_output(path: str) -> None:
+    """Refuse a non-empty directory that is not a cache (STYLE 11), and a file in the way. A folder holding
+    only dflash's own start-up files (a run killed before its first manifest) is resumed like an empty one."""
+    from dflash.cache.commit import MANIFEST, startup_leftovers
+
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"--output {path} exists and is not a directory")
-    extra = set(os.listdir(path)) - {".lock", "_tokenized"} if os.path.isdir(path) else set()
-    if extra and not os.path.exists(os.path.join(path, "manifest.json")):
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)) and startup_leftovers(path) is None:
         raise ConfigError(f"--output {path} is a non-empty directory without a cache manifest; "
                           "choose an empty or new directory")
-

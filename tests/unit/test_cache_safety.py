@@ -203,3 +203,18 @@ def test_resume_after_abort_commits_nothing_partial(tmp_path):
     assert committed_sample_ids(tmp_path) == set()
     write_small(tmp_path, [0, 1, 2])
     assert committed_sample_ids(tmp_path) == {0, 1, 2}
+
+
+def test_one_writer_per_rank(tmp_path):
+    from dflash.errors import LockedError
+
+    w0 = CacheWriter(tmp_path, fp(), rank=0)
+    with pytest.raises(LockedError, match=f"PID {os.getpid()}"):
+        CacheWriter(tmp_path, fp(), rank=0)
+    w1 = CacheWriter(tmp_path, fp(), rank=1)  # other ranks write beside it
+    w1.close()
+    w0.close()
+    CacheWriter(tmp_path, fp(), rank=0).close()  # released on close
+    w = CacheWriter(tmp_path, fp(), rank=0)
+    w.abort()
+    CacheWriter(tmp_path, fp(), rank=0).close()  # and on abort

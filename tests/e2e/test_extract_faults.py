@@ -1,0 +1,92 @@
+"""`dflash extract` under faults, with real CLI processes and a tiny real target (issue 19): a second run on the
+same --output, kills during start-up, SIGINT, and resume after damage to committed shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash.cache import CacheReader
+from dflash.cache import commit as cm
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_GOOD = 24
+COMMON = ["--taps", "0,2,4", "--max-length", "192", "--batch-tokens", "384", "--shard-tokens", "160",
+          "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from dflash.target.testing import tiny_qwen35_dir
+
+    base = tmp_path_factory.mktemp("faults")
+    model = str(tiny_qwen35_dir(base / "qwen"))
+    rng = np.random.default_rng(2)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    lines = []
+    for _ in range(NUM_GOOD):
+        q = " ".join(rng.choice(words, size=int(rng.integers(3, 20))))
+        a = " ".join(rng.choice(words, size=int(rng.integers(5, 30))))
+        lines.append(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}))
+    data = base / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    return model, str(data)
+
+
+def extract_args(model, data, out, *extra):
+    return [sys.executable, "-m", "cli.main", "extract", "--model", model, "--data", data, "--output", str(out),
+            *COMMON, *extra]
+
+
+def run_cli(args, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def ids_committed(out) -> list[int]:
+    return sorted(i for r in cm.read_commit_logs(str(out)) for i in r.sample_ids)
+
+
+def wait_for(pred, proc, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"run ended early (rc={proc.returncode})"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_second_extract_on_one_output_fails_at_once_naming_the_holder(tiny, tmp_path):
+    from dflash.locks import read_lock_holder
+
+    model, data = tiny
+    out = tmp_path / "cache"
+    first = subprocess.Popen(extract_args(model, data, out), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        # Freeze the first run while it holds the cache, so the second one meets it mid-run every time.
+        wait_for(lambda: read_lock_holder(out) is not None, first)
+        os.kill(first.pid, signal.SIGSTOP)
+        holder = read_lock_holder(out)
+        assert holder.pid == first.pid
+        t = time.monotonic()
+        second = run_cli(extract_args(model, data, out))
+        assert second.returncode == 1, second.stdout + second.stderr
+        err = second.stderr.strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in second.stderr, second.stderr
+        assert f"PID {first.pid}" in err[0] and holder.host in err[0] and "locked" in err[0]
+        assert time.monotonic() - t < 60
+    finally:
+        if first.poll() is None:
+            os.kill(first.pid, signal.SIGCONT)
+        _, first_err = first.communicate(timeout=180)
+    assert first.returncode == 0, first_err
+    assert ids_committed(out) == list(range(NUM_GOOD))  # no sample twice
+    assert len(CacheReader(out)) == NUM_GOOD
+    assert read_lock_holder(out) is None  # released on exit
