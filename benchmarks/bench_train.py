@@ -9,8 +9,8 @@ sequence, 5 taps (1, 16, 31, 46, 61) of a 64-layer target. Measures, on the same
   (A) the real trainer (dflash.train.trainer.train) reading a cold fp8 disk cache: tokens/s (context tokens),
       MFU (FLOPs of dflash.train.metrics.FlopModel over a bf16 8192^3 matmul peak measured here, and over the
       nominal 790 TFLOP/s), peak memory, and the trainer's own loader-wait fraction;
-  (B) the same steps (the trainer's step code: micro_batch_loss, backward, GradSync, clip, fused AdamW, LR
-      schedule) fed from micro-batches resident on the GPU, no loader: loader_stall_fraction = 1 - A / B.
+  (B) the same steps (the training driver itself, train.driver.run_stream, with its loader patched) fed from
+      micro-batches resident on the GPU, no loader: loader_stall_fraction = 1 - A / B.
   (C) with --compare-loss-impl: run B again with the other TrainConfig.loss_impl (fused = LM-head logits once
       per supervised row, checkpoint = chunk-checkpointed CE over all rows): tok/s, MFU, memory of both, and
       the largest per-window loss difference between them (the same math up to fp32 summation order).
@@ -147,75 +147,91 @@ def kernel_summary(prof, *, steps: int, wall_s: float) -> dict:
             "ms_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top_kernels": rows[:30]}
 
 
+class ResidentLoader:
+    """The loop's BatchSource over micro-batches already on the device: the same batches as the trainer's
+    loader (read once through it), no reads or copies in the timed steps."""
+
+    def __init__(self, batches: list) -> None:
+        from dflash.train.loader import LoaderStats
+
+        self.batches, self.stats = list(batches), LoaderStats()
+
+    def next(self):
+        return self.batches.pop(0)
+
+    def __enter__(self) -> "ResidentLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.batches.clear()
+
+
+def resident_loader(steps: int):
+    """driver.OpenLoader that reads the first `steps` steps of the epoch through the real loader once, onto the
+    device, before the first step, and serves them from memory."""
+    from dflash.train.driver import streaming_loader
+
+    def open_loader(stream, plan, start_step, host_fn):
+        with streaming_loader(stream, plan, start_step, host_fn) as real:
+            batches = [real.next() for _ in range((steps - start_step) * stream.cfg.grad_accum)]
+        sync(stream.info.device)
+        return ResidentLoader(batches)
+
+    return open_loader
+
+
 def run_resident(cfg, device: torch.device, *, warmup: int, profile_steps: int = 0) -> dict:
-    """The trainer's step code (train.unit.DrafterUnit: micro_batch, end_step with its own timing and metrics
-    record) over micro-batches preloaded on the device: no loader in the loop. With profile_steps, the last
+    """The training driver (train.driver.run_stream over one DrafterUnit, as `dflash train`) with its loader
+    replaced by micro-batches preloaded on the device: no loader in the loop. With profile_steps, the last
     that many steps run under torch.profiler (kernel_summary) and are left out of the medians."""
-    from dflash.train import checkpoint as ckpt
     from dflash.train.distributed import init_distributed
-    from dflash.train.loader import StreamingLoader, plan_epoch
+    from dflash.train.driver import Stream, build_unit, run_stream
+    from dflash.train.loader import plan_epoch
     from dflash.train.metrics import read_metrics
-    from dflash.train.setup import setup_training
-    from dflash.train.step import host_anchors
-    from dflash.train.trainer import autocast
-    from dflash.train.unit import DrafterUnit
+    from dflash.train.setup import setup_target
 
     info = init_distributed(device=device.type)
-    s = setup_training(cfg, info=info, resume_state=None)
-    dc = s.drafter_config
-    plan = plan_epoch(s.reader.index.length, seed=cfg.data_seed, epoch=0, batch_tokens=cfg.batch_tokens,
+    target = setup_target(cfg, info=info)
+    plan = plan_epoch(target.reader.index.length, seed=cfg.data_seed, epoch=0, batch_tokens=cfg.batch_tokens,
                       world_size=1, grad_accum=cfg.grad_accum)
     if plan.num_steps < cfg.steps:
         raise RuntimeError(f"the cache holds {plan.num_steps} steps of one epoch, the run needs {cfg.steps}: "
                            "raise --samples")
-
-    def host_fn(packed, ep):  # as the trainer's
-        return host_anchors(packed, ep, seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=dc.block_size,
-                            pin=device.type == "cuda")
-
-    steps_mbs = []
-    with StreamingLoader(s.reader, plan, rank=0, start_step=0, taps=s.taps, device=device, dtype=s.compute_dtype,
-                         num_readers=cfg.num_readers, prefetch=cfg.prefetch, host_fn=host_fn) as loader:
-        for _ in range(cfg.steps):
-            steps_mbs.append([loader.next() for _ in range(cfg.grad_accum)])
-    sync(device)
-    s.reader.close()
     run_dir = pathlib.Path(cfg.output)
-    unit = DrafterUnit(cfg=cfg, run_dir=run_dir, drafter=s.drafter, drafter_config=dc, embed_VD=s.embed_VD,
-                       lm_head_VD=s.lm_head_VD, total_steps=cfg.steps, default_gamma=s.default_gamma, info=info,
-                       state=None, progress=False, name="resident")
+    unit = build_unit(cfg, target, info=info, state=None, name="resident", progress=False)
+    stream = Stream(reader=target.reader, taps=tuple(unit.dc.target_layer_ids), info=info,
+                    compute_dtype=target.compute_dtype, cfg=cfg)
     stop = threading.Event()
     t = threading.Thread(target=tail_metrics, args=(run_dir / "metrics.jsonl", stop, "B"), daemon=True)
     t.start()
-    prof, t_prof = None, 0.0
-    try:
-        for step, mbs in enumerate(steps_mbs):
-            if profile_steps and step == len(steps_mbs) - profile_steps and device.type == "cuda":
-                sync(device)
-                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                          torch.profiler.ProfilerActivity.CUDA])
-                prof.__enter__()
-                t_prof = time.perf_counter()
-            unit.begin_step()
-            for mb in mbs:
-                if not mb.is_empty:
-                    unit.micro_batch(mb, mb.extra, lambda: autocast(device, s.compute_dtype))
-            pos = ckpt.DataPosition(epoch=0, step_in_epoch=step + 1, global_step=step + 1)
-            unit.end_step(pos, step_tokens=sum(mb.num_tokens for mb in mbs), stall_s=lambda: 0.0)
-        if prof is not None:
+    prof: list = []
+    t_prof = [0.0]
+
+    def before_step(step: int) -> None:
+        if profile_steps and step == cfg.steps - profile_steps and device.type == "cuda":
             sync(device)
-            t_prof = time.perf_counter() - t_prof
-            prof.__exit__(None, None, None)
+            prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA]))
+            prof[0].__enter__()
+            t_prof[0] = time.perf_counter()
+
+    try:
+        run_stream([unit], stream, open_loader=resident_loader(cfg.steps), before_step=before_step)
+        if prof:
+            sync(device)
+            t_prof[0] = time.perf_counter() - t_prof[0]
+            prof[0].__exit__(None, None, None)
     finally:
         unit.close()
+        target.reader.close()
         stop.set()
         t.join()
-    profile = kernel_summary(prof, steps=profile_steps, wall_s=t_prof) if prof is not None else None
+    profile = kernel_summary(prof[0], steps=profile_steps, wall_s=t_prof[0]) if prof else None
     if profile:
         say(f"profile of {profile_steps} steps: {profile['step_ms']:.0f} ms/step, GPU busy {profile['gpu_busy_ms']:.0f} "
             f"ms; by kind (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in profile["ms_per_step_by_kind"].items()))
     recs = read_metrics(run_dir)
-    last_unprofiled = len(steps_mbs) - (profile_steps if prof is not None else 0)
+    last_unprofiled = cfg.steps - (profile_steps if prof else 0)
     measured = [r for r in recs if r["first_step"] > warmup and r["step"] <= last_unprofiled]
     if not measured:
         raise RuntimeError(f"no measured log windows in {run_dir}/metrics.jsonl")

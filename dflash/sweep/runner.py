@@ -1,12 +1,10 @@
 """`dflash sweep`: K drafters per device trained from ONE loader stream, checkpointed per run, exported,
 evaluated, and summarised.
 
-Each micro-batch is read from the cache (the union of the group's taps) and copied to the device once; every
-drafter of the group then runs its forward/backward on it with its own taps (sliced on the device), anchors
-(drawn on the host per (seed, num_anchors, block_size), step.host_anchors), optimizer, schedule and
-checkpoints (train.unit.DrafterUnit). The stream runs to the longest run; a shorter run stops, checkpoints and
-exports at its own end. Resume: each run resumes from its newest checkpoint (which records the shared data
-position); the stream restarts at the earliest position and a run that is ahead waits until it catches up.
+A group of runs is one stream of the training driver (train.driver.run_stream): each micro-batch is read from
+the cache (the union of the group's taps; or computed by one live target when the group is `online`) and
+copied to the device once; every drafter then runs its forward/backward on it with its own taps, anchors,
+optimizer, schedule and checkpoints. Resume: each run resumes from its newest checkpoint.
 Groups are spread over GPUs by spawned processes (one per GPU, groups of a GPU one after another); on CPU one
 process runs every group.
 Tradeoff: runs of a group step in lock-step, so the group's step time is the sum of its drafters' step times;
@@ -122,18 +120,14 @@ def _union_taps(cache_taps: Sequence[int], run_taps: Sequence[Sequence[int]]) ->
 
 def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, device: str, resume: bool,
               eval_cache: str | None = None, approximate: bool = False, eval_limit: int | None = None) -> int:
-    """Train one group of runs from one stream on one device; returns the cache bytes read."""
+    """Train one group of runs as one stream (train.driver.run_stream) on one device; returns the cache bytes
+    read."""
     import torch
 
-    from dflash.train import checkpoint as ckpt
     from dflash.train.build import select_taps
-    from dflash.train.config import check_resume_compatible
     from dflash.train.distributed import DistInfo
-    from dflash.train.loader import StreamingLoader, plan_costs, plan_epoch
-    from dflash.train.setup import prepare_run_dir, setup_drafter, setup_target
-    from dflash.train.step import host_anchors
-    from dflash.train.trainer import autocast
-    from dflash.train.unit import DrafterUnit
+    from dflash.train.driver import Stream, build_unit, run_stream
+    from dflash.train.setup import prepare_run_dir, setup_target
 
     t0 = time.perf_counter()
     dev = torch.device(device)
@@ -147,84 +141,22 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     reader = target.reader
     for why in target.reasons:
         log.info("group %d: %s", index, why)
-    taps_of = [select_taps(reader.tap_layer_ids, r.config.taps) for r in runs]
-    union = _union_taps(reader.tap_layer_ids, taps_of)
-    units: list[DrafterUnit] = []
-    anchor_keys: list[tuple] = []
-    for r, taps in zip(runs, taps_of):
-        run_dir = pathlib.Path(r.config.output)
-        state = prepare_run_dir(run_dir, resume=resume)
-        if state is not None:
-            check_resume_compatible(state["train_config"], r.config)
-        d = setup_drafter(r.config, target, info=info, resume_state=state)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(
-            {"train": r.config.to_json(), "drafter": d.drafter_config.to_json(), "world_size": 1,
-             "sweep": {"name": r.name, "group": index, "stream_taps": list(union)}}, indent=2) + "\n")
-        tap_index = None if tuple(d.taps) == union else [union.index(t) for t in d.taps]
-        units.append(DrafterUnit(cfg=r.config, run_dir=run_dir, drafter=d.drafter, drafter_config=d.drafter_config,
-                                 embed_VD=target.embed_VD, lm_head_VD=target.lm_head_VD, total_steps=d.total_steps,
-                                 default_gamma=d.default_gamma, info=info, state=state, restore_rng=False,
-                                 progress=False, tap_index=tap_index, name=r.name))
-        anchor_keys.append((r.config.seed, r.config.num_anchors, d.drafter_config.block_size))
-    lengths = reader.index.length
-    # One plan for all runs: the packing order (version 1) while any run started before balanced steps, and
-    # every run's checkpoints record the version used, so later resumes keep it.
-    plan_version = min(u.plan_version for u in units)
-    for u in units:
-        u.plan_version = plan_version
-    costs = plan_costs(lengths, reader.index.num_loss_tokens, plan_version=plan_version)
-    dtype = target.compute_dtype
-    end = max(u.total_steps for u in units)
-    pending = [u for u in units if not u.finished]
-    pos = min((u.pos for u in pending), key=lambda p: p.global_step, default=None)
+    union = _union_taps(reader.tap_layer_ids, [select_taps(reader.tap_layer_ids, r.config.taps) for r in runs])
+    units = []
     try:
-        for u in units:
-            if u.finished and not (u.run_dir / "drafter" / "config.json").exists():
-                u.export()  # killed between the last checkpoint and the export
-        while pos is not None and pos.global_step < end and any(not u.finished for u in units):
-            plan = plan_epoch(lengths, seed=first.data_seed, epoch=pos.epoch, batch_tokens=first.batch_tokens,
-                              world_size=1, grad_accum=first.grad_accum, costs=costs)
-            if pos.step_in_epoch >= plan.num_steps:
-                pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
-                continue
-            epoch = pos.epoch
-            keys = sorted({k for k, u in zip(anchor_keys, units) if not u.finished})
+        for r in runs:
+            state = prepare_run_dir(pathlib.Path(r.config.output), resume=resume, require_run=False)
+            units.append(build_unit(r.config, target, info=info, state=state, name=r.name, stream_taps=union,
+                                    restore_rng=False, progress=False,
+                                    record={"sweep": {"name": r.name, "group": index, "stream_taps": list(union)}}))
+        online = None
+        if first.online:  # one live target computes the group's tap union (online is a stream field)
+            from dflash.train.online import OnlineTaps, online_target_dtype
 
-            def host_fn(packed, ep, _keys=keys, _pin=dev.type == "cuda"):
-                # anchors per distinct (seed, num_anchors, block_size): cheap, and the same draws as a lone run
-                return {k: host_anchors(packed, ep, seed=k[0], num_anchors=k[1], block_size=k[2], pin=_pin)
-                        for k in _keys}
-
-            loader = StreamingLoader(reader, plan, rank=0, start_step=pos.step_in_epoch, taps=union, device=dev,
-                                     dtype=dtype, num_readers=first.num_readers, prefetch=first.prefetch,
-                                     host_fn=host_fn)
-            with loader:
-                for step_in_epoch in range(pos.step_in_epoch, plan.num_steps):
-                    if pos.global_step >= end or all(u.finished for u in units):
-                        break
-                    active = [(u, k) for u, k in zip(units, anchor_keys)
-                              if not u.finished and u.pos.global_step == pos.global_step]
-                    for u, _ in active:
-                        u.begin_step()
-                    for _ in range(first.grad_accum):
-                        mb = loader.next()
-                        if mb.is_empty or not active:
-                            continue
-                        for u, k in active:
-                            u.micro_batch(mb, mb.extra[k], lambda: autocast(dev, dtype))
-                    pos = ckpt.DataPosition(epoch=epoch, step_in_epoch=step_in_epoch + 1,
-                                            global_step=pos.global_step + 1)
-                    step_tokens = sum(int(lengths[mb_].sum()) for mb_ in plan.steps[step_in_epoch])
-                    logged = False
-                    for u, _ in active:
-                        logged |= u.end_step(pos, step_tokens=step_tokens, stall_s=lambda: loader.stats.wait_s)
-                        if u.finished:
-                            u.export()
-                    if logged:
-                        loader.stats.reset()
-            if pos.step_in_epoch >= plan.num_steps:
-                pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
+            online = OnlineTaps.load(first.model, union, device=dev, batch_tokens=first.batch_tokens,
+                                     dtype=online_target_dtype(reader.fingerprint.target_dtype, dev))
+        run_stream(units, Stream(reader=reader, taps=union, info=info, compute_dtype=target.compute_dtype,
+                                 cfg=first, online=online))
     finally:
         for u in units:
             u.close()

@@ -216,19 +216,4 @@ def check_resume_compatible(saved: Mapping[str, Any], current: TrainConfig) -> N
                 f"{now[name]!r}. Resume with the original settings, or start a new run in an empty folder.")
 
 
-def default_config_field_help() -> dict[str, str]:
-    """Field name -> first docstring line, for `--help` texts (taken from this module's source)."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(TrainConfig))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    out: dict[str, str] = {}
-    for prev, node in zip(body, body[1:]):
-        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            out[prev.target.id] = str(node.value.value).strip().splitlines()[0]  # type: ignore[union-attr]
-    return out
-
-
-__all__ = ["TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible", "RESUME_MUTABLE",
-           "default_config_field_help"]
+__all__ = ["TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible", "RESUME_MUTABLE"]

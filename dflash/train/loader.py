@@ -30,10 +30,17 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from dflash.cache.reader import CacheReader, PackedBuffers, PackedSamples
+    from dflash.train.step import AnchorRule, HostBlocks
+
+HostFn = Callable[["PackedSamples", int], "Mapping[AnchorRule, HostBlocks]"]
+"""Runs in a reader thread on each packed micro-batch and its epoch: the anchors of the stream's drafters."""
 
 EMPTY = np.zeros(0, dtype=np.int64)
 BALANCE_WINDOW = 16  # steps whose micro-batches are regrouped by cost: 8 ranks ~0.95 balanced, 0.5M tokens of mixing
@@ -166,13 +173,6 @@ def plan_epoch(lengths: np.ndarray, *, seed: int, epoch: int, batch_tokens: int,
     return EpochPlan(epoch=epoch, world_size=world_size, grad_accum=grad_accum, steps=steps)
 
 
-def steps_per_epoch(lengths: np.ndarray, *, batch_tokens: int, world_size: int, grad_accum: int) -> int:
-    """Optimizer steps in one epoch; the same for every epoch (the bin count can vary by a few across epochs,
-    so this uses epoch 0 and the trainer re-plans each epoch; schedule lengths use this number)."""
-    return plan_epoch(lengths, seed=0, epoch=0, batch_tokens=batch_tokens, world_size=world_size,
-                      grad_accum=grad_accum).num_steps
-
-
 def anchor_seed(*, seed: int, epoch: int, sample_id: int) -> int:
     """A 63-bit seed for the anchor generator of one sample in one epoch: independent of rank, step and
     batch composition, so DDP and resume draw the same anchors."""
@@ -191,7 +191,8 @@ class MicroBatch:
     input_ids_T: torch.Tensor    # int64 [T]
     loss_mask_T: torch.Tensor    # bool [T]
     hidden_TKD: torch.Tensor     # compute dtype [T,K,D]; [T,0,D] from a loader with read_hidden=False (online)
-    extra: Any = None            # whatever the trainer's host_fn computed in the reader thread (e.g. anchors)
+    blocks: "Mapping[AnchorRule, HostBlocks]" = field(default_factory=dict)
+    """Anchors drawn by the loader's host_fn in the reader thread, per anchor rule of the stream's drafters."""
 
     @property
     def num_tokens(self) -> int:
@@ -204,9 +205,9 @@ class MicroBatch:
 
 @dataclass
 class _HostBatch:
-    packed: Any                  # PackedSamples or None (empty)
-    extra: Any
-    buffers: Any                 # pinned PackedBuffers to give back after the H2D copy, or None
+    packed: "PackedSamples | None"   # None: an empty (padding) micro-batch
+    blocks: "Mapping[AnchorRule, HostBlocks]"
+    buffers: "PackedBuffers | None"  # pinned buffers to give back after the H2D copy
 
 
 @dataclass
@@ -234,9 +235,9 @@ class StreamingLoader:
     host_fn results, but no hidden or scale bytes are read; hidden_TKD is [T, 0, D] for the caller to fill.
     """
 
-    def __init__(self, reader: Any, plan: EpochPlan, *, rank: int, start_step: int, taps: Sequence[int],
+    def __init__(self, reader: "CacheReader", plan: EpochPlan, *, rank: int, start_step: int, taps: Sequence[int],
                  device: torch.device, dtype: torch.dtype, num_readers: int = 2, prefetch: int = 4,
-                 host_fn: Callable[[Any, int], Any] | None = None, read_hidden: bool = True) -> None:
+                 host_fn: HostFn | None = None, read_hidden: bool = True) -> None:
         self.reader, self.plan, self.rank = reader, plan, rank
         self.read_hidden = read_hidden
         self.taps, self.device, self.dtype = tuple(taps), device, dtype
@@ -269,15 +270,15 @@ class StreamingLoader:
 
     def _read(self, indices: np.ndarray) -> _HostBatch:
         if len(indices) == 0:
-            return _HostBatch(packed=None, extra=None, buffers=None)
+            return _HostBatch(packed=None, blocks={}, buffers=None)
         buffers = None
         if self._cuda:
             buffers, event = self._free.get()
             if event is not None:
                 event.synchronize()  # the previous H2D copy out of this buffer must finish before we overwrite it
         packed = self.reader.read_many(indices, taps=self._read_taps, out=buffers)
-        extra = self.host_fn(packed, self.plan.epoch) if self.host_fn is not None else None
-        return _HostBatch(packed=packed, extra=extra, buffers=buffers)
+        blocks = self.host_fn(packed, self.plan.epoch) if self.host_fn is not None else {}
+        return _HostBatch(packed=packed, blocks=blocks, buffers=buffers)
 
     # --- consumer side
 
@@ -305,7 +306,7 @@ class StreamingLoader:
             hidden_size = int(self.reader.hidden_size)
             return MicroBatch(sample_ids=EMPTY, lengths=EMPTY, input_ids_T=torch.zeros(0, dtype=torch.long, device=d),
                               loss_mask_T=torch.zeros(0, dtype=torch.bool, device=d),
-                              hidden_TKD=torch.zeros(0, k, hidden_size, dtype=self.dtype, device=d), extra=None)
+                              hidden_TKD=torch.zeros(0, k, hidden_size, dtype=self.dtype, device=d))
         p = host.packed
         if host.buffers is not None:
             # the pinned tensors themselves: a tensor made from the numpy view would not count as pinned,
@@ -340,7 +341,7 @@ class StreamingLoader:
         return MicroBatch(sample_ids=np.asarray(p.sample_ids, dtype=np.int64),
                           lengths=np.asarray(p.lengths, dtype=np.int64),
                           input_ids_T=dev["input_ids"].long(), loss_mask_T=dev["loss_mask"].bool(),
-                          hidden_TKD=hidden, extra=host.extra)
+                          hidden_TKD=hidden, blocks=host.blocks)
 
     def close(self) -> None:
         for f in self._futures:
@@ -371,7 +372,7 @@ def _decode_hidden(hidden: torch.Tensor, scales: torch.Tensor | None, dtype: tor
     return hidden.to(dtype)
 
 
-def _alloc_pinned(reader: Any, max_tokens: int, num_taps: int) -> Any:
+def _alloc_pinned(reader: "CacheReader", max_tokens: int, num_taps: int) -> "PackedBuffers":
     from dflash.cache.reader import PackedBuffers
 
     return PackedBuffers.allocate(tokens=max_tokens, num_taps=num_taps, hidden_size=int(reader.hidden_size),

@@ -25,7 +25,7 @@ from dflash.drafter.attention import BlockLayout, block_attention_mask, dense_ma
 from dflash.errors import ConfigError
 
 __all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "build_packed_blocks", "ce_metrics", "chunked_ce_loss",
-           "decay_weights", "default_gamma", "dense_mask", "packed_layout", "packed_layout_flat", "sample_anchors"]
+           "decay_weights", "default_gamma", "resolve_gamma", "dense_mask", "packed_layout", "packed_layout_flat", "sample_anchors"]
 
 IGNORE_INDEX = -100
 """Label of block slots past the end of the sequence (their weight is 0 as well)."""
@@ -36,6 +36,11 @@ _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}   # method doc 2 / paper App. A.1
 def default_gamma(block_size: int) -> float:
     """The paper's decay gamma for a block size (7 for 16, 5 for 10, 4 for 8); else 7 * block_size / 16."""
     return _PAPER_GAMMA.get(block_size, 7.0 * block_size / 16)
+
+
+def resolve_gamma(gamma: float | None, *, block_size: int) -> float:
+    """The decay gamma a run uses: the configured one, else default_gamma (the one place None is resolved)."""
+    return default_gamma(block_size) if gamma is None else float(gamma)
 
 
 def sample_anchors(loss_mask_S: torch.Tensor, *, num_anchors: int = 512,
@@ -95,7 +100,7 @@ def build_packed_blocks(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, an
     the next blocks_per_sample[i] anchors of anchors_J, which are positions inside that sequence.
     positions_JB are positions inside each sequence. lengths/blocks_per_sample are host ints (no sync)."""
     device = input_ids_T.device
-    gamma = default_gamma(block_size) if gamma is None else gamma
+    gamma = resolve_gamma(gamma, block_size=block_size)
     J = int(sum(blocks_per_sample))
     # per block: where its sequence starts and ends in the packed tensors (host arithmetic, one copy each)
     starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)

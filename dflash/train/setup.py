@@ -2,7 +2,7 @@
 embedding and head, the target/cache compatibility check, the drafter, the compute dtype and the step count.
 
 Split in two: setup_target (what all drafters on one cache share; a sweep builds it once per device) and
-setup_drafter (one run's drafter); setup_training composes them for `dflash train`.
+setup_drafter (one run's drafter); the driver (train.driver.build_unit) composes them.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dflash.errors import ConfigError
@@ -22,25 +23,22 @@ from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo
 from dflash.train.loader import plan_epoch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from dflash.cache.reader import CacheReader
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
+
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class TrainSetup:
-    reader: Any                       # dflash.cache.CacheReader
-    taps: tuple[int, ...]
-    drafter: torch.nn.Module          # DFlashDrafter on the device, fp32 master weights
-    drafter_config: Any               # DrafterConfig
-    embed_VD: torch.Tensor            # frozen, compute dtype, on the device
-    lm_head_VD: torch.Tensor          # frozen, compute dtype, on the device
-    compute_dtype: torch.dtype
-    total_steps: int
-    default_gamma: float
-    reasons: list[str]
+def prepare_run_dir(run_dir: pathlib.Path, *, resume: bool, require_run: bool = True) -> dict | None:
+    """Refuse a non-empty run folder unless resuming; return the newest checkpoint's state when resuming.
 
-
-def prepare_run_dir(run_dir: pathlib.Path, *, resume: bool) -> dict | None:
-    """Refuse a non-empty run folder unless resuming; return the newest checkpoint's state when resuming."""
+    require_run: an explicit --resume of `dflash train` needs a run in the folder (its config.json, written
+    before the first step): a mistyped --output must not silently start a fresh run. A sweep resumes runs
+    that may not have started yet and passes False."""
     has_content = run_dir.exists() and any(run_dir.iterdir())
     if not resume:
         if has_content:
@@ -49,6 +47,9 @@ def prepare_run_dir(run_dir: pathlib.Path, *, resume: bool) -> dict | None:
         return None
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:
+        if require_run and not (run_dir / "config.json").is_file():
+            raise ConfigError(f"--resume: no training run in {str(run_dir)!r} (no config.json, no checkpoint); "
+                              "check --output, or drop --resume to start a new run")
         log.info("--resume: no checkpoint in %s yet, starting from step 0", run_dir)
         return None
     return ckpt.load_checkpoint(latest)
@@ -72,19 +73,27 @@ def count_total_steps(cfg: TrainConfig, lengths, world_size: int) -> int:
                           grad_accum=cfg.grad_accum).num_steps for e in range(cfg.epochs))
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TargetSetup:
     """What every drafter trained on one cache shares: the reader, the frozen embedding and head on the device,
     the tokenizer and the target's layer count (a sweep builds this once per device)."""
 
-    reader: Any                       # dflash.cache.CacheReader
-    tokenizer: Any
+    reader: "CacheReader"
+    """The training cache, open."""
+    tokenizer: "PreTrainedTokenizerBase"
+    """The target's tokenizer (the cache check and the mask token)."""
     num_target_layers: int
+    """Decoder layers of the target."""
     vocab_size: int
-    embed_VD: torch.Tensor            # frozen, compute dtype, on the device
-    lm_head_VD: torch.Tensor          # frozen, compute dtype, on the device
+    """Rows of the target's embedding."""
+    embed_VD: torch.Tensor
+    """Frozen embedding, compute dtype, on the device."""
+    lm_head_VD: torch.Tensor
+    """Frozen LM head (the embedding itself when tied), compute dtype, on the device."""
     compute_dtype: torch.dtype
-    reasons: list[str]
+    """Autocast dtype of the drafter's forward."""
+    reasons: tuple[str, ...]
+    """Automatic choices with their reasons, to log."""
 
 
 def setup_target(cfg: TrainConfig, *, info: DistInfo) -> TargetSetup:
@@ -115,17 +124,22 @@ def setup_target(cfg: TrainConfig, *, info: DistInfo) -> TargetSetup:
     head = embed if head_info.tied else head_VD.to(device=info.device, dtype=dtype).requires_grad_(False)
     return TargetSetup(reader=reader, tokenizer=tokenizer, num_target_layers=int(target_config.num_hidden_layers),
                        vocab_size=head_info.vocab_size, embed_VD=embed, lm_head_VD=head, compute_dtype=dtype,
-                       reasons=reasons)
+                       reasons=tuple(reasons))
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DrafterSetup:
+    """One run's drafter, built and placed on the device."""
+
     taps: tuple[int, ...]
-    drafter: torch.nn.Module          # DFlashDrafter on the device, fp32 master weights
-    drafter_config: Any               # DrafterConfig
+    """The drafter's target_layer_ids (a subset of the cache's taps, in the drafter's order)."""
+    drafter: "DFlashDrafter"
+    """On the device, fp32 master weights, seeded init (or to be loaded from the checkpoint)."""
+    drafter_config: "DrafterConfig"
     total_steps: int
-    default_gamma: float
-    reasons: list[str]
+    """Optimizer steps of the whole run."""
+    reasons: tuple[str, ...]
+    """Automatic choices with their reasons, to log."""
 
 
 def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
@@ -133,7 +147,6 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
     """The drafter of one run: taps, config (from the checkpoint when resuming), init seeded by cfg.seed."""
     from dflash.drafter.config import DrafterConfig
     from dflash.drafter.model import DFlashDrafter
-    from dflash.train.objective import default_gamma
 
     reasons: list[str] = []
     reader = target.reader
@@ -158,16 +171,59 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
     if cfg.compile_elementwise == "on" or (cfg.compile_elementwise == "auto" and info.device.type == "cuda"):
         drafter.compile_elementwise()
         reasons.append(f"norms, RoPE and SiLU-gating: torch.compile'd (compile_elementwise={cfg.compile_elementwise})")
+    reasons.append(describe_drafter(dc, drafter))
     total = count_total_steps(cfg, reader.index.length, info.world_size)
     reasons.append(f"{total} optimizer steps ({'--steps' if cfg.steps else f'{cfg.epochs} epochs'}), "
                    f"{len(reader)} samples, world size {info.world_size}, grad_accum {cfg.grad_accum}")
-    return DrafterSetup(taps=taps, drafter=drafter, drafter_config=dc, total_steps=total,
-                        default_gamma=default_gamma(dc.block_size), reasons=reasons)
+    return DrafterSetup(taps=taps, drafter=drafter, drafter_config=dc, total_steps=total, reasons=tuple(reasons))
 
 
-def setup_training(cfg: TrainConfig, *, info: DistInfo, resume_state: dict | None) -> TrainSetup:
-    t = setup_target(cfg, info=info)
-    d = setup_drafter(cfg, t, info=info, resume_state=resume_state)
-    return TrainSetup(reader=t.reader, taps=d.taps, drafter=d.drafter, drafter_config=d.drafter_config,
-                      embed_VD=t.embed_VD, lm_head_VD=t.lm_head_VD, compute_dtype=t.compute_dtype,
-                      total_steps=d.total_steps, default_gamma=d.default_gamma, reasons=t.reasons + d.reasons)
+def describe_drafter(dc: "DrafterConfig", drafter: torch.nn.Module) -> str:
+    """The drafter shape being trained, for the log (a spec without num_layers silently got 5 layers)."""
+    params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    return (f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {dc.num_attention_heads} heads / "
+            f"{dc.num_key_value_heads} KV heads of {dc.head_dim}, MLP {dc.intermediate_size}, block {dc.block_size}, "
+            f"taps {list(dc.target_layer_ids)}, {params / 1e6:.2f}M trainable parameters")
+
+
+GPU_SIZED_BLOCK_TOKENS = 4096
+"""Anchors x block size per sequence from which a CPU run gets a warning (the paper's 512 x 16 = 8192)."""
+
+
+def cpu_time_warning(*, cfg: TrainConfig, dc: "DrafterConfig", lengths: np.ndarray, loss_tokens: np.ndarray,
+                     total_steps: int, steps_per_epoch: int, flops_per_s: float) -> str | None:
+    """A warning with a time estimate for a CPU run of a GPU-sized configuration, else None.
+
+    The estimate is metrics.FlopModel over one epoch's block tokens (each sample gets min(num_anchors, loss
+    tokens - 1) blocks), scaled to total_steps, at `flops_per_s` (the caller measures a CPU matmul)."""
+    from dflash.train.metrics import FlopModel
+
+    if cfg.num_anchors * dc.block_size < GPU_SIZED_BLOCK_TOKENS:
+        return None
+    B = dc.block_size
+    blocks_N = np.clip(np.asarray(loss_tokens, dtype=np.float64) - 1, 0, cfg.num_anchors)
+    block_tokens = float(B * blocks_N.sum())
+    context = float(np.asarray(lengths, dtype=np.float64).sum())
+    # a block at anchor a sees a context keys + B block keys; anchors are spread over the sequence (mean a ~ S/2)
+    visible = float((B * blocks_N * (np.asarray(lengths, dtype=np.float64) / 2 + B)).sum())
+    epoch_flops = FlopModel.from_config(dc).step_flops(block_tokens=int(block_tokens), context_tokens=int(context),
+                                                       supervised_tokens=int(block_tokens * (B - 1) / B),
+                                                       visible_keys=int(visible))
+    seconds = epoch_flops * total_steps / max(1, steps_per_epoch) / flops_per_s
+    return (f"CPU training of a GPU-sized configuration ({cfg.num_anchors} anchors x block {B} = "
+            f"{cfg.num_anchors * B} block tokens per sequence): about {seconds / 60:.0f} min for {total_steps} steps "
+            f"at the measured {flops_per_s / 1e9:.0f} GFLOP/s. For a CPU run use fewer anchors and a smaller "
+            f"block, e.g. --num-anchors 32 --block-size 8")
+
+
+def cpu_matmul_flops() -> float:
+    """FLOP/s of a float32 512^3 matmul on this CPU (~0.1 s), the rate behind cpu_time_warning."""
+    import time
+
+    a = torch.randn(512, 512)
+    a @ a  # warm-up
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.1:
+        a @ a
+        n += 1
+    return 2 * 512**3 * n / (time.perf_counter() - t0)

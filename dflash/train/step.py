@@ -13,9 +13,10 @@ empty padding micro-batches simply contribute nothing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +25,22 @@ import torch.distributed as dist
 from dflash.train.fused_ce import fused_ce_loss
 from dflash.train.loader import MicroBatch, anchor_seed
 from dflash.train.objective import build_packed_blocks, chunked_ce_loss, packed_layout_flat, sample_anchors
+
+if TYPE_CHECKING:
+    from dflash.cache.reader import PackedSamples
+    from dflash.train.objective import CELoss
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class AnchorRule:
+    """What a drafter's anchor draws depend on: runs with equal rules share one draw per micro-batch."""
+
+    seed: int
+    """TrainConfig.seed (the anchor generator is seeded by (seed, epoch, sample id))."""
+    num_anchors: int
+    """Anchors per sequence (TrainConfig.num_anchors)."""
+    block_size: int
+    """Block size of the drafter (the supervised-slot and visible-key counts depend on it)."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +53,7 @@ class HostBlocks:
     visible_keys: int             # sum over block tokens of the keys each attends to (one layer)
 
 
-def host_anchors(packed, epoch: int, *, seed: int, num_anchors: int, block_size: int,
+def host_anchors(packed: "PackedSamples", epoch: int, *, seed: int, num_anchors: int, block_size: int,
                  pin: bool) -> HostBlocks:
     """Draw each sample's anchors with a generator seeded by (seed, epoch, sample id): independent of rank,
     batch composition and resume point. Runs in a loader thread on CPU tensors."""
@@ -62,13 +79,29 @@ def host_anchors(packed, epoch: int, *, seed: int, num_anchors: int, block_size:
                       visible_keys=visible)
 
 
-def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, *, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor,
-                     mask_token_id: int, gamma: float, loss_chunk_blocks: int, loss_impl: str = "fused"):
-    """Forward of one non-empty micro-batch -> objective.CELoss (tensors only, no host sync).
+def stream_anchors(packed: "PackedSamples", epoch: int, *, rules: Sequence[AnchorRule],
+                   pin: bool) -> dict[AnchorRule, HostBlocks]:
+    """The loader's host_fn: one anchor draw per distinct rule of the stream's drafters (cheap, and the same
+    draws as a drafter trained alone)."""
+    return {r: host_anchors(packed, epoch, seed=r.seed, num_anchors=r.num_anchors, block_size=r.block_size, pin=pin)
+            for r in rules}
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Mixed-precision context of the compute dtype (none for float32)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *, embed_VD: torch.Tensor,
+                     lm_head_VD: torch.Tensor, mask_token_id: int, gamma: float, loss_chunk_blocks: int,
+                     loss_impl: str = "fused") -> "CELoss":
+    """Forward of one non-empty micro-batch with this drafter's anchors `hb` -> objective.CELoss (tensors only,
+    no host sync).
 
     loss_impl: "fused" (train.fused_ce: head matmul once per supervised row; the row count comes from the
     host-side HostBlocks.supervised_tokens, so no sync) or "checkpoint" (objective.chunked_ce_loss)."""
-    hb: HostBlocks = mb.extra
     cfg = drafter.cfg
     B = cfg.block_size
     device = mb.input_ids_T.device
@@ -104,9 +137,11 @@ class GradSync:
         self.block_size = block_size
         self.flat = torch.zeros(self.num_params + 4 + 2 * block_size, dtype=torch.float32, device=device)
         offset = 0
+        self._offsets: list[int] = []
         for p in self.params:
             assert p.dtype == torch.float32, "master weights are fp32"
             p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            self._offsets.append(offset)
             offset += p.numel()
         self.grads = self.flat[:self.num_params]
         self.counters = self.flat[self.num_params:]
@@ -131,8 +166,20 @@ class GradSync:
             dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
         # clamp: a step whose blocks have no supervised slot has zero gradient anyway
         self.grads.div_(self.counters[1].clamp(min=1e-12))
-        for p in self.params:  # autograd may have replaced a view with a fresh tensor; catch that bug loudly
-            assert p.grad is not None and p.grad.data_ptr() >= self.flat.data_ptr()
+        self.check_views()
+
+    def check_views(self) -> None:
+        """Assert that every .grad is still the view of the flat buffer at its own offset: autograd replacing a
+        view with a fresh tensor (or a view moved elsewhere) would silently drop that parameter from the
+        all-reduce and the clip, so catch that bug loudly."""
+        base = self.flat.data_ptr()
+        width = self.flat.element_size()
+        for p, offset in zip(self.params, self._offsets):
+            g = p.grad
+            assert g is not None, "a parameter lost its .grad view of the flat buffer"
+            assert (g.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr()
+                    and g.data_ptr() == base + offset * width and g.is_contiguous()), \
+                f".grad of a {tuple(p.shape)} parameter is not the flat buffer's view at element {offset}"
 
     def step_counters(self) -> torch.Tensor:
         return self.counters.detach().clone()

@@ -1,8 +1,8 @@
 """One drafter being trained: model, optimizer, scheduler, GradSync, metric window and sink, checkpoints.
 
-`dflash train` drives one DrafterUnit; `dflash sweep` drives K of them over one micro-batch stream. A unit
-never touches the loader: the driver hands it each micro-batch (with this unit's anchors and its taps sliced
-out of the stream's tap union) and tells it when a step ends, so K units can share one read of the cache.
+The driver (train.driver.run_stream) hands every unit of a stream each micro-batch (the unit slices its taps
+out of the stream's tap union and picks its anchors by its AnchorRule) and tells it when a step ends, so K
+units share one read of the cache. A unit never touches the loader.
 
 Shapes: T = packed context tokens, K = taps of the stream, K' = taps of this drafter, D = hidden size.
 """
@@ -14,7 +14,8 @@ import json
 import logging
 import pathlib
 import resource
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -25,7 +26,11 @@ from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo, barrier
 from dflash.train.loader import MicroBatch
 from dflash.train.metrics import H200_PEAK_BF16, FlopModel, MetricSink, Stopwatch
-from dflash.train.step import GradSync, lr_factor, micro_batch_loss, summarize_counters
+from dflash.train.objective import resolve_gamma
+from dflash.train.step import AnchorRule, GradSync, autocast, lr_factor, micro_batch_loss, summarize_counters
+
+if TYPE_CHECKING:
+    from dflash.train.setup import DrafterSetup, TargetSetup
 
 log = logging.getLogger(__name__)
 
@@ -44,51 +49,80 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: 
                              fused=True if device.type == "cuda" else None)
 
 
+@dataclass(frozen=True, kw_only=True)
+class UnitSpec:
+    """Everything one unit of a stream is built from (train.driver.build_unit makes it)."""
+
+    name: str
+    """Name in the log ("train", or the sweep run's name)."""
+    cfg: TrainConfig
+    """The run's config; cfg.output is its run folder."""
+    drafter: "DrafterSetup"
+    """The drafter on the device, its config and the run's step count."""
+    state: dict[str, Any] | None
+    """The checkpoint being resumed, or None for a fresh run."""
+    tap_index: tuple[int, ...] | None
+    """Positions of this drafter's taps in the stream's taps; None = the stream carries exactly its taps."""
+    restore_rng: bool = True
+    """Restore the checkpoint's global RNG states (a stream of one unit; a sweep's units share the process)."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+
+
 class DrafterUnit:
     """The per-drafter state of a run. `pos` is the data position this drafter has trained up to."""
 
-    def __init__(self, *, cfg: TrainConfig, run_dir: pathlib.Path, drafter: torch.nn.Module, drafter_config: Any,
-                 embed_VD: torch.Tensor, lm_head_VD: torch.Tensor, total_steps: int, default_gamma: float,
-                 info: DistInfo, state: dict | None, restore_rng: bool = True, progress: bool = True,
-                 tap_index: list[int] | None = None, name: str = "train") -> None:
-        self.cfg, self.run_dir, self.drafter, self.dc = cfg, run_dir, drafter, drafter_config
-        self.embed_VD, self.lm_head_VD, self.info, self.name = embed_VD, lm_head_VD, info, name
-        self.total_steps = total_steps
-        # None: the stream carries exactly this drafter's taps in its order; else positions in the stream's taps
-        self.tap_index = None if tap_index is None else torch.tensor(tap_index, dtype=torch.long,
-                                                                     device=info.device)
-        self.params = [p for p in drafter.parameters() if p.requires_grad]
+    def __init__(self, spec: UnitSpec, *, target: "TargetSetup", info: DistInfo) -> None:
+        cfg, d, state = spec.cfg, spec.drafter, spec.state
+        self.cfg, self.name, self.info = cfg, spec.name, info
+        self.run_dir = pathlib.Path(cfg.output)
+        self.drafter, self.dc = d.drafter, d.drafter_config
+        self.embed_VD, self.lm_head_VD = target.embed_VD, target.lm_head_VD
+        self.compute_dtype = target.compute_dtype
+        self.total_steps = d.total_steps
+        self.anchor_rule = AnchorRule(seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=self.dc.block_size)
+        self.tap_index = None if spec.tap_index is None else torch.tensor(spec.tap_index, dtype=torch.long,
+                                                                          device=info.device)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg, info.device)
-        warmup = int(round(cfg.warmup_ratio * total_steps))
+        warmup = int(round(cfg.warmup_ratio * self.total_steps))
+        total = self.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, total_steps=total_steps, warmup_steps=warmup,
+            self.optimizer, lambda step: lr_factor(step, total_steps=total, warmup_steps=warmup,
                                                    min_lr_ratio=cfg.min_lr_ratio))
         self.pos = ckpt.DataPosition(epoch=0, step_in_epoch=0, global_step=0)
         self.plan_version = ckpt.plan_version_of(state)  # written into every checkpoint of this run
+        window: dict[str, Any] = {}
         if state is not None:
-            drafter.load_state_dict(state["model"])
+            self.drafter.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            if restore_rng:
+            if spec.restore_rng:
                 ckpt.set_rng_state(state["rng"])
             self.pos = ckpt.position_of(state)
-            if info.is_main:
-                truncate_metrics(run_dir, self.pos.global_step)
-                log.info("%s: resuming at step %d (epoch %d, step %d of the epoch)", name, self.pos.global_step,
-                         self.pos.epoch, self.pos.step_in_epoch)
-        self.sync = GradSync(self.params, block_size=drafter_config.block_size, device=info.device)
-        self.flops = FlopModel.from_config(drafter_config)
-        device = info.device
+            window = state.get("extra", {}).get("metric_window") or {}
+            log.info("%s: resuming at step %d (epoch %d, step %d of the epoch)", self.name, self.pos.global_step,
+                     self.pos.epoch, self.pos.step_in_epoch)
+        if info.is_main:
+            # A fresh start (state None) in a folder with records of a run killed before its first checkpoint
+            # drops them too; they are redone.
+            truncate_metrics(self.run_dir, self.pos.global_step)
+        self.sync = GradSync(self.params, block_size=self.dc.block_size, device=info.device)
+        self.flops = FlopModel.from_config(self.dc)
         self.peak = cfg.peak_flops if cfg.peak_flops is not None else (
-            H200_PEAK_BF16 if device.type == "cuda" else None)
-        self.sink = MetricSink(run_dir, enabled=info.is_main, total_steps=total_steps,
-                               initial_step=self.pos.global_step, progress=progress)
-        self.gamma = cfg.gamma if cfg.gamma is not None else default_gamma
+            H200_PEAK_BF16 if info.device.type == "cuda" else None)
+        self.sink = MetricSink(self.run_dir, enabled=info.is_main, total_steps=self.total_steps,
+                               initial_step=self.pos.global_step, progress=spec.progress)
+        self.gamma = resolve_gamma(cfg.gamma, block_size=self.dc.block_size)
         self.last_loss: float | None = None
         self.steps_this_run = 0
-        self._window: list[torch.Tensor] = []
-        self._norms: list[torch.Tensor] = []
-        self._tokens, self._flops, self._first = 0, 0.0, self.pos.global_step + 1
+        self.drafter_dir: pathlib.Path | None = None
+        # The log window: steps since the last metrics record. A checkpoint inside a window carries the
+        # window's counters (metric_window), so a resume logs every step exactly once.
+        self._window: list[torch.Tensor] = [c.to(info.device) for c in window.get("counters", [])]
+        self._norms: list[torch.Tensor] = [n.to(info.device) for n in window.get("norms", [])]
+        self._first = int(window.get("first", self.pos.global_step + 1))
+        self._tokens, self._flops, self._timed_steps = 0, 0.0, 0  # of this process only (tokens/s, MFU)
         self._step_flops = 0.0
         self.watch = Stopwatch()
 
@@ -100,25 +134,25 @@ class DrafterUnit:
         self.sync.zero()
         self._step_flops = 0.0
 
-    def micro_batch(self, mb: MicroBatch, host_blocks: Any, autocast: Callable[[], Any]) -> None:
-        """Forward + backward of one non-empty micro-batch; `host_blocks` = this drafter's anchors (step.HostBlocks)."""
+    def micro_batch(self, mb: MicroBatch) -> None:
+        """Forward + backward of one non-empty micro-batch of the stream, with this drafter's taps and anchors."""
         if self.tap_index is not None:
             mb = dataclasses.replace(mb, hidden_TKD=mb.hidden_TKD.index_select(1, self.tap_index))
-        mb = dataclasses.replace(mb, extra=host_blocks)
-        with autocast():
-            terms = micro_batch_loss(self.drafter, mb, embed_VD=self.embed_VD, lm_head_VD=self.lm_head_VD,
+        hb = mb.blocks[self.anchor_rule]
+        with autocast(self.info.device, self.compute_dtype):
+            terms = micro_batch_loss(self.drafter, mb, hb, embed_VD=self.embed_VD, lm_head_VD=self.lm_head_VD,
                                      mask_token_id=self.dc.mask_token_id, gamma=self.gamma,
                                      loss_chunk_blocks=self.cfg.loss_chunk_blocks, loss_impl=self.cfg.loss_impl)
         terms.weighted_ce_sum.backward()
         self.sync.add(terms)
-        hb = host_blocks
         self._step_flops += self.flops.step_flops(
             block_tokens=sum(hb.blocks_per_sample) * self.dc.block_size, context_tokens=mb.num_tokens,
             supervised_tokens=hb.supervised_tokens, visible_keys=hb.visible_keys)
 
     def end_step(self, pos: ckpt.DataPosition, *, step_tokens: int, stall_s: Callable[[], float],
                  stop: bool = False) -> bool:
-        """All-reduce, clip, optimizer and scheduler step; log and checkpoint when due. Returns True if it logged."""
+        """All-reduce, clip, optimizer and scheduler step; log and checkpoint when due. Returns True if it logged.
+        stall_s() gives the loader's wait time since its last reset (read only on log steps)."""
         cfg = self.cfg
         self.sync.reduce_and_normalise(self.info.world_size)
         norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -130,6 +164,7 @@ class DrafterUnit:
         self._norms.append(norm.detach().float().reshape(1))
         self._tokens += step_tokens
         self._flops += self._step_flops
+        self._timed_steps += 1
         self.sink.advance()
         last = self.finished or stop
         logged = False
@@ -147,35 +182,43 @@ class DrafterUnit:
         norms = torch.cat(self._norms).cpu().tolist()
         dt = dt + self.watch.lap()
         self.last_loss = summ["losses"][-1]
+        steps = max(1, self._timed_steps)
         rec = {"step": pos.global_step, "epoch": pos.epoch,
                "loss": float(np.mean(summ["losses"])), "step_losses": summ["losses"], "first_step": self._first,
                "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(np.mean(norms)),
                "acc": summ["acc"], "accept_len": summ["accept_len"],
                "tokens_per_s": self._tokens / dt, "stall_frac": min(1.0, stall_s / dt),
                "mfu": (self._flops / dt / self.peak) if self.peak else None, "mem_gb": memory_gb(self.info.device),
-               "step_time_s": dt / len(self._window)}
+               "step_time_s": dt / steps}
         self.sink.write(rec)
-        self._window, self._norms, self._tokens, self._flops = [], [], 0, 0.0
+        self._window, self._norms, self._tokens, self._flops, self._timed_steps = [], [], 0, 0.0, 0
         self._first = pos.global_step + 1
 
-    def save(self, extra: dict | None = None) -> None:
+    def _window_state(self) -> dict[str, Any]:
+        """The unlogged part of the log window, for the checkpoint (host tensors)."""
+        return {"counters": [c.cpu() for c in self._window], "norms": [n.cpu() for n in self._norms],
+                "first": self._first}
+
+    def save(self) -> None:
         if self.info.is_main:
             ckpt.save_checkpoint(self.run_dir, model_state=self.drafter.state_dict(),
                                  optimizer_state=self.optimizer.state_dict(),
                                  scheduler_state=self.scheduler.state_dict(), position=self.pos,
                                  world_size=self.info.world_size, train_config=self.cfg.to_json(),
-                                 drafter_config=self.dc.to_json(), keep=self.cfg.keep_checkpoints, extra=extra,
-                                 plan_version=self.plan_version)
+                                 drafter_config=self.dc.to_json(), keep=self.cfg.keep_checkpoints,
+                                 extra={"metric_window": self._window_state()}, plan_version=self.plan_version)
         barrier(self.info)
 
-    def export(self) -> pathlib.Path | None:
-        """Write RUN_DIR/drafter (rank 0); call once the unit is finished."""
-        if not self.info.is_main:
-            return None
-        from dflash.drafter.export import export_drafter
+    def export(self) -> pathlib.Path:
+        """Write RUN_DIR/drafter on rank 0 (every rank calls it once the unit is finished)."""
+        out = self.run_dir / "drafter"
+        if self.info.is_main:
+            from dflash.drafter.export import export_drafter
 
-        out = export_drafter(self.drafter, self.dc, self.run_dir / "drafter", overwrite=True)
-        log.info("%s: exported the drafter to %s", self.name, out)
+            out = export_drafter(self.drafter, self.dc, out, overwrite=True)
+            log.info("%s: exported the drafter of step %d to %s", self.name, self.pos.global_step, out)
+        barrier(self.info)
+        self.drafter_dir = out
         return out
 
     def close(self) -> None:
@@ -183,10 +226,21 @@ class DrafterUnit:
 
 
 def truncate_metrics(run_dir: pathlib.Path, global_step: int) -> None:
-    """Drop metric records past the checkpoint being resumed (an interrupted run logged them; they are redone)."""
+    """Drop metric records past the checkpoint being resumed (an interrupted run logged them; they are redone),
+    and a torn last line (a kill or a full disk mid-write)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= global_step]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                log.warning("%s: dropping a torn last line (%d bytes)", path, len(line))
+                break
+            raise
+        if rec["step"] <= global_step:
+            keep.append(line)
     replace_text(path, "".join(line + "\n" for line in keep))

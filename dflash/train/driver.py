@@ -1,0 +1,188 @@
+"""The one training loop: epochs, the loader, gradient accumulation, the DDP step, data position, stop and
+checkpoint cadence, over a stream of DrafterUnits that share one read of the cache.
+
+`dflash train` is a stream of one unit (trainer.py), `dflash sweep` a stream of K units per device
+(sweep/runner.py), and benchmarks/bench_train.py drives the same loop with its I/O patched (`open_loader`:
+micro-batches resident on the GPU instead of the disk cache).
+
+Every rank plans the same epoch (loader.plan_epoch); each unit runs its forward/backward on each micro-batch
+with its own taps and anchors, and ends the step with one all-reduce (step.GradSync). Units may stand at
+different steps after a resume (a sweep run that was checkpointed later than another): the stream restarts
+at the earliest position and a unit that is ahead waits until the stream reaches it. A unit that reaches its
+own step count checkpoints and exports at once; the stream runs to the longest unit.
+Tradeoff: the units of a stream step in lock-step, so a step takes the sum of their step times; the win is
+one cache read and one H2D copy instead of K.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import torch
+
+from dflash.errors import ConfigError
+from dflash.train import checkpoint as ckpt
+from dflash.train.config import TrainConfig, check_resume_compatible
+from dflash.train.distributed import DistInfo
+from dflash.train.loader import EpochPlan, HostFn, LoaderStats, MicroBatch, StreamingLoader, plan_costs, plan_epoch
+from dflash.train.setup import TargetSetup, setup_drafter
+from dflash.train.step import stream_anchors
+from dflash.train.unit import DrafterUnit, UnitSpec
+
+if TYPE_CHECKING:
+    from dflash.cache.reader import CacheReader
+    from dflash.train.online import OnlineTaps
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stream:
+    """What the units of one stream share."""
+
+    reader: "CacheReader"
+    """The training cache; its index gives the epoch plans."""
+    taps: tuple[int, ...]
+    """Taps read (or computed online) per micro-batch: the union of the units' taps, in cache order."""
+    info: DistInfo
+    """This process's rank, world size and device."""
+    compute_dtype: torch.dtype
+    """Dtype of the micro-batches' features on the device."""
+    cfg: TrainConfig
+    """The stream settings (data_seed, batch_tokens, grad_accum, num_readers, prefetch, stop_after_steps):
+    the first unit's config; a sweep's units agree on them (sweep.spec.STREAM_FIELDS)."""
+    online: "OnlineTaps | None" = None
+    """The live target that computes the taps of every micro-batch (--online); None = read them from the cache."""
+
+
+class BatchSource(Protocol):
+    """What the loop needs of a loader: this rank's micro-batches of one epoch plan, in order."""
+
+    stats: LoaderStats
+
+    def next(self) -> MicroBatch: ...
+
+    def __enter__(self) -> "BatchSource": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+OpenLoader = Callable[[Stream, EpochPlan, int, HostFn], BatchSource]
+"""(stream, plan, start step in the epoch, host_fn) -> the loader of that epoch from that step."""
+
+
+def streaming_loader(stream: Stream, plan: EpochPlan, start_step: int, host_fn: HostFn) -> BatchSource:
+    """The real loader: reader threads, pinned buffers, side-stream H2D (loader.StreamingLoader)."""
+    cfg = stream.cfg
+    return StreamingLoader(stream.reader, plan, rank=stream.info.rank, start_step=start_step, taps=stream.taps,
+                           device=stream.info.device, dtype=stream.compute_dtype, num_readers=cfg.num_readers,
+                           prefetch=cfg.prefetch, host_fn=host_fn, read_hidden=stream.online is None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamResult:
+    pos: ckpt.DataPosition | None
+    """Where the stream stopped (None: every unit had finished before it started)."""
+    steps: int
+    """Optimizer steps this call ran."""
+
+
+def build_unit(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo, state: dict[str, Any] | None,
+               name: str = "train", stream_taps: Sequence[int] | None = None, restore_rng: bool = True,
+               progress: bool = True, record: dict[str, Any] | None = None) -> DrafterUnit:
+    """One unit of a stream: check a resumed checkpoint against cfg, build the drafter, write RUN_DIR/config.json
+    (rank 0; `record` adds keys to it), and place the drafter's taps in the stream's (`stream_taps` None = the
+    drafter's own taps)."""
+    if state is not None:
+        check_resume_compatible(state["train_config"], cfg)
+        if state["world_size"] != info.world_size:
+            raise ConfigError(f"--resume with {info.world_size} processes, but the checkpoint was written by "
+                              f"{state['world_size']}: the epoch plan depends on the world size; resume with "
+                              f"{state['world_size']}")
+    d = setup_drafter(cfg, target, info=info, resume_state=state)
+    run_dir = pathlib.Path(cfg.output)
+    if info.is_main:
+        for why in d.reasons:
+            log.info("%s: %s", name, why)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(
+            {"train": cfg.to_json(), "drafter": d.drafter_config.to_json(), "world_size": info.world_size,
+             **(record or {})}, indent=2) + "\n")
+    taps = tuple(d.taps) if stream_taps is None else tuple(stream_taps)
+    tap_index = None if tuple(d.taps) == taps else tuple(taps.index(t) for t in d.taps)
+    return DrafterUnit(UnitSpec(name=name, cfg=cfg, drafter=d, state=state, tap_index=tap_index,
+                                restore_rng=restore_rng, progress=progress), target=target, info=info)
+
+
+def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: OpenLoader = streaming_loader,
+               before_step: Callable[[int], None] | None = None) -> StreamResult:
+    """Train every unit to its own step count (or until stream.cfg.stop_after_steps steps of this call).
+
+    before_step(global_step) runs before each step (benchmarks start a profiler there). Call on every rank."""
+    cfg, info = stream.cfg, stream.info
+    reader = stream.reader
+    lengths = reader.index.length
+    # One plan for all units: the packing order (version 1) while any unit started before balanced steps; every
+    # unit's checkpoints record the version used, so later resumes keep it.
+    plan_version = min(u.plan_version for u in units)
+    for u in units:
+        u.plan_version = plan_version
+        if u.finished and u.drafter_dir is None:
+            # finished before this call: killed between the last checkpoint and the export, or a rerun
+            done = u.run_dir / "drafter" / "config.json"
+            u.drafter_dir = u.run_dir / "drafter" if done.exists() else u.export()
+    costs = plan_costs(lengths, reader.index.num_loss_tokens, plan_version=plan_version)
+    pending = [u for u in units if not u.finished]
+    pos = min((u.pos for u in pending), key=lambda p: p.global_step, default=None)
+    steps, stop = 0, False
+    pin = info.device.type == "cuda"
+    while pos is not None and not stop and any(not u.finished for u in units):
+        plan = plan_epoch(lengths, seed=cfg.data_seed, epoch=pos.epoch, batch_tokens=cfg.batch_tokens,
+                          world_size=info.world_size, grad_accum=cfg.grad_accum, costs=costs)
+        if pos.step_in_epoch >= plan.num_steps:
+            pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
+            continue
+        epoch = pos.epoch
+        rules = sorted({u.anchor_rule for u in units if not u.finished})
+
+        def host_fn(packed, ep, _rules=rules):
+            return stream_anchors(packed, ep, rules=_rules, pin=pin)
+
+        with open_loader(stream, plan, pos.step_in_epoch, host_fn) as loader:
+            for step_in_epoch in range(pos.step_in_epoch, plan.num_steps):
+                if all(u.finished for u in units):
+                    break
+                active = [u for u in units if not u.finished and u.pos.global_step == pos.global_step]
+                if before_step is not None:
+                    before_step(pos.global_step)
+                for u in active:
+                    u.begin_step()
+                for _ in range(cfg.grad_accum):
+                    mb = loader.next()
+                    if mb.is_empty or not active:
+                        continue  # padding of the epoch's last step, or units still ahead: nothing to train
+                    if stream.online is not None:
+                        mb = stream.online.fill(mb, stream.compute_dtype)
+                    for u in active:
+                        u.micro_batch(mb)
+                pos = ckpt.DataPosition(epoch=epoch, step_in_epoch=step_in_epoch + 1, global_step=pos.global_step + 1)
+                steps += 1
+                stop = cfg.stop_after_steps is not None and steps >= cfg.stop_after_steps
+                step_tokens = sum(int(lengths[mb_].sum()) for mb_ in plan.steps[step_in_epoch])
+                logged = False
+                for u in active:
+                    logged |= u.end_step(pos, step_tokens=step_tokens, stall_s=lambda: loader.stats.wait_s,
+                                         stop=stop)
+                    if u.finished:
+                        u.export()
+                if logged:
+                    loader.stats.reset()
+                if stop:
+                    break
+        if not stop and pos.step_in_epoch >= plan.num_steps:
+            pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
+    return StreamResult(pos=pos, steps=steps)
