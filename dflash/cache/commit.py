@@ -179,12 +179,15 @@ def append_commit_line(path: str, rank: int, record: CommitRecord) -> None:
     """One write + fsync: the instant the shard becomes visible."""
     from dflash.cache.shardfile import write_all
     p = os.path.join(path, COMMITS, log_name(rank))
+    created = not os.path.exists(p)  # only this rank's writer creates its log
     fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         write_all(fd, [record.to_line().encode()])
         os.fsync(fd)
     finally:
         os.close(fd)
+    if created:  # the new directory entry: without it a power loss can drop the log, and with it the shard
+        fsync_dir(os.path.join(path, COMMITS))
 
 
 def truncate_torn_tail(path: str, rank: int) -> list[CommitRecord]:

@@ -31,7 +31,7 @@ from dflash.cache.format import (FORMAT_NAME, FORMAT_VERSION, STORED_NUMPY_DTYPE
                                  Fingerprint, choose_chunk_tokens, encode_hidden)
 from dflash.cache.shardfile import ArrayWriter, write_array, write_json_file
 from dflash.durable import fsync_dir
-from dflash.errors import CacheFormatError, ConfigError, OutOfSpaceError
+from dflash.errors import CacheFormatError, ConfigError, DflashError
 from dflash.locks import FolderLock
 
 SMALL_CHUNK_TOKENS = 4096   # input_ids / loss_mask chunk: 20 KB, read whole per sample (hidden is ~MBs)
@@ -314,8 +314,13 @@ class CacheWriter:
 
     def _raise_worker_error(self) -> None:
         err = self._error
-        if isinstance(err, OutOfSpaceError):
-            raise OutOfSpaceError(f"cache writer thread stopped: {err}") from err
+        if isinstance(err, DflashError):
+            # The same class, so the CLI prints its one line (a RuntimeError printed a traceback). Built without
+            # calling __init__: subclasses such as CacheMismatchError take other arguments.
+            again = type(err).__new__(type(err))
+            again.__dict__.update(err.__dict__)
+            again.args = (f"cache writer thread stopped: {err}",)
+            raise again from err
         raise RuntimeError(f"cache writer thread failed: {err!r}") from err
 
     # -- writer thread -------------------------------------------------------------------------------------
