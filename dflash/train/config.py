@@ -151,10 +151,10 @@ class TrainConfig:
 
 # Fields that may differ between a run and its resume (paths, bookkeeping); anything else changes the math.
 # loss_impl and compile_elementwise change only float rounding (and checkpoints written before they existed
-# lack the fields). online feeds the same features (computed live in the cache's target dtype instead of read).
+# lack the fields). Not online: live features are unrounded, an fp8 or bf16 cache's are not.
 RESUME_MUTABLE = frozenset({"cache", "model", "output", "log_every", "save_every", "keep_checkpoints",
                             "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps",
-                            "loss_impl", "compile_elementwise", "online"})
+                            "loss_impl", "compile_elementwise"})
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:
@@ -210,9 +210,11 @@ def check_resume_compatible(saved: Mapping[str, Any], current: TrainConfig) -> N
     for name in sorted(_FIELDS):
         if name in RESUME_MUTABLE:
             continue
-        if json.loads(json.dumps(saved.get(name))) != now[name]:
+        # a field the checkpoint lacks (written before the field existed) had its default value
+        old = saved[name] if name in saved else _FIELDS[name].default
+        if json.loads(json.dumps(old)) != now[name]:
             raise ConfigError(
-                f"--resume with a different {name!r}: the checkpoint has {saved.get(name)!r}, this run has "
+                f"--resume with a different {name!r}: the checkpoint has {old!r}, this run has "
                 f"{now[name]!r}. Resume with the original settings, or start a new run in an empty folder.")
 
 

@@ -173,6 +173,14 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
         reasons.append(f"norms, RoPE and SiLU-gating: torch.compile'd (compile_elementwise={cfg.compile_elementwise})")
     reasons.append(describe_drafter(dc, drafter))
     total = count_total_steps(cfg, reader.index.length, info.world_size)
+    if info.device.type == "cpu" and info.is_main and cfg.num_anchors * dc.block_size >= GPU_SIZED_BLOCK_TOKENS:
+        per_epoch = plan_epoch(reader.index.length, seed=cfg.data_seed, epoch=0, batch_tokens=cfg.batch_tokens,
+                               world_size=info.world_size, grad_accum=cfg.grad_accum).num_steps
+        warning = cpu_time_warning(cfg=cfg, dc=dc, lengths=reader.index.length,
+                                   loss_tokens=reader.index.num_loss_tokens, total_steps=total,
+                                   steps_per_epoch=per_epoch, flops_per_s=cpu_matmul_flops())
+        if warning:
+            log.warning("%s", warning)
     reasons.append(f"{total} optimizer steps ({'--steps' if cfg.steps else f'{cfg.epochs} epochs'}), "
                    f"{len(reader)} samples, world size {info.world_size}, grad_accum {cfg.grad_accum}")
     return DrafterSetup(taps=taps, drafter=drafter, drafter_config=dc, total_steps=total, reasons=tuple(reasons))
