@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from dflash.train.objective import expected_blocks
+
 if TYPE_CHECKING:
     from dflash.cache.reader import CacheReader, PackedBuffers, PackedSamples
     from dflash.train.step import AnchorRule, HostBlocks
@@ -97,7 +99,7 @@ def sample_costs(lengths: np.ndarray, loss_tokens: np.ndarray, *, num_anchors: i
     anchors it gets (min(num_anchors, loss tokens - 1)) plus its context tokens at CONTEXT_TOKEN_COST. Plans
     use the paper's constants (the defaults) rather than the run's own: the estimate only ranks micro-batches,
     and a plan that does not depend on drafter settings is shared by all runs of a sweep."""
-    anchors = np.clip(np.asarray(loss_tokens, dtype=np.float64) - 1, 0, num_anchors)
+    anchors = expected_blocks(loss_tokens, num_anchors=num_anchors)
     return block_size * anchors + CONTEXT_TOKEN_COST * np.asarray(lengths, dtype=np.float64)
 
 

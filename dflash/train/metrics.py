@@ -63,15 +63,6 @@ class FlopModel:
                 + 3.5 * 4.0 * self.num_heads * self.head_dim * visible_keys * self.num_layers)
 
 
-def visible_keys_for_blocks(anchors: "list[int] | Any", *, block_size: int) -> int:
-    """Sum over the block tokens of the keys they see: each of the B slots of a block at anchor a sees the a
-    context positions before it plus the B slots of its block."""
-    total = 0
-    for a in anchors:
-        total += block_size * (int(a) + block_size)
-    return total
-
-
 class MetricSink:
     """Writes log records to RUN_DIR/metrics.jsonl (append, flushed per record), TensorBoard when importable,
     and a tqdm progress bar on rank 0. Other ranks get a sink that does nothing."""

@@ -25,7 +25,7 @@ from dflash.drafter.attention import BlockLayout, block_attention_mask, dense_ma
 from dflash.errors import ConfigError
 
 __all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "build_packed_blocks", "ce_metrics", "chunked_ce_loss",
-           "decay_weights", "default_gamma", "resolve_gamma", "dense_mask", "packed_layout", "packed_layout_flat", "sample_anchors"]
+           "decay_weights", "default_gamma", "expected_blocks", "resolve_gamma", "supervised_slots", "visible_keys", "dense_mask", "packed_layout", "packed_layout_flat", "sample_anchors"]
 
 IGNORE_INDEX = -100
 """Label of block slots past the end of the sequence (their weight is 0 as well)."""
@@ -59,6 +59,27 @@ def sample_anchors(loss_mask_S: torch.Tensor, *, num_anchors: int = 512,
     n = min(num_anchors, candidates.numel())
     perm = torch.randperm(candidates.numel(), generator=generator, device=generator.device)[:n]
     return candidates[perm.to(candidates.device)].sort().values
+
+
+def expected_blocks(loss_tokens: np.ndarray, *, num_anchors: int) -> np.ndarray:
+    """Blocks a sample of `loss_tokens` response tokens gets, float64 [N]: min(num_anchors, valid anchors),
+    with a single response span's loss_tokens - 1 valid anchors (sample_anchors' rule, without the mask)."""
+    return np.clip(np.asarray(loss_tokens, dtype=np.float64) - 1, 0, num_anchors)
+
+
+def supervised_slots(loss_mask_S: np.ndarray, anchors_J: np.ndarray, *, block_size: int) -> int:
+    """Block slots with a nonzero loss weight (build_blocks' weights_JB > 0), counted on the host: slot k >= 1
+    of the block at anchor a is supervised iff a + k < S and loss_mask[a + k]."""
+    pos_JW = np.asarray(anchors_J)[:, None] + np.arange(1, block_size)[None]
+    inside = pos_JW < len(loss_mask_S)
+    return int(np.asarray(loss_mask_S)[pos_JW[inside]].astype(bool).sum())
+
+
+def visible_keys(anchors_J: np.ndarray, *, block_size: int) -> int:
+    """Keys the block tokens attend to, summed over them (one layer): each of the B slots of the block at
+    anchor a sees the a context positions before it (block_attention_mask) and the B slots of its block."""
+    a = np.asarray(anchors_J, dtype=np.int64)
+    return int(block_size * (a.sum() + block_size * len(a)))
 
 
 def decay_weights(*, block_size: int, gamma: float) -> torch.Tensor:

@@ -205,11 +205,12 @@ def cpu_time_warning(*, cfg: TrainConfig, dc: "DrafterConfig", lengths: np.ndarr
     The estimate is metrics.FlopModel over one epoch's block tokens (each sample gets min(num_anchors, loss
     tokens - 1) blocks), scaled to total_steps, at `flops_per_s` (the caller measures a CPU matmul)."""
     from dflash.train.metrics import FlopModel
+    from dflash.train.objective import expected_blocks
 
     if cfg.num_anchors * dc.block_size < GPU_SIZED_BLOCK_TOKENS:
         return None
     B = dc.block_size
-    blocks_N = np.clip(np.asarray(loss_tokens, dtype=np.float64) - 1, 0, cfg.num_anchors)
+    blocks_N = expected_blocks(loss_tokens, num_anchors=cfg.num_anchors)
     block_tokens = float(B * blocks_N.sum())
     context = float(np.asarray(lengths, dtype=np.float64).sum())
     # a block at anchor a sees a context keys + B block keys; anchors are spread over the sequence (mean a ~ S/2)

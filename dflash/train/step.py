@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from dflash.train.fused_ce import fused_ce_loss
 from dflash.train.loader import MicroBatch, anchor_seed
-from dflash.train.objective import build_packed_blocks, chunked_ce_loss, packed_layout_flat, sample_anchors
+from dflash.train.objective import (build_packed_blocks, chunked_ce_loss, packed_layout_flat, sample_anchors,
+                                   supervised_slots, visible_keys)
 
 if TYPE_CHECKING:
     from dflash.cache.reader import PackedSamples
@@ -59,18 +60,14 @@ def host_anchors(packed: "PackedSamples", epoch: int, *, seed: int, num_anchors:
     batch composition and resume point. Runs in a loader thread on CPU tensors."""
     loss_mask_T = np.asarray(packed.loss_mask)
     offset, anchors, counts, supervised, visible = 0, [], [], 0, 0
-    slots_B1 = np.arange(1, block_size)
     for sid, n in zip(np.asarray(packed.sample_ids).tolist(), np.asarray(packed.lengths).tolist()):
         mask_S = loss_mask_T[offset:offset + n]
         g = torch.Generator().manual_seed(anchor_seed(seed=seed, epoch=epoch, sample_id=int(sid)))
         a_J = sample_anchors(torch.from_numpy(mask_S.astype(np.bool_)), num_anchors=num_anchors, generator=g)
         anchors.append(a_J)
         counts.append(int(a_J.numel()))
-        a = a_J.numpy()
-        pos = a[:, None] + slots_B1[None]
-        inside = pos < n
-        supervised += int(mask_S[pos[inside]].astype(bool).sum())
-        visible += int(block_size * (a.sum() + block_size * len(a)))
+        supervised += supervised_slots(mask_S, a_J.numpy(), block_size=block_size)
+        visible += visible_keys(a_J.numpy(), block_size=block_size)
         offset += n
     anchors_J = torch.cat(anchors) if anchors else torch.zeros(0, dtype=torch.int64)
     if pin:

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from dflash.errors import ConfigError
 from dflash.train.objective import (IGNORE_INDEX, block_attention_mask, build_blocks, build_packed_blocks,
                                     chunked_ce_loss,
-                                    decay_weights, default_gamma, dense_mask, packed_layout, packed_layout_flat,
-                                    sample_anchors)
+                                    decay_weights, default_gamma, dense_mask, expected_blocks, packed_layout,
+                                    packed_layout_flat, resolve_gamma, sample_anchors, supervised_slots,
+                                    visible_keys)
 
 PAPER_DECAY_GAMMA7 = [1.000, 0.867, 0.751, 0.651, 0.565, 0.490, 0.424, 0.368, 0.319, 0.276, 0.240, 0.208,
                       0.180, 0.156, 0.135]
@@ -169,6 +170,28 @@ def test_block_attention_mask_semantics():
                                 kv_block=t(-1)).item()
     assert not block_attention_mask(q_seq=t(0), q_anchor=t(3), q_block=t(1), kv_seq=t(0), kv_pos=t(3),
                                     kv_block=t(-1)).item()
+
+
+def test_host_counts_are_the_rules_of_the_blocks_and_the_mask():
+    """supervised_slots = build_blocks' weights > 0; visible_keys = the dense mask's True entries of the block
+    rows; expected_blocks = sample_anchors' count for one response span."""
+    g = gen(3)
+    S, B = 40, 5
+    ids = torch.randint(0, 50, (S,), generator=g)
+    mask = torch.ones(S, dtype=torch.bool)
+    mask[:7] = False
+    mask[20:23] = False
+    anchors = sample_anchors(mask, num_anchors=9, generator=g)
+    blk = build_blocks(ids, mask, anchors, block_size=B, mask_token_id=1)
+    assert supervised_slots(mask.numpy(), anchors.numpy(), block_size=B) == int((blk.weights_JB > 0).sum()) > 0
+    m = dense_mask(packed_layout(lengths=[S], anchors=[anchors], block_size=B))
+    assert visible_keys(anchors.numpy(), block_size=B) == int(m.sum())
+    one_span = torch.zeros(S, dtype=torch.bool)
+    one_span[10:30] = True
+    for n in (5, 19, 100):
+        a = sample_anchors(one_span, num_anchors=n, generator=gen(0))
+        assert expected_blocks(one_span.sum().numpy(), num_anchors=n) == len(a)
+    assert resolve_gamma(None, block_size=16) == default_gamma(16) == 7.0 and resolve_gamma(2.5, block_size=16) == 2.5
 
 
 # --------------------------------------------------------------------------------------------------- CE
