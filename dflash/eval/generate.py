@@ -23,10 +23,10 @@ from typing import Callable, Sequence
 
 from dflash.errors import ConfigError, DataError
 from dflash.eval.prompts import Prompt, PromptSkips, iter_prompts
+from dflash.generate.decode import (DecodeConfig, GreedyDecoder, chat_end_token_id, split_at_stop,  # noqa: F401
+                                    stop_token_ids)
+from dflash.generate.turns import GENERATE_FIELD, render_prompt_ids  # noqa: F401
 from dflash.target.identity import target_config_hash
-
-GENERATE_FIELD = "dflash_generate"
-"""Per-record field that marks a conversation as produced by `dflash generate` (docs/INTERFACES.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +41,8 @@ class GenerateConfig:
     """Extra chat-template arguments, e.g. {"enable_thinking": False} for --no-thinking."""
     limit: int | None = None
     """Use only the first `limit` usable prompts of the file."""
+    backend: str = "auto"
+    """dflash.generate.decode backend: "eager", "static" or "auto" (static, compiled, on CUDA; eager elsewhere)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -66,98 +68,28 @@ class Generation:
     """response_ids decoded without the stop token (special tokens inside the response are kept)."""
 
 
-def chat_end_token_id(tokenizer, template_kwargs: dict) -> int | None:
-    """The token the chat template puts right after an assistant message (ChatML <|im_end|>, Llama-3 <|eot_id|>),
-    found by rendering a dummy exchange; None when the template ends the turn with plain text."""
-    marker = "DFLASHMARKER"
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
-            tokenize=False, **template_kwargs)
-    except Exception:  # templates may reject the dummy chat (e.g. need a system turn); fall back to eos only
-        return None
-    if marker not in text:
-        return None
-    suffix = text.split(marker, 1)[1]
-    ids = tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else []
-    if not ids:
-        return None
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}).keys())
-    return int(ids[0]) if ids[0] in special else None
-
-
-def stop_token_ids(tokenizer, generation_config, template_kwargs: dict) -> tuple[int, ...]:
-    """All ids that end a response: tokenizer eos, generation-config eos (int or list), chat end-of-turn."""
-    ids: list[int] = []
-    gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
-    for x in (tokenizer.eos_token_id, gen_eos, chat_end_token_id(tokenizer, template_kwargs)):
-        for i in (x if isinstance(x, (list, tuple)) else [x]):
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    if not ids:
-        raise ConfigError("the tokenizer defines no eos token and the chat template no end-of-turn token: "
-                          "cannot tell where a response ends")
-    return tuple(ids)
-
-
-def render_prompt_ids(tokenizer, messages: Sequence[dict], template_kwargs: dict) -> list[int]:
-    """Chat template with the generation prompt, tokenized without extra special tokens (the template has them)."""
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
-                                         **template_kwargs)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def split_at_stop(generated: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], str]:
-    """Cut one generated row after its first stop token: (ids incl. the stop token, 'eos'), else (all, 'length')."""
-    stops = set(stop_ids)
-    for k, t in enumerate(generated):
-        if t in stops:
-            return list(generated[: k + 1]), "eos"
-    return list(generated), "length"
-
-
 def generate_greedy(model, tokenizer, prompts: Sequence[Prompt], *, cfg: GenerateConfig,
                     on_batch: Callable[[list[Generation]], None] | None = None) -> list[Generation]:
     """Greedy responses for `prompts` (returned in the given order). `on_batch` sees each finished batch."""
-    import torch
-    from transformers import GenerationConfig
-
     stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None), cfg.template_kwargs)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=False, num_beams=1,
-                               eos_token_id=list(stop_ids), pad_token_id=pad_id)
-    device = next(model.parameters()).device
+    decoder = GreedyDecoder(model, stop_ids=stop_ids, pad_id=pad_id,
+                            cfg=DecodeConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                             backend=cfg.backend))
     prompt_ids = [render_prompt_ids(tokenizer, p.messages, cfg.template_kwargs) for p in prompts]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
-    results: list[Generation | None] = [None] * len(prompts)
-    for b in range(0, len(order), cfg.batch_size):
-        idx = order[b: b + cfg.batch_size]
-        width = max(len(prompt_ids[i]) for i in idx)
-        # left padding: every row's last prompt token sits at the same column, so new tokens line up
-        ids_BS = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        att_BS = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            n = len(prompt_ids[i])
-            ids_BS[r, width - n:] = torch.tensor(prompt_ids[i])
-            att_BS[r, width - n:] = 1
-        with torch.no_grad():
-            out_BS = model.generate(input_ids=ids_BS.to(device), attention_mask=att_BS.to(device),
-                                    generation_config=gen_cfg)
-        batch: list[Generation] = []
-        for r, i in enumerate(idx):
-            resp, reason = split_at_stop(out_BS[r, width:].tolist(), stop_ids)
-            body = resp[:-1] if reason == "eos" else resp
-            g = Generation(prompt=prompts[i], prompt_ids=prompt_ids[i], response_ids=resp, stop_reason=reason,
-                           text=tokenizer.decode(body, skip_special_tokens=False))
-            results[i] = g
-            batch.append(g)
-        if on_batch is not None:
-            on_batch(batch)
-    assert all(r is not None for r in results)
-    return results  # type: ignore[return-value]
+    decoded = decoder.decode(prompt_ids)
+    results = []
+    for p, ids, d in zip(prompts, prompt_ids, decoded):
+        body = d.response_ids[:-1] if d.stop_reason == "eos" else d.response_ids
+        results.append(Generation(prompt=p, prompt_ids=ids, response_ids=d.response_ids, stop_reason=d.stop_reason,
+                                  text=tokenizer.decode(body, skip_special_tokens=False)))
+    if on_batch is not None:
+        on_batch(results)
+    return results
 
 
-def generation_record(g: Generation, *, target: str, config_hash: str | None, cfg: GenerateConfig) -> dict:
+def generation_record(g: Generation, *, target: str, config_hash: str | None, cfg: GenerateConfig,
+                      dtype: str | None = None) -> dict:
     """One output line (docs/INTERFACES.md, "dflash generate records"): the conversation for people and
     chat-template readers, the exact ids as the pre-tokenized `input_ids`/`loss_mask` form that
     dflash.data prefers over `messages`, and the `dflash_generate` marker that makes the cache target_greedy."""
@@ -168,6 +100,7 @@ def generation_record(g: Generation, *, target: str, config_hash: str | None, cf
         GENERATE_FIELD: {
             "target": target,
             "target_config_hash": config_hash,
+            "dtype": dtype,
             "greedy": True,
             "max_new_tokens": cfg.max_new_tokens,
             "template_kwargs": dict(cfg.template_kwargs),

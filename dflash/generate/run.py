@@ -1,0 +1,322 @@
+"""The `dflash generate` driver: conversations in, regenerated conversations out, resumable.
+
+The conversations (in input order) are cut into chunks of `chunk_conversations`; a chunk is regenerated
+round by round (round r decodes turn r of every conversation of the chunk still going, in length-sorted
+batches) and committed as one shard (dflash.generate.output). The batches depend on the chunk's conversations
+only, so a resumed run redoes an uncommitted chunk exactly as an uninterrupted run would. Tradeoff: a bigger
+chunk sorts more prompts together (less padding, fuller late rounds) but loses more work to a kill.
+
+A conversation ends early, keeping the turns done, when its next prompt leaves no room under max_length
+(over_length) or the template rewrites the history (template_prefix_mismatch); a conversation whose first
+prompt is already too long is skipped (prompt_over_length). Both are counted by reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from dflash.data.skips import SkipCounter
+from dflash.errors import ConfigError
+from dflash.generate.conversations import TURN_MODES, Conversation, load_conversations
+from dflash.generate.turns import TurnState, conversation_record, render_prompt_ids, transition_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenerateConfig:
+    """One `dflash generate` job (everything but device placement goes into the job fingerprint)."""
+
+    model: str
+    """Target model: local HF folder."""
+    output: str
+    """Output .jsonl or .jsonl.gz; its parts folder OUTPUT.parts holds the shards until the end."""
+    data: tuple[str, ...] = ()
+    """Conversation data files (formats of dflash.data); exclusive with prompts."""
+    prompts: str | None = None
+    """A prompt file (MT-Bench, HumanEval, chats; dflash.generate.conversations)."""
+    turns: str | None = None
+    """"all", "first" or "last"; None: "all" for data, "first" for a prompt file (eval prompts are turn 1)."""
+    max_new_tokens: int = 512
+    """Most tokens generated per turn (the stop token counts)."""
+    max_length: int = 4096
+    """Most tokens of a whole regenerated conversation (prompts + responses)."""
+    batch_size: int = 64
+    """Most prompts per decode batch."""
+    chunk_conversations: int = 1024
+    """Conversations per committed shard (the unit of resume)."""
+    backend: str = "auto"
+    """Decode backend (dflash.generate.decode): "eager", "static" or "auto" (static on CUDA)."""
+    template_kwargs: dict = field(default_factory=dict)
+    """Extra chat-template arguments, e.g. {"enable_thinking": False}."""
+    limit: int | None = None
+    """Use only the first `limit` usable conversations."""
+    dtype: str | None = None
+    """Target dtype; None: bfloat16 on CUDA, float32 on CPU."""
+    device: str | None = None
+    """cuda / cpu; None: cuda when available."""
+    overwrite: bool = False
+    """Replace an existing output of another job."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_length", "batch_size", "chunk_conversations"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.turns is not None and self.turns not in TURN_MODES:
+            raise ConfigError(f"turns={self.turns!r}: choose one of {', '.join(TURN_MODES)}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit={self.limit}: must be >= 1 (or unset for all conversations)")
+
+    @property
+    def turn_mode(self) -> str:
+        return self.turns or ("all" if self.data else "first")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenerateStats:
+    """What one run produced (totals over every chunk of the job, resumed ones included)."""
+
+    output: str
+    records: int
+    turns: int
+    """Responses generated."""
+    stopped_at_eos: int
+    hit_max_tokens: int
+    response_tokens: int
+    skipped: dict
+    """Conversations not written, by reason (unreadable records, prompt_over_length, template_error, ...)."""
+    truncated: dict
+    """Conversations ended before their last turn, by reason (over_length, template_prefix_mismatch)."""
+    resumed_chunks: int
+    """Chunks found committed by an earlier run."""
+    already_complete: bool
+    seconds: float
+
+    def summary(self) -> str:
+        sk = ", ".join(f"{r}={n}" for r, n in sorted(self.skipped.items())) or "none"
+        tr = ", ".join(f"{r}={n}" for r, n in sorted(self.truncated.items())) or "none"
+        head = "already complete (same job): " if self.already_complete else ""
+        return (f"{head}{self.records} conversations, {self.turns} responses ({self.stopped_at_eos} stopped at eos, "
+                f"{self.hit_max_tokens} hit the token limit), {self.response_tokens} response tokens in "
+                f"{self.output}; skipped: {sk}; truncated: {tr}")
+
+
+def _add(acc: dict, key: str, n: int = 1) -> None:
+    acc[key] = acc.get(key, 0) + n
+
+
+def first_messages(conv: Conversation, mode: str) -> list[dict]:
+    """The chat before the first regenerated reply: the first turn's prompt, or (last) the source history."""
+    msgs = [dict(m) for m in conv.system]
+    if mode == "last":
+        for t in conv.turns[:-1]:
+            msgs.extend(dict(m) for m in t.prompt)
+            if t.reply is not None:
+                msgs.append({"role": "assistant", "content": t.reply})
+        msgs.extend(dict(m) for m in conv.turns[-1].prompt)
+    else:
+        msgs.extend(dict(m) for m in conv.turns[0].prompt)
+    return msgs
+
+
+DecodeFn = Callable[[list[list[int]], list[int]], list]
+"""(prompt ids per row, token budget per row) -> dflash.generate.decode.Decoded per row, in order."""
+
+
+def regenerate_chunk(convs: Sequence[Conversation], *, decode: DecodeFn, tokenizer, mode: str, max_new_tokens: int,
+                     max_length: int, template_kwargs: dict, end_id: int | None, meta: dict
+                     ) -> tuple[list[dict], dict]:
+    """Records of one chunk (input order) and its stats {records, turns, eos, length, response_tokens,
+    skipped, truncated}. Round r decodes turn r of every conversation still going."""
+    stats: dict = {"records": 0, "turns": 0, "eos": 0, "length": 0, "response_tokens": 0, "skipped": {},
+                   "truncated": {}}
+    end_token = tokenizer.convert_ids_to_tokens(end_id) if end_id is not None else None
+    states: list[TurnState | None] = [None] * len(convs)
+    ended = [False] * len(convs)
+    for r in range(max(c.num_generated(mode) for c in convs)):
+        rows: list[tuple[int, list[int], list[dict], int]] = []  # conversation, new ids, new messages, budget
+        for k, conv in enumerate(convs):
+            if ended[k] or r >= conv.num_generated(mode):
+                continue
+            st = states[k]
+            if r == 0:
+                msgs = first_messages(conv, mode)
+                try:
+                    new_ids = render_prompt_ids(tokenizer, msgs, template_kwargs)
+                except Exception as e:  # a template that rejects this chat (roles, missing system turn)
+                    log.debug("%s: template error %s", conv.location, e)
+                    _add(stats["skipped"], "template_error")
+                    ended[k] = True
+                    continue
+                st = states[k] = TurnState(messages=[])
+            else:
+                msgs = [dict(m) for m in conv.turns[r].prompt]
+                new_ids = transition_ids(tokenizer, history=st.messages, next_messages=msgs, end_token=end_token,
+                                         template_kwargs=template_kwargs)
+                if new_ids is None:
+                    _add(stats["truncated"], "template_prefix_mismatch")
+                    ended[k] = True
+                    continue
+            budget = min(max_new_tokens, max_length - len(st.ids) - len(new_ids))
+            if budget < 1:
+                _add(stats["skipped" if r == 0 else "truncated"], "prompt_over_length" if r == 0 else "over_length")
+                ended[k] = True
+                continue
+            rows.append((k, new_ids, msgs, budget))
+        if not rows:
+            break
+        decoded = decode([states[k].ids + new_ids for k, new_ids, _, _ in rows], [b for *_, b in rows])
+        for (k, new_ids, msgs, _), d in zip(rows, decoded):
+            st = states[k]
+            st.add_prompt(new_ids)
+            st.messages.extend(msgs)
+            body = d.response_ids[:-1] if d.stop_reason == "eos" else d.response_ids
+            st.add_response(d.response_ids, stop_reason=d.stop_reason,
+                            text=tokenizer.decode(body, skip_special_tokens=False))
+            _add(stats, d.stop_reason)
+            stats["turns"] += 1
+            stats["response_tokens"] += len(d.response_ids)
+            if r + 1 < convs[k].num_generated(mode):
+                st.close_turn(end_id)
+    records = []
+    for conv, st in zip(convs, states):
+        if st is not None and st.turns:
+            records.append(conversation_record(st, meta=meta, location=conv.location, record_id=conv.record_id))
+    stats["records"] = len(records)
+    return records, stats
+
+
+def model_fingerprint(model_dir: str) -> dict:
+    """Config hash plus the weight files' names and sizes (hashing the weights of a 27B target would take
+    minutes; a changed checkpoint almost always changes a size or the config)."""
+    from dflash.target.identity import target_config_hash
+
+    p = pathlib.Path(model_dir)
+    weights = sorted((f.name, f.stat().st_size) for f in p.iterdir()
+                     if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")) if p.is_dir() else []
+    return {"path": os.path.abspath(model_dir), "config_hash": target_config_hash(model_dir) if p.is_dir() else None,
+            "weights": [list(w) for w in weights]}
+
+
+def job_of(cfg: RegenerateConfig, *, extra: dict) -> dict:
+    """The job fingerprint: model, inputs with their hashes, and every option that changes the records."""
+    from dflash.extract.preflight import sha256_source
+
+    inputs = list(cfg.data) if cfg.data else [cfg.prompts]
+    return {"model": extra.pop("model"),
+            "inputs": [{"path": os.path.abspath(p), "sha256": sha256_source(p)} for p in inputs],
+            "options": {"turns": cfg.turn_mode, "max_new_tokens": cfg.max_new_tokens, "max_length": cfg.max_length,
+                        "batch_size": cfg.batch_size, "chunk_conversations": cfg.chunk_conversations,
+                        "template_kwargs": dict(cfg.template_kwargs), "limit": cfg.limit, **extra}}
+
+
+def run_chunks(*, cfg: RegenerateConfig, convs: list[Conversation], out, process_chunk, read_skips: SkipCounter,
+               progress: bool, t0: float) -> RegenerateStats:
+    """Process the uncommitted chunks in order, commit each, merge at the end; totals over all chunks."""
+    from tqdm import tqdm
+
+    size = cfg.chunk_conversations
+    chunks = [convs[i: i + size] for i in range(0, len(convs), size)]
+    mode = cfg.turn_mode
+    planned = [sum(c.num_generated(mode) for c in ch) for ch in chunks]
+    done_turns = sum(p for i, p in enumerate(planned) if i in out.committed)
+    bar = tqdm(total=sum(planned), initial=done_turns, unit="turn", desc="generate", disable=not progress,
+               dynamic_ncols=True)
+    counts = {"records": 0, "tokens": 0}
+    resumed = len(out.committed)
+    start = time.perf_counter()
+
+    def on_batch(rows: int, tokens: int) -> None:
+        counts["tokens"] += tokens
+        bar.update(rows)
+        dt = max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix_str(f"{counts['records'] / dt:.1f} rec/s, {counts['tokens'] / dt:,.0f} tok/s")
+
+    for i, chunk in enumerate(chunks):
+        if i in out.committed:
+            continue
+        records, stats = process_chunk(chunk, on_batch)
+        out.commit(i, records, stats)
+        counts["records"] += len(records)
+        bar.update(planned[i] - stats["turns"])  # turns that ended early were planned but never decoded
+    bar.close()
+    totals: dict = {"records": 0, "turns": 0, "eos": 0, "length": 0, "response_tokens": 0, "skipped": {},
+                    "truncated": {}}
+    for i in range(len(chunks)):
+        st = out.committed[i]["stats"]
+        for k in ("records", "turns", "eos", "length", "response_tokens"):
+            totals[k] += st[k]
+        for k in ("skipped", "truncated"):
+            for reason, n in st[k].items():
+                _add(totals[k], reason, n)
+    for reason, n in read_skips.counts.items():
+        _add(totals["skipped"], reason, n)
+    stats = _stats(cfg, totals, resumed_chunks=resumed, complete=False, t0=t0)
+    out.finish(num_chunks=len(chunks), summary={"totals": totals})
+    return stats
+
+
+def _stats(cfg: RegenerateConfig, totals: dict, *, resumed_chunks: int, complete: bool, t0: float) -> RegenerateStats:
+    return RegenerateStats(output=cfg.output, records=totals["records"], turns=totals["turns"],
+                           stopped_at_eos=totals["eos"], hit_max_tokens=totals["length"],
+                           response_tokens=totals["response_tokens"], skipped=dict(totals["skipped"]),
+                           truncated=dict(totals["truncated"]), resumed_chunks=resumed_chunks,
+                           already_complete=complete, seconds=time.perf_counter() - t0)
+
+
+def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[str], None] = print
+               ) -> RegenerateStats:
+    """Run (or resume) one job in-process on the target; returns the totals."""
+    import torch
+
+    from dflash.generate.decode import DecodeConfig, GreedyDecoder, chat_end_token_id, resolve_backend, stop_token_ids
+    from dflash.generate.output import ShardedOutput
+    from dflash.target.load import check_model_path
+
+    t0 = time.perf_counter()
+    model_dir = check_model_path(cfg.model)
+    read_skips = SkipCounter()
+    convs = load_conversations(data=cfg.data, prompts=cfg.prompts, limit=cfg.limit, skips=read_skips)
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # bf16 is what serving runs on GPU; fp32 on CPU keeps tests exact and CPU bf16 matmuls are slow anyway
+    dtype = cfg.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    backend = resolve_backend(cfg.backend, torch.device(device).type)
+    mfp = model_fingerprint(model_dir)
+    out = ShardedOutput(cfg.output, job=job_of(cfg, extra={"model": mfp, "dtype": dtype, "backend": backend}),
+                        overwrite=cfg.overwrite)
+    if out.complete is not None:
+        return _stats(cfg, out.complete["totals"], resumed_chunks=out.complete["chunks"], complete=True, t0=t0)
+    if not convs:
+        raise ConfigError(f"no usable conversations in the input ({read_skips.summary()})")
+    if out.committed:
+        echo(f"resuming: {len(out.committed)} chunks of {cfg.chunk_conversations} conversations already committed")
+    from dflash.target.load import load_target
+
+    model, tokenizer = load_target(model_dir, device=device, dtype=getattr(torch, dtype))
+    stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None), cfg.template_kwargs)
+    end_id = chat_end_token_id(tokenizer, cfg.template_kwargs)
+    if cfg.turn_mode == "all" and end_id is None and any(len(c.turns) > 1 for c in convs):
+        raise ConfigError(f"the chat template of {cfg.model} ends a turn with no special token, so later turns "
+                          "cannot extend the generated ids exactly; use --turns first or --turns last")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    decoder = GreedyDecoder(model, stop_ids=stops, pad_id=pad,
+                            cfg=DecodeConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                             backend=backend))
+    meta = {"target": cfg.model, "target_config_hash": mfp["config_hash"], "dtype": dtype, "greedy": True,
+            "backend": backend, "max_new_tokens": cfg.max_new_tokens, "max_length": cfg.max_length,
+            "turn_mode": cfg.turn_mode, "template_kwargs": dict(cfg.template_kwargs)}
+
+    def process(chunk, on_batch):
+        return regenerate_chunk(chunk, decode=lambda p, b: decoder.decode(p, budgets=b, on_batch=on_batch),
+                                tokenizer=tokenizer, mode=cfg.turn_mode, max_new_tokens=cfg.max_new_tokens,
+                                max_length=cfg.max_length, template_kwargs=cfg.template_kwargs, end_id=end_id,
+                                meta=meta)
+
+    return run_chunks(cfg=cfg, convs=convs, out=out, process_chunk=process, read_skips=read_skips,
+                      progress=progress, t0=t0)
+
