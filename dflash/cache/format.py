@@ -60,6 +60,10 @@ class Fingerprint:
     """Chat-template kwargs, e.g. {"enable_thinking": False}."""
     target_greedy: bool = False
     """Responses are the target's greedy outputs (dflash generate)."""
+    target_weights_hash: str = ""
+    """sha256 over the target's weight files (dflash.target.identity.target_weights_hash): weights replaced in
+    place under the same config.json are another target. "" = unknown: caches written before this field (format
+    version 1 all the same: readers ignore it), or a target without local weight files."""
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_DTYPES:

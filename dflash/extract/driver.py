@@ -166,6 +166,8 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
         echo(f"taps: {list(pre.fingerprint.tap_layer_ids)}, storage {cfg.storage}, target_greedy "
              f"{pre.fingerprint.target_greedy} ({pre.target_greedy_reason})")
         echo(pre.tokenize_text)
+        if pre.fingerprint_note:
+            echo(pre.fingerprint_note)
     try:
         check_free_space(cfg.output, needed_bytes=pre.cache_bytes.total)
     except Exception:

@@ -7,6 +7,7 @@ the ranks and stored in CACHE/_tokenized (dflash.extract.tokenized), so a rerun 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -19,7 +20,7 @@ from dflash.cache.format import Fingerprint
 from dflash.errors import ConfigError
 from dflash.extract.plan import ExtractPlan, extraction_batches, make_plan
 from dflash.extract.space import CacheBytes, estimate_cache_bytes
-from dflash.target.identity import chat_template_hash, tokenizer_hash
+from dflash.target.identity import chat_template_hash, target_weights_hash, tokenizer_hash
 from dflash.target.identity import target_config_hash as config_hash
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class Preflight:
     """One line for the report: tokenized or loaded, how long, where stored."""
     created_output: bool = False
     """The output folder did not exist before this run (a refused run removes it again)."""
+    fingerprint_note: str = ""
+    """A line for the report about what the existing cache's fingerprint cannot check ("" if nothing)."""
 
 
 def sha256_file(path: Path, *, chunk: int = 1 << 22) -> str:
@@ -137,8 +140,16 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
         max_length=cfg.max_length,
         template_kwargs=cfg.template_kwargs,
         target_greedy=greedy,
+        target_weights_hash=target_weights_hash(model_dir),
     )
     existing = open_cache_fingerprint(cfg.output) if os.path.isdir(cfg.output) else None
+    fingerprint_note = ""
+    if existing is not None and not existing.target_weights_hash and fingerprint.target_weights_hash:
+        # A cache from before the weights hash: resumable, but its samples' weights are unknown, so the manifest
+        # keeps claiming nothing about them rather than vouching for the old samples with today's weights.
+        fingerprint = dataclasses.replace(fingerprint, target_weights_hash="")
+        fingerprint_note = ("note: this cache records no target_weights_hash (written by an older dflash): "
+                            "the target's weights cannot be checked against it")
     if existing is not None:
         existing.check_matches(fingerprint)  # CacheMismatchError naming the field
     key = tokenization_key(sources=fingerprint.sources, paths=list(cfg.data),
@@ -170,7 +181,7 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     return Preflight(config=config, tokenizer=tokenizer, fingerprint=fingerprint, samples=samples, skips=skips,
                      plan=plan, cache_bytes=cache_bytes, target_greedy_reason=greedy_reason,
                      tokenize_seconds=tok.seconds, tokenize_text=_tokenize_text(tok, len(samples)),
-                     created_output=created_output)
+                     created_output=created_output, fingerprint_note=fingerprint_note)
 
 
 def _tokenize_text(tok, num_samples: int) -> str:

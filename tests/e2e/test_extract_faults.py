@@ -90,3 +90,52 @@ def test_second_extract_on_one_output_fails_at_once_naming_the_holder(tiny, tmp_
     assert ids_committed(out) == list(range(NUM_GOOD))  # no sample twice
     assert len(CacheReader(out)) == NUM_GOOD
     assert read_lock_holder(out) is None  # released on exit
+
+
+def extract_cfg(model, data, out, **kw):
+    from dflash.extract.driver import ExtractConfig
+
+    return ExtractConfig(model=model, data=(str(data),), output=str(out), taps=(0, 2, 4), max_length=192,
+                         batch_tokens=384, shard_tokens=160, show_progress=False, **kw)
+
+
+def extract(model, data, out, **kw):
+    from dflash.extract.launch import launch
+
+    lines: list[str] = []
+    res = launch(extract_cfg(model, data, out, **kw), num_procs=1, echo=lines.append)
+    return res, "\n".join(lines)
+
+
+def test_resume_with_other_weights_in_place_is_refused(tiny, tmp_path):
+    import shutil
+
+    from dflash.errors import CacheMismatchError
+    from dflash.target.testing import tiny_qwen35_dir
+
+    model0, data = tiny
+    model = tmp_path / "model"
+    shutil.copytree(model0, model)
+    out = tmp_path / "cache"
+    extract(str(model), data, out)
+    other = tiny_qwen35_dir(tmp_path / "other", seed=7)  # same config.json and tokenizer
+    shutil.copyfile(other / "model.safetensors", model / "model.safetensors")
+    with pytest.raises(CacheMismatchError) as e:
+        extract(str(model), data, out)
+    assert e.value.field == "target_weights_hash"
+
+
+def test_cache_without_weights_hash_stays_readable_and_resumable(tiny, tmp_path):
+    model, data = tiny
+    out = tmp_path / "cache"
+    extract(model, data, out)
+    # A cache written before the field existed: its manifest has no target_weights_hash.
+    m = json.loads((out / "manifest.json").read_text())
+    del m["fingerprint"]["target_weights_hash"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert len(CacheReader(out)) == NUM_GOOD
+    res, text = extract(model, data, out)
+    assert res.num_committed_before == NUM_GOOD and res.num_samples == 0
+    assert "target_weights_hash" in text  # says the weights cannot be checked
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["fingerprint"].get("target_weights_hash", "") == ""  # no claim about weights it never checked
