@@ -10,9 +10,10 @@ available at inference, method doc 2) and (b) all B slots of its own block; noth
 dense path (evaluated on [q, k] index grids) and flex attention's mask_mod (evaluated on scalar indices).
 
 Tradeoff: the dense path (SDPA + boolean mask, CPU, and any device without flex) processes queries in
-chunks of whole blocks and keeps only the context keys plus the chunk's own block keys (other blocks are
-never visible), so memory is O(chunk * (C + chunk)) instead of O(Q * (C + Q)); each chunk is
-checkpointed so the attention probabilities are not kept for backward. Flex attention (CUDA) skips the
+chunks of whole blocks and keeps only the context keys of the chunk's own sequences (below their anchors)
+plus the chunk's own block keys (nothing else is visible), so compute and memory are O(chunk * (C_seq +
+chunk)) per chunk instead of O(Q * (C + Q)); the backward recomputes each chunk's probabilities, so they are
+not kept for backward. Flex attention (CUDA) skips the
 masked-out tiles entirely and is the fast path; torch 2.13 has no CPU backward for it.
 """
 
@@ -22,8 +23,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from dflash.errors import ConfigError
 
@@ -101,31 +100,128 @@ def dense_mask(layout: BlockLayout) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- dense path
 
-def _sdpa_chunk(q_hqd, k_hkd, v_hkd, q_seq, q_anchor, q_block, kv_seq, kv_pos, kv_block):
-    mask_qk = block_attention_mask(q_seq=q_seq[:, None], q_anchor=q_anchor[:, None], q_block=q_block[:, None],
-                                   kv_seq=kv_seq[None], kv_pos=kv_pos[None], kv_block=kv_block[None])
-    return F.scaled_dot_product_attention(q_hqd[None], k_hkd[None], v_hkd[None], attn_mask=mask_qk,
-                                          enable_gqa=True)[0]
+def visible_context_bound(layout: BlockLayout, j0: int, j1: int) -> torch.Tensor:
+    """bool [C]: the context keys that any of blocks j0..j1-1 may see: positions of their own sequences below
+    that sequence's largest anchor among them. Exactly the union of the rows' visible context (a query of
+    sequence s sees positions < its anchor), so a chunk attends to O(C_seq) context keys, not all C."""
+    seq_j, anchor_j = layout.block_seq_J[j0:j1], layout.anchor_J[j0:j1]
+    num_seq = int(torch.maximum(layout.ctx_seq_C.max(), seq_j.max())) + 1 if layout.num_ctx else 0
+    bound_S = torch.zeros(num_seq, dtype=torch.int64, device=seq_j.device)
+    bound_S.scatter_reduce_(0, seq_j, anchor_j.to(torch.int64), reduce="amax")
+    return layout.ctx_pos_C < bound_S[layout.ctx_seq_C]
+
+
+def _chunk_scores(q_grqd, kc_gcd, kb_gqd, mask_qc, block_size: int, acc: torch.dtype):
+    """Scaled scores against the context keys ([g, rep, q, c], masked to -inf) and against each query's own
+    block keys ([g, rep, q, B]), in the accumulation dtype."""
+    g, rep, nq, d = q_grqd.shape
+    J, B = nq // block_size, block_size
+    s_ctx = (q_grqd @ kc_gcd[:, None].transpose(-1, -2)).to(acc).masked_fill_(~mask_qc, float("-inf"))
+    s_blk = q_grqd.reshape(g, rep, J, B, d) @ kb_gqd.reshape(g, 1, J, B, d).transpose(-1, -2)
+    return s_ctx, s_blk.to(acc).reshape(g, rep, nq, B)
+
+
+class _ChunkAttention(torch.autograd.Function):
+    """Softmax attention of a chunk's queries over [visible context keys; own block's B keys], one softmax
+    over both. g = kv heads (GQA: query head i uses kv head i // (h / g), as SDPA's enable_gqa). The own-block
+    part is block-diagonal, so it is computed per block ([J, B, B]), not over the chunk's q x q pairs.
+
+    Why a hand-written backward: autograd over the eager ops (mask, exp, sums, casts) cost more than the whole
+    SDPA backward it replaces; this one keeps only the inputs, the output and the row log-sum-exp and
+    recomputes the probabilities (flash-attention's backward, dense), so no activation checkpoint is needed."""
+
+    @staticmethod
+    def forward(ctx, q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size: int):
+        h, nq, d = q_hqd.shape
+        g = kc_gcd.shape[0]
+        rep, J, B = h // g, nq // block_size, block_size
+        acc = torch.promote_types(q_hqd.dtype, torch.float32)   # softmax in fp32 at least (bf16 training)
+        scale = d ** -0.5
+        q_grqd = q_hqd.reshape(g, rep, nq, d) * scale
+        s_ctx, s_blk = _chunk_scores(q_grqd, kc_gcd, kb_gqd, mask_qc, B, acc)
+        # every row sees its own block, so the row max is finite and exp(-inf - m) = 0 for masked keys
+        m = s_blk.amax(-1, keepdim=True)
+        if s_ctx.shape[-1]:   # blocks anchored at 0 see no context (amax over nothing is an error)
+            m = torch.maximum(m, s_ctx.amax(-1, keepdim=True))
+        p_ctx, p_blk = (s_ctx - m).exp_(), (s_blk - m).exp_()
+        denom = p_ctx.sum(-1, keepdim=True) + p_blk.sum(-1, keepdim=True)
+        dtype = vc_gcd.dtype
+        out = (p_ctx.to(dtype) @ vc_gcd[:, None]).to(acc)
+        out += (p_blk.reshape(g, rep, J, B, B).to(dtype) @ vb_gqd.reshape(g, 1, J, B, d)).to(acc).reshape(
+            g, rep, nq, d)
+        out /= denom
+        lse = m + denom.log()
+        ctx.save_for_backward(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, out, lse)
+        ctx.block_size = block_size
+        return out.to(dtype).reshape(h, nq, d)
+
+    @staticmethod
+    def backward(ctx, dout_hqd):
+        q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, out, lse = ctx.saved_tensors
+        B = ctx.block_size
+        h, nq, d = q_hqd.shape
+        g, c = kc_gcd.shape[0], kc_gcd.shape[1]
+        rep, J = h // g, nq // B
+        acc, scale = out.dtype, d ** -0.5
+        q_grqd = q_hqd.reshape(g, rep, nq, d).to(acc) * scale
+        kc, vc, kb, vb = (t.to(acc) for t in (kc_gcd, vc_gcd, kb_gqd, vb_gqd))
+        s_ctx, s_blk = _chunk_scores(q_grqd, kc, kb, mask_qc, B, acc)
+        p_ctx, p_blk = (s_ctx - lse).exp_(), (s_blk - lse).exp_()
+        do = dout_hqd.reshape(g, rep, nq, d).to(acc)
+        delta = (do * out).sum(-1, keepdim=True)
+        ds_ctx = p_ctx * (do @ vc[:, None].transpose(-1, -2) - delta)                    # [g, rep, q, c]
+        vb_g1JBd = vb.reshape(g, 1, J, B, d)
+        do_grJBd = do.reshape(g, rep, J, B, d)
+        dp_blk = (do_grJBd @ vb_g1JBd.transpose(-1, -2)).reshape(g, rep, nq, B)
+        ds_blk = p_blk * (dp_blk - delta)                                                # [g, rep, q, B]
+        ds_grJBB = ds_blk.reshape(g, rep, J, B, B)
+        dq = ds_ctx @ kc[:, None]
+        dq += (ds_grJBB @ kb.reshape(g, 1, J, B, d)).reshape(g, rep, nq, d)
+        dq *= scale
+        # key-side grads sum over the rep query heads sharing a kv head: fold rep into the row axis
+        dkc = ds_ctx.reshape(g, rep * nq, c).transpose(1, 2) @ q_grqd.reshape(g, rep * nq, d)
+        dvc = p_ctx.reshape(g, rep * nq, c).transpose(1, 2) @ do.reshape(g, rep * nq, d)
+        q_gJrBd = q_grqd.reshape(g, rep, J, B, d).transpose(1, 2).reshape(g, J, rep * B, d)
+        do_gJrBd = do_grJBd.transpose(1, 2).reshape(g, J, rep * B, d)
+        ds_gJrBB = ds_grJBB.transpose(1, 2).reshape(g, J, rep * B, B)
+        p_gJrBB = p_blk.reshape(g, rep, J, B, B).transpose(1, 2).reshape(g, J, rep * B, B)
+        dkb = (ds_gJrBB.transpose(-1, -2) @ q_gJrBd).reshape(g, nq, d)
+        dvb = (p_gJrBB.transpose(-1, -2) @ do_gJrBd).reshape(g, nq, d)
+        return (dq.reshape(h, nq, d).to(q_hqd.dtype), dkc.to(kc_gcd.dtype), dvc.to(vc_gcd.dtype),
+                dkb.to(kb_gqd.dtype), dvb.to(vb_gqd.dtype), None, None)
+
+
+def _chunk_attention(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size: int) -> torch.Tensor:
+    return _ChunkAttention.apply(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size)
+
+
+def _context_mask(q_seq, q_anchor, kv_seq, kv_pos) -> torch.Tensor:
+    """block_attention_mask for context keys only: bool [q, c]."""
+    ctx_block = torch.full((), CONTEXT_BLOCK, device=q_seq.device)
+    return block_attention_mask(q_seq=q_seq[:, None], q_anchor=q_anchor[:, None], q_block=ctx_block + 1,
+                                kv_seq=kv_seq[None], kv_pos=kv_pos[None], kv_block=ctx_block)
 
 
 def dense_block_attention(q_hQd: torch.Tensor, k_hKd: torch.Tensor, v_hKd: torch.Tensor,
                           layout: BlockLayout, *, chunk_tokens: int = 2048) -> torch.Tensor:
-    """SDPA with the block mask, in query chunks of whole blocks. Returns [h, Q, d]."""
+    """Attention with the block mask, in query chunks of whole blocks. Returns [h, Q, d].
+
+    Each chunk attends to the context its own sequences can see (visible_context_bound) and each block to its
+    own B keys: a packed batch of N sequences costs O(Q x (C / N + B)), not O(Q x (C + chunk)) (with 512
+    anchors x 16 a CPU step over several sequences was dominated by scores against other sequences' context
+    and other blocks' keys, all masked). The key selection syncs with the host once per chunk: this path is
+    the CPU / no-flex fallback."""
     C, B = layout.num_ctx, layout.block_size
-    q_seq, q_anchor, q_block = layout.query_meta()
-    kv_seq, kv_pos, kv_block = layout.key_meta()
+    q_seq, q_anchor, _ = layout.query_meta()
     blocks_per_chunk = max(1, chunk_tokens // B)
-    use_ckpt = torch.is_grad_enabled() and (q_hQd.requires_grad or k_hKd.requires_grad)
     outs = []
     for j0 in range(0, layout.num_blocks, blocks_per_chunk):
         j1 = min(j0 + blocks_per_chunk, layout.num_blocks)
-        qs = slice(j0 * B, j1 * B)
-        # Keys: every context token plus this chunk's block tokens; other blocks' keys are never visible.
-        ks = torch.cat([torch.arange(C, device=k_hKd.device),
-                        torch.arange(C + j0 * B, C + j1 * B, device=k_hKd.device)])
-        args = (q_hQd[:, qs], k_hKd[:, ks], v_hKd[:, ks], q_seq[qs], q_anchor[qs], q_block[qs],
-                kv_seq[ks], kv_pos[ks], kv_block[ks])
-        outs.append(checkpoint(_sdpa_chunk, *args, use_reentrant=False) if use_ckpt else _sdpa_chunk(*args))
+        qs, bs = slice(j0 * B, j1 * B), slice(C + j0 * B, C + j1 * B)
+        ks = torch.nonzero(visible_context_bound(layout, j0, j1)).squeeze(1)
+        mask_qc = _context_mask(q_seq[qs], q_anchor[qs], layout.ctx_seq_C[ks], layout.ctx_pos_C[ks])
+        outs.append(_chunk_attention(q_hQd[:, qs], k_hKd[:, ks], v_hKd[:, ks], k_hKd[:, bs], v_hKd[:, bs],
+                                     mask_qc, B))
     return torch.cat(outs, dim=1)
 
 
