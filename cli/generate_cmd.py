@@ -1,31 +1,68 @@
-"""`dflash generate`: the target's greedy responses to a prompt file, as conversations for `dflash extract`."""
+"""`dflash generate`: the target regenerates conversations (or answers prompt files), for `dflash extract`."""
 
 import click
 
 
 @click.command("generate")
-@click.option("--model", "model_path", required=True, help="Target model (local HF folder).")
-@click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False),
-              help="jsonl(.gz) with `messages`, `conversations`, MT-Bench `turns` or `prompt` per line.")
+@click.option("--model", "model_path", default=None,
+              help="Target model (local HF folder); in-process generation. With --endpoint: optional, recorded only.")
+@click.option("--data", "data", multiple=True, type=click.Path(),
+              help="Conversation data (ShareGPT/OpenAI jsonl, json, parquet, arrow); repeatable. Default --turns all.")
+@click.option("--prompts", "prompts_path", default=None, type=click.Path(dir_okay=False),
+              help="Prompt file: jsonl(.gz) with `messages`, `conversations`, MT-Bench `turns` or `prompt` per line. "
+                   "Default --turns first.")
 @click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False),
-              help="Output .jsonl: one conversation per prompt, with the generated ids.")
+              help="Output .jsonl or .jsonl.gz (OUTPUT.parts holds the committed shards until the end).")
+@click.option("--turns", type=click.Choice(["all", "first", "last"]), default=None,
+              help="Which assistant turns to regenerate: all (each conditioned on the regenerated earlier ones), "
+                   "the first, or the last.")
 @click.option("--max-new-tokens", default=512, show_default=True, type=int, help="Most tokens per response.")
-@click.option("--batch-size", default=8, show_default=True, type=int, help="Prompts per generate() call.")
+@click.option("--max-length", default=4096, show_default=True, type=int,
+              help="Most tokens of a regenerated conversation; later turns that do not fit are dropped.")
+@click.option("--batch-size", default=64, show_default=True, type=int, help="Prompts per decode batch.")
+@click.option("--chunk-conversations", default=1024, show_default=True, type=int,
+              help="Conversations per committed shard (the unit a rerun resumes from).")
+@click.option("--backend", type=click.Choice(["auto", "eager", "static"]), default="auto", show_default=True,
+              help="auto: compiled static-cache decode on CUDA, HF eager generate elsewhere.")
 @click.option("--no-thinking", is_flag=True, help="Render the chat template with enable_thinking=False.")
-@click.option("--limit", default=None, type=int, help="Use only the first N usable prompts.")
+@click.option("--limit", default=None, type=int, help="Use only the first N usable conversations.")
 @click.option("--device", default=None, help="cuda / cpu (default: cuda when available).")
 @click.option("--dtype", default=None, type=click.Choice(["bfloat16", "float16", "float32"]),
               help="Target dtype (default: bfloat16 on GPU, float32 on CPU).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
-def command(model_path, prompts_path, output_path, max_new_tokens, batch_size, no_thinking, limit, device, dtype,
-            overwrite) -> None:
-    """Generate the target's greedy (do_sample=False) responses, stopping at eos / end of turn."""
-    from dflash.eval.generate import GenerateConfig, generate_file
+@click.option("--stop-after", default=None, type=float,
+              help="Seconds: start no chunk that would end later (for time-limited jobs); rerun to continue.")
+@click.option("--endpoint", default=None, help="OpenAI-compatible server URL (e.g. http://host:8000/v1).")
+@click.option("--served-model", default=None, help="With --endpoint: the model name the server serves.")
+@click.option("--concurrency", default=8, show_default=True, type=int, help="With --endpoint: requests in flight.")
+@click.option("--request-timeout", default=300.0, show_default=True, type=float,
+              help="With --endpoint: seconds per request.")
+@click.option("--retries", default=4, show_default=True, type=int,
+              help="With --endpoint: retries per request (exponential backoff).")
+@click.option("--max-consecutive-errors", default=8, show_default=True, type=int,
+              help="With --endpoint: stop after this many failed requests in a row.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output of another job.")
+def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, max_length, batch_size,
+            chunk_conversations, backend, no_thinking, limit, device, dtype, stop_after, endpoint, served_model,
+            concurrency, request_timeout, retries, max_consecutive_errors, overwrite) -> None:
+    """Regenerate assistant turns greedily (do_sample=False) with the target, or through a served endpoint."""
+    common = dict(data=tuple(data), prompts=prompts_path, output=output_path, turns=turns,
+                  max_new_tokens=max_new_tokens, max_length=max_length, chunk_conversations=chunk_conversations,
+                  template_kwargs={"enable_thinking": False} if no_thinking else {}, limit=limit, overwrite=overwrite)
+    if endpoint is not None:
+        from dflash.generate.endpoint import EndpointConfig, regenerate_endpoint
 
-    cfg = GenerateConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, limit=limit,
-                         template_kwargs={"enable_thinking": False} if no_thinking else {})
-    stats = generate_file(model_path=model_path, prompts_path=prompts_path, output_path=output_path, cfg=cfg,
-                          device=device, dtype=dtype, overwrite=overwrite)
-    click.echo(f"wrote {stats.prompts} responses to {output_path}: {stats.stopped_at_eos} stopped at eos, "
-               f"{stats.hit_max_tokens} hit --max-new-tokens, {stats.response_tokens} response tokens; "
-               f"{stats.skipped}")
+        if served_model is None:
+            raise click.UsageError("--endpoint needs --served-model (the model name the server serves)")
+        cfg = EndpointConfig(url=endpoint, served_model=served_model, model=model_path, concurrency=concurrency,
+                             request_timeout=request_timeout, retries=retries,
+                             max_consecutive_errors=max_consecutive_errors, **common)
+        stats = regenerate_endpoint(cfg, echo=click.echo, stop_after=stop_after)
+    else:
+        from dflash.generate.run import RegenerateConfig, regenerate
+
+        if model_path is None:
+            raise click.UsageError("--model is required (or --endpoint with --served-model)")
+        cfg = RegenerateConfig(model=model_path, batch_size=batch_size, backend=backend, device=device, dtype=dtype,
+                               **common)
+        stats = regenerate(cfg, echo=click.echo, stop_after=stop_after)
+    click.echo(stats.summary())

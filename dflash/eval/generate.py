@@ -15,14 +15,11 @@ greedy decoding after a near-tie; in fp32 this is rare. The response is still a 
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from dflash.errors import ConfigError, DataError
-from dflash.eval.prompts import Prompt, PromptSkips, iter_prompts
+from dflash.errors import ConfigError
+from dflash.eval.prompts import Prompt
 from dflash.generate.decode import (DecodeConfig, GreedyDecoder, chat_end_token_id, split_at_stop,  # noqa: F401
                                     stop_token_ids)
 from dflash.generate.turns import GENERATE_FIELD, render_prompt_ids  # noqa: F401
@@ -129,38 +126,17 @@ class GenerateStats:
 
 def generate_file(*, model_path: str, prompts_path, output_path, cfg: GenerateConfig, device: str | None = None,
                   dtype: str | None = None, overwrite: bool = False, progress: bool = True) -> GenerateStats:
-    """Reads prompts, generates greedily with the target, writes jsonl conversations atomically (tmp + rename)."""
-    import torch
-    from tqdm import tqdm
+    """Greedy responses to the first turn of each prompt of a prompt file, through the resumable driver
+    (dflash.generate.run): records in prompt-file order, the output written atomically at the end."""
+    from dflash.generate.run import RegenerateConfig, regenerate
 
-    out = pathlib.Path(output_path)
-    if out.exists() and not overwrite:
-        raise DataError(f"output {out} exists; pass --overwrite to replace it")
-    skips = PromptSkips()
-    prompts = list(iter_prompts(prompts_path, skips=skips, limit=cfg.limit))
-    if not prompts:
-        raise DataError(f"no usable prompts in {prompts_path} ({skips.summary()})")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # bf16 is what serving runs on GPU; fp32 on CPU keeps tests exact and CPU bf16 matmuls are slow anyway
-    torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    from dflash.target.load import load_target
-
-    model, tokenizer = load_target(model_path, device=device, dtype=torch_dtype)
-    cfg_hash = target_config_hash(model_path) if os.path.isdir(model_path) else None
-
-    bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress)
-    gens = generate_greedy(model, tokenizer, prompts, cfg=cfg, on_batch=lambda batch: bar.update(len(batch)))
-    bar.close()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:  # in prompt-file order
-        for g in gens:
-            f.write(json.dumps(generation_record(g, target=model_path, config_hash=cfg_hash, cfg=cfg), ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
-    counts = {"eos": 0, "length": 0}
-    for g in gens:
-        counts[g.stop_reason] += 1
-    return GenerateStats(prompts=len(prompts), stopped_at_eos=counts["eos"], hit_max_tokens=counts["length"],
-                         response_tokens=sum(len(g.response_ids) for g in gens), skipped=skips.summary())
+    st = regenerate(RegenerateConfig(model=model_path, output=str(output_path), prompts=str(prompts_path),
+                                     turns="first", max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                     backend=cfg.backend, template_kwargs=dict(cfg.template_kwargs), limit=cfg.limit,
+                                     device=device, dtype=dtype, overwrite=overwrite,
+                                     max_length=1 << 20),  # prompt files: no conversation length limit
+                    progress=progress)
+    skipped = ", ".join(f"{n} {r}" for r, n in sorted(st.skipped.items()))
+    return GenerateStats(prompts=st.records, stopped_at_eos=st.stopped_at_eos, hit_max_tokens=st.hit_max_tokens,
+                         response_tokens=st.response_tokens,
+                         skipped=f"skipped {skipped}" if skipped else "no prompts skipped")

@@ -96,12 +96,15 @@ class RegenerateStats:
     """Chunks found committed by an earlier run."""
     already_complete: bool
     seconds: float
+    complete: bool = True
+    """False when the run stopped at its time limit (stop_after) with chunks left: rerun to continue."""
 
     def summary(self) -> str:
         sk = ", ".join(f"{r}={n}" for r, n in sorted(self.skipped.items())) or "none"
         tr = ", ".join(f"{r}={n}" for r, n in sorted(self.truncated.items())) or "none"
-        head = "already complete (same job): " if self.already_complete else ""
-        return (f"{head}{self.records} conversations, {self.turns} responses ({self.stopped_at_eos} stopped at eos, "
+        head = ("already complete (same job): " if self.already_complete else
+                "" if self.complete else "stopped at the time limit, rerun the same command to continue; so far: ")
+        return (f"{head}wrote {self.records} conversations, {self.turns} responses ({self.stopped_at_eos} stopped at eos, "
                 f"{self.hit_max_tokens} hit the token limit), {self.response_tokens} response tokens in "
                 f"{self.output}; skipped: {sk}; truncated: {tr}")
 
@@ -216,8 +219,10 @@ def job_of(cfg: RegenerateConfig, *, extra: dict) -> dict:
 
 
 def run_chunks(*, cfg: RegenerateConfig, convs: list[Conversation], out, process_chunk, read_skips: SkipCounter,
-               progress: bool, t0: float) -> RegenerateStats:
-    """Process the uncommitted chunks in order, commit each, merge at the end; totals over all chunks."""
+               progress: bool, t0: float, stop_after: float | None = None) -> RegenerateStats:
+    """Process the uncommitted chunks in order, commit each, merge at the end; totals over all chunks.
+    stop_after: seconds since t0 within which the run must end: no chunk is started unless it fits, judged by
+    the slowest chunk so far (a time-limited device call ends cleanly instead of being killed)."""
     from tqdm import tqdm
 
     size = cfg.chunk_conversations
@@ -229,6 +234,7 @@ def run_chunks(*, cfg: RegenerateConfig, convs: list[Conversation], out, process
                dynamic_ncols=True)
     counts = {"records": 0, "tokens": 0}
     resumed = len(out.committed)
+    slowest = 0.0
     start = time.perf_counter()
 
     def on_batch(rows: int, tokens: int) -> None:
@@ -240,14 +246,18 @@ def run_chunks(*, cfg: RegenerateConfig, convs: list[Conversation], out, process
     for i, chunk in enumerate(chunks):
         if i in out.committed:
             continue
+        if stop_after is not None and time.perf_counter() - t0 + slowest > stop_after:
+            break
+        t_chunk = time.perf_counter()
         records, stats = process_chunk(chunk, on_batch)
         out.commit(i, records, stats)
+        slowest = max(slowest, time.perf_counter() - t_chunk)
         counts["records"] += len(records)
         bar.update(planned[i] - stats["turns"])  # turns that ended early were planned but never decoded
     bar.close()
     totals: dict = {"records": 0, "turns": 0, "eos": 0, "length": 0, "response_tokens": 0, "skipped": {},
                     "truncated": {}}
-    for i in range(len(chunks)):
+    for i in sorted(out.committed):
         st = out.committed[i]["stats"]
         for k in ("records", "turns", "eos", "length", "response_tokens"):
             totals[k] += st[k]
@@ -256,22 +266,24 @@ def run_chunks(*, cfg: RegenerateConfig, convs: list[Conversation], out, process
                 _add(totals[k], reason, n)
     for reason, n in read_skips.counts.items():
         _add(totals["skipped"], reason, n)
-    stats = _stats(cfg, totals, resumed_chunks=resumed, complete=False, t0=t0)
+    if len(out.committed) < len(chunks):
+        return _stats(cfg, totals, resumed_chunks=resumed, complete=False, t0=t0, finished=False)
     out.finish(num_chunks=len(chunks), summary={"totals": totals})
-    return stats
+    return _stats(cfg, totals, resumed_chunks=resumed, complete=False, t0=t0)
 
 
-def _stats(cfg: RegenerateConfig, totals: dict, *, resumed_chunks: int, complete: bool, t0: float) -> RegenerateStats:
+def _stats(cfg: RegenerateConfig, totals: dict, *, resumed_chunks: int, complete: bool, t0: float,
+           finished: bool = True) -> RegenerateStats:
     return RegenerateStats(output=cfg.output, records=totals["records"], turns=totals["turns"],
                            stopped_at_eos=totals["eos"], hit_max_tokens=totals["length"],
                            response_tokens=totals["response_tokens"], skipped=dict(totals["skipped"]),
                            truncated=dict(totals["truncated"]), resumed_chunks=resumed_chunks,
-                           already_complete=complete, seconds=time.perf_counter() - t0)
+                           already_complete=complete, seconds=time.perf_counter() - t0, complete=finished)
 
 
-def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[str], None] = print
-               ) -> RegenerateStats:
-    """Run (or resume) one job in-process on the target; returns the totals."""
+def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[str], None] = print,
+               stop_after: float | None = None) -> RegenerateStats:
+    """Run (or resume) one job in-process on the target; returns the totals. stop_after: see run_chunks."""
     import torch
 
     from dflash.generate.decode import DecodeConfig, GreedyDecoder, chat_end_token_id, resolve_backend, stop_token_ids
@@ -318,5 +330,5 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
                                 meta=meta)
 
     return run_chunks(cfg=cfg, convs=convs, out=out, process_chunk=process, read_skips=read_skips,
-                      progress=progress, t0=t0)
+                      progress=progress, t0=t0, stop_after=stop_after)
 

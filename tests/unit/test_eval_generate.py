@@ -151,7 +151,9 @@ def test_generate_cli(smol, tmp_path):
     assert recs[0]["messages"][-1]["role"] == "assistant"
     assert all(len(r["dflash_generate"]["response_ids"]) <= 12 for r in recs)
     assert recs[1]["dflash_generate"]["stop_reason"] == "length"
-    assert "wrote 2 responses" in res.output
-    again = CliRunner().invoke(cli, args, prog_name="dflash")
-    assert again.exit_code == 1 and "--overwrite" in again.output
+    assert "wrote 2 conversations, 2 responses" in res.output
+    again = CliRunner().invoke(cli, args, prog_name="dflash")  # the same job: complete, nothing to do
+    assert again.exit_code == 0 and "already complete" in again.output
+    other = CliRunner().invoke(cli, args[:-1] + ["cpu", "--max-new-tokens", "10"], prog_name="dflash")
+    assert other.exit_code == 1 and "max_new_tokens" in other.output and "--overwrite" in other.output
     assert CliRunner().invoke(cli, ["generate", "--help"]).exit_code == 0
