@@ -46,5 +46,6 @@ def verify(cache: str) -> None:
     for p in rep.problems:
         click.echo(f"BAD: {p}", err=True)
     if not rep.ok:
-        raise click.ClickException(f"{len(rep.problems)} problem(s) in {cache}; first: {rep.problems[0]}")
+        raise click.ClickException(f"{len(rep.problems)} problem(s) in {cache}; first: {rep.problems[0]}; "
+                                   f"{rep.repair_hint}")
     click.echo(f"ok: {rep.shards} shards, {rep.chunks} chunks checked")

@@ -50,9 +50,12 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
                    "(faster than transformers' torch fallback). Ignored on CPU.")
 @click.option("--dry-run", is_flag=True, default=False,
               help="Print samples, tokens, bytes on disk and an ETA, then stop without loading the model.")
+@click.option("--repair", is_flag=True, default=False,
+              help="Resume a damaged cache: check every committed shard (reads all of it), drop those that fail "
+                   "and extract their samples again.")
 @click.option("--no-progress", is_flag=True, default=False, help="Do not draw the progress bar.")
 def command(model, data, output, taps, storage, max_length, num_procs, batch_tokens, shard_tokens, no_thinking,
-            dtype, device, fla_conv, dry_run, no_progress) -> None:
+            dtype, device, fla_conv, dry_run, repair, no_progress) -> None:
     """Run the target model over conversation data and write the hidden-state cache.
 
     Prints the plan (samples, tokens, bytes on disk, ETA) before any model work and refuses to start when
@@ -68,5 +71,6 @@ def command(model, data, output, taps, storage, max_length, num_procs, batch_tok
         model=model, data=tuple(data), output=output, taps=taps, storage=storage, max_length=max_length,
         batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         template_kwargs={"enable_thinking": False} if no_thinking else {},
-        dtype=dtype, device=device, fla_conv=fla_conv, dry_run=dry_run, show_progress=not no_progress)
+        dtype=dtype, device=device, fla_conv=fla_conv, dry_run=dry_run, repair=repair,
+        show_progress=not no_progress)
     launch(cfg, num_procs=num_procs, echo=click.echo)

@@ -13,6 +13,7 @@ import numpy as np
 
 from dflash.cache import commit as cm
 from dflash.cache.format import Fingerprint
+from dflash.cache.repair import REPAIR_HINT, array_names, check_group_json, shard_bytes_on_disk
 from dflash.cache.shardfile import ArrayFile
 from dflash.errors import CacheFormatError
 
@@ -29,6 +30,11 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def repair_hint(self) -> str:
+        """How to repair the problems ("" when there are none)."""
+        return f"to repair: {REPAIR_HINT}" if self.problems else ""
 
 
 def verify_cache(path) -> VerifyReport:
@@ -52,14 +58,17 @@ def verify_cache(path) -> VerifyReport:
     seen: dict[int, str] = {}
     for r in sorted(records, key=lambda r: (r.rank, r.seq)):
         rep.shards += 1
-        _verify_shard(path, r, fp, rep)
+        verify_shard(path, r, fp, rep)
         for i in r.sample_ids:
             if i in seen:
                 rep.problems.append(f"shard {r.shard}: sample id {i} is also committed in shard {seen[i]}")
             seen[i] = r.shard
     want = cm.totals(records)
     if manifest.get("totals") != want:
-        rep.problems.append(f"manifest.json totals {manifest.get('totals')} != commit logs {want}")
+        # The commit logs are the truth and the manifest's totals a cache of them: a kill between a commit line
+        # and the manifest rewrite leaves them behind, a sound state that the next write or resume rewrites.
+        rep.notes.append(f"manifest.json totals {manifest.get('totals')} lag the commit logs {want} (crash after "
+                         "a commit; readers use the logs, the next write rewrites them)")
     committed = {r.shard for r in records}
     for sub in (cm.SHARDS, cm.STAGING):
         d = os.path.join(path, sub)
@@ -69,12 +78,16 @@ def verify_cache(path) -> VerifyReport:
     return rep
 
 
-def _verify_shard(path: str, r: cm.CommitRecord, fp: Fingerprint, rep: VerifyReport) -> None:
+def verify_shard(path: str, r: cm.CommitRecord, fp: Fingerprint, rep: VerifyReport) -> None:
+    """Every check of one committed shard; problems are appended to rep."""
     d = os.path.join(path, cm.SHARDS, r.shard)
     if not os.path.isdir(d):
         rep.problems.append(f"shard {r.shard}: committed in commits/{cm.log_name(r.rank)} but missing on disk")
         return
-    names = ["hidden", "input_ids", "loss_mask", "samples"] + (["scales"] if fp.storage == "fp8" else [])
+    group_problem = check_group_json(d, r.shard)
+    if group_problem:
+        rep.problems.append(group_problem)
+    names = array_names(fp.storage)
     arrays: dict[str, ArrayFile] = {}
     corrupt: set[str] = set()
     for name in names:
@@ -107,7 +120,7 @@ def _verify_shard(path: str, r: cm.CommitRecord, fp: Fingerprint, rep: VerifyRep
         per = np.add.reduceat(mask.astype(np.int64), samples[:, 1]) if T else np.zeros(0)
         if (per != samples[:, 3]).any() or int(mask.sum()) != r.num_loss_tokens:
             rep.problems.append(f"shard {r.shard}: loss-token counts disagree with loss_mask")
-    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(d) for f in fs)
+    size = shard_bytes_on_disk(d)
     if size != r.nbytes:
         rep.problems.append(f"shard {r.shard}: {size} bytes on disk, commit line says {r.nbytes}")
 

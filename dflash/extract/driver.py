@@ -62,6 +62,10 @@ class ExtractConfig:
     DESIGN.md). Ignored on CPU and for targets without Gated-DeltaNet layers."""
     dry_run: bool = False
     """Print the plan (samples, tokens, bytes, ETA) and stop."""
+    repair: bool = False
+    """Resume over a damaged cache: verify every committed shard (reads all of it), uncommit and delete those
+    that fail, and extract their samples again. Without it a resume refuses when a committed shard is missing,
+    has the wrong size, or disagrees with its commit line."""
     report_every: int = 4
     """Batches between progress reductions across ranks."""
     queue_depth: int = 4

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.cache.format import Fingerprint
-from dflash.errors import ConfigError
+from dflash.errors import CacheFormatError, ConfigError
 from dflash.extract.plan import ExtractPlan, extraction_batches, make_plan
 from dflash.extract.space import CacheBytes, estimate_cache_bytes
 from dflash.target.identity import chat_template_hash, target_weights_hash, tokenizer_hash
@@ -168,12 +168,16 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     import torch.distributed as dist
 
     distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
+    faults = _check_committed(cfg, rank=rank) if existing is not None else []
+    if distributed:
+        dist.barrier()  # rank 0's repair is done before any rank reads the commit logs
     tok = tokenize_or_load(paths=list(cfg.data), tokenizer=tokenizer, max_length=cfg.max_length,
                            template_kwargs=cfg.template_kwargs, folder=folder, rank=rank, world_size=world_size,
                            distributed=distributed, num_workers=num_workers,
                            show_progress=cfg.show_progress and rank == 0)
     samples, skips = tok.samples, tok.skips
     committed = committed_sample_ids(cfg.output) if existing is not None else set()
+    committed -= {i for f in faults for i in f.sample_ids}  # a dry run plans the repair it did not do
     sample_ids = samples.sample_ids
     lengths = samples.lengths
     plan = make_plan(sample_ids=sample_ids, lengths=lengths, committed=committed, world_size=world_size,
@@ -187,6 +191,25 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
                      plan=plan, cache_bytes=cache_bytes, target_greedy_reason=greedy_reason,
                      tokenize_seconds=tok.seconds, tokenize_text=_tokenize_text(tok, len(samples)),
                      created_output=created_output, fingerprint_note=fingerprint_note)
+
+
+def _check_committed(cfg, *, rank: int) -> list:
+    """Rank 0: refuse to resume over committed shards that fail the quick check, or with cfg.repair uncommit
+    every shard that fails the deep one (not in a dry run). Returns the faulty shards."""
+    from dflash.cache.repair import REPAIR_HINT, check_committed, drop_shards
+
+    if rank != 0:
+        return []
+    faults = check_committed(cfg.output, deep=cfg.repair)
+    if faults and not cfg.repair:
+        raise CacheFormatError(f"{faults[0].problem}: a resume would skip its samples ({len(faults)} committed "
+                               f"shard(s) fail the resume check); {REPAIR_HINT}")
+    for f in faults:
+        log.warning("repair: %s; %s its %d samples", f.problem,
+                    "would re-extract" if cfg.dry_run else "re-extracting", len(f.sample_ids))
+    if faults and not cfg.dry_run:
+        drop_shards(cfg.output, faults)
+    return faults
 
 
 def _tokenize_text(tok, num_samples: int) -> str:

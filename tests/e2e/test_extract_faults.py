@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dflash.cache import CacheReader
 from dflash.cache import commit as cm
@@ -139,3 +140,103 @@ def test_cache_without_weights_hash_stays_readable_and_resumable(tiny, tmp_path)
     assert "target_weights_hash" in text  # says the weights cannot be checked
     m = json.loads((out / "manifest.json").read_text())
     assert m["fingerprint"].get("target_weights_hash", "") == ""  # no claim about weights it never checked
+
+
+@pytest.fixture(scope="module")
+def ref_cache(tiny, tmp_path_factory):
+    """An uninterrupted extraction, copied by each test that damages it."""
+    model, data = tiny
+    out = tmp_path_factory.mktemp("ref") / "cache"
+    extract(model, data, out)
+    return out
+
+
+def content(out) -> dict:
+    r = CacheReader(out)
+    ids = [int(i) for i in r.index.sample_id]
+    assert len(ids) == len(set(ids)), "a sample is committed twice"
+    return {s.sample_id: (s.input_ids.tobytes(), s.hidden.view(torch.uint16).numpy().tobytes())
+            for s in map(r.read, range(len(r)))}
+
+
+def damaged_copy(ref_cache, tmp_path):
+    import shutil
+
+    out = tmp_path / "cache"
+    shutil.copytree(ref_cache, out)
+    return out
+
+
+@pytest.mark.parametrize("damage", ["deleted_shard", "truncated_file", "edited_commit_line"])
+def test_resume_checks_committed_shards_and_repair_restores(tiny, ref_cache, tmp_path, damage):
+    from dflash.errors import CacheFormatError
+
+    model, data = tiny
+    out = damaged_copy(ref_cache, tmp_path)
+    recs = cm.read_commit_logs(str(out))
+    victim = recs[len(recs) // 2]
+    shard_dir = out / "shards" / victim.shard
+    if damage == "deleted_shard":
+        import shutil
+
+        shutil.rmtree(shard_dir)
+    elif damage == "truncated_file":
+        f = shard_dir / "hidden" / "c" / "0" / "0" / "0"
+        os.truncate(f, os.path.getsize(f) - 100)
+    else:  # drop one id from the line: a resume trusting the line would extract that sample a second time
+        log = out / "commits" / cm.log_name(victim.rank)
+        text = log.read_text()
+        line = next(ln for ln in text.splitlines() if f'"{victim.shard}"' in ln)
+        d = json.loads(line)
+        d["sample_ids"] = d["sample_ids"][1:]
+        log.write_text(text.replace(line, json.dumps(d, separators=(",", ":"))))
+    with pytest.raises(CacheFormatError) as e:
+        extract(model, data, out)
+    msg = str(e.value)
+    assert victim.shard in msg and "--repair" in msg and "\n" not in msg
+    res, text = extract(model, data, out, repair=True)
+    assert res.num_samples == victim.num_samples  # exactly the bad shard's samples again
+    assert content(out) == content(ref_cache)
+    from dflash.cache.verify import verify_cache
+
+    rep = verify_cache(out)
+    assert rep.ok, rep.problems
+
+
+def test_repair_catches_a_checksum_failure_that_resume_cannot_see(tiny, ref_cache, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    model, data = tiny
+    out = damaged_copy(ref_cache, tmp_path)
+    victim = cm.read_commit_logs(str(out))[0]
+    f = out / "shards" / victim.shard / "hidden" / "c" / "0" / "0" / "0"
+    raw = bytearray(f.read_bytes())
+    raw[10] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    r = CliRunner().invoke(cli, ["cache", "verify", str(out)])
+    assert r.exit_code == 1 and "crc32c" in r.output and "--repair" in r.output
+    res, _ = extract(model, data, out, repair=True)
+    assert res.num_samples == victim.num_samples
+    assert content(out) == content(ref_cache)
+    assert CliRunner().invoke(cli, ["cache", "verify", str(out)]).exit_code == 0
+
+
+def test_verify_trusts_commit_logs_and_rejects_a_bad_group_json(ref_cache, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    out = damaged_copy(ref_cache, tmp_path)
+    # The state after a kill between a commit line and the manifest rewrite: totals behind the logs.
+    m = json.loads((out / "manifest.json").read_text())
+    m["totals"] = {k: 0 for k in m["totals"]}
+    (out / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(cli, ["cache", "verify", str(out)])
+    assert r.exit_code == 0 and "note: manifest.json totals" in r.output, r.output
+    victim = cm.read_commit_logs(str(out))[0]
+    g = out / "shards" / victim.shard / "zarr.json"
+    g.write_text(g.read_text()[:-5])  # invalid JSON, same shard otherwise
+    r = CliRunner().invoke(cli, ["cache", "verify", str(out)])
+    assert r.exit_code == 1 and f"shard {victim.shard}: group zarr.json" in r.output and "--repair" in r.output

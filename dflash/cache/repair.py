@@ -1,0 +1,141 @@
+"""What a resume may skip, and how a damaged cache is repaired: per-shard checks of committed shards, and the
+removal of bad shards (their commit lines first, then their files) so the samples in them are extracted again.
+
+A commit line says "these samples are done"; a resume that trusts it blindly skips samples whose shard was
+deleted or corrupted afterwards and reports success (issue 19). The quick check (`check_committed(deep=False)`)
+costs a stat per file and one read of each shard's small `samples` array, so every resume runs it; the deep
+check reads every chunk (as `dflash cache verify` does) and is what `dflash extract --repair` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+from dflash.cache import commit as cm
+from dflash.cache.format import Fingerprint
+from dflash.cache.shardfile import ArrayFile
+from dflash.durable import fsync_dir
+from dflash.errors import CacheFormatError
+
+REPAIR_HINT = "rerun the dflash extract command that wrote this cache with --repair to re-extract their samples"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardFault:
+    """A committed shard that cannot be trusted."""
+
+    shard: str
+    rank: int
+    sample_ids: tuple[int, ...]
+    """The ids its commit line claims (they are extracted again on repair)."""
+    problem: str
+    """The first thing found wrong, naming the shard."""
+
+
+def array_names(storage: str) -> list[str]:
+    """The arrays of one shard for a storage dtype."""
+    return ["hidden", "input_ids", "loss_mask", "samples"] + (["scales"] if storage == "fp8" else [])
+
+
+def shard_bytes_on_disk(shard_dir: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(shard_dir) for f in fs)
+
+
+def check_group_json(shard_dir: str, shard: str) -> str | None:
+    """The shard's group zarr.json must parse as a zarr v3 group (zarr-python cannot open it otherwise)."""
+    try:
+        with open(os.path.join(shard_dir, "zarr.json"), "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        return f"shard {shard}: group zarr.json unreadable ({e})"
+    if not isinstance(meta, dict) or meta.get("node_type") != "group" or meta.get("zarr_format") != 3:
+        return f"shard {shard}: group zarr.json is not a zarr v3 group"
+    return None
+
+
+def quick_problem(path: str, r: cm.CommitRecord, fp: Fingerprint) -> str | None:
+    """Cheap per-shard check: files exist, their bytes total the commit line's, the group and array metadata
+    parse, and the (crc-checked) samples array holds exactly the line's samples, tokens and loss tokens."""
+    d = os.path.join(path, cm.SHARDS, r.shard)
+    if not os.path.isdir(d):
+        return f"shard {r.shard}: committed in {cm.COMMITS}/{cm.log_name(r.rank)} but missing on disk"
+    size = shard_bytes_on_disk(d)
+    if size != r.nbytes:
+        return f"shard {r.shard}: {size} bytes on disk, commit line says {r.nbytes}"
+    problem = check_group_json(d, r.shard)
+    if problem:
+        return problem
+    try:
+        for name in array_names(fp.storage):
+            a = ArrayFile.open(os.path.join(d, name), f"shard {r.shard} array {name}")
+            if name == "samples":
+                samples = a.read_all()
+    except CacheFormatError as e:
+        return str(e)
+    if tuple(int(i) for i in samples[:, 0]) != r.sample_ids or len(samples) != r.num_samples:
+        return f"shard {r.shard}: its samples array holds other sample ids than its commit line"
+    if int(samples[:, 2].sum()) != r.num_tokens or int(samples[:, 3].sum()) != r.num_loss_tokens:
+        return f"shard {r.shard}: token counts of its samples array disagree with its commit line"
+    return None
+
+
+def check_committed(path, *, deep: bool = False) -> list[ShardFault]:
+    """Every committed shard that fails the quick check (deep: also any verify_cache problem of the shard, e.g.
+    a chunk crc), plus any shard committing a sample id an earlier shard already holds."""
+    from dflash.cache.verify import VerifyReport, verify_shard
+
+    path = os.fspath(path)
+    fp = Fingerprint.from_json(cm.read_manifest(path)["fingerprint"])
+    faults: list[ShardFault] = []
+    seen: dict[int, str] = {}
+    for r in cm.read_commit_logs(path):
+        problem = quick_problem(path, r, fp)
+        if problem is None and deep:
+            rep = VerifyReport()
+            verify_shard(path, r, fp, rep)
+            problem = rep.problems[0] if rep.problems else None
+        if problem is None:
+            dup = next((i for i in r.sample_ids if i in seen), None)
+            if dup is not None:
+                problem = f"shard {r.shard}: sample id {dup} is also committed in shard {seen[dup]}"
+        if problem is None:
+            seen.update((i, r.shard) for i in r.sample_ids)
+        else:
+            faults.append(ShardFault(shard=r.shard, rank=r.rank, sample_ids=r.sample_ids, problem=problem))
+    return faults
+
+
+def drop_shards(path, faults: list[ShardFault]) -> None:
+    """Uncommit and delete the faulty shards: each affected rank's log is rewritten without their lines (tmp,
+    fsync, rename, fsync commits/), then their folders are removed and the manifest totals rewritten. A crash
+    in between leaves only uncommitted folders, which readers ignore and writers remove. The caller holds the
+    cache's run lock (no writer is open)."""
+    path = os.fspath(path)
+    bad = {f.shard for f in faults}
+    logs = os.path.join(path, cm.COMMITS)
+    for rank in sorted({f.rank for f in faults}):
+        p = os.path.join(logs, cm.log_name(rank))
+        with open(p, "rb") as f:
+            data = f.read()
+        complete = data[:data.rfind(b"\n") + 1]  # a torn tail is invisible already: drop it too
+        keep = [ln + b"\n" for ln in complete.split(b"\n")[:-1] if json.loads(ln)["shard"] not in bad]
+        tmp = f"{p}.repair.tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    fsync_dir(logs)
+    for name in sorted(bad):
+        shutil.rmtree(os.path.join(path, cm.SHARDS, name), ignore_errors=True)
+    fsync_dir(os.path.join(path, cm.SHARDS))
+    lock = cm.CacheLock(path)
+    try:
+        with lock:
+            fp = Fingerprint.from_json(cm.read_manifest(path)["fingerprint"])
+            cm.write_manifest_atomic(path, cm.build_manifest(fp, cm.read_commit_logs(path)), tag="repair")
+    finally:
+        lock.close()
