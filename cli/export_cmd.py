@@ -16,5 +16,5 @@ def command(checkpoint, output, dtype) -> None:
     that SGLang / vLLM / z-lab code and `dflash eval` load."""
     from dflash.train.export import export_checkpoint
 
-    out = export_checkpoint(checkpoint, output, dtype=dtype)
-    click.echo(f"exported {checkpoint} to {out}")
+    res = export_checkpoint(checkpoint, output, dtype=dtype)
+    click.echo(f"exported step {res.step} ({res.checkpoint}) to {res.path}")

@@ -4,22 +4,37 @@ from __future__ import annotations
 
 import os
 import pathlib
+from dataclasses import dataclass
 
 import torch
 
-from dflash.train.checkpoint import load_checkpoint
+from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportResult:
+    path: pathlib.Path
+    """The drafter folder written."""
+    checkpoint: pathlib.Path
+    """The checkpoint file exported (a run folder's newest)."""
+    step: int
+    """Global step of that checkpoint."""
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
-                      dtype: str = "bfloat16") -> pathlib.Path:
+                      dtype: str = "bfloat16") -> ExportResult:
     from dflash.drafter.config import DrafterConfig
     from dflash.drafter.export import export_drafter
     from dflash.drafter.model import DFlashDrafter
 
-    state = load_checkpoint(checkpoint)
+    src = pathlib.Path(checkpoint)
+    if src.is_dir():
+        src = latest_checkpoint(src) or src  # load_checkpoint names the missing checkpoint
+    state = load_checkpoint(src)
     d = dict(state["drafter_config"])
     d["target_layer_ids"] = tuple(d["target_layer_ids"])
     cfg = DrafterConfig(**d)
     model = DFlashDrafter(cfg)
     model.load_state_dict(state["model"])
-    return export_drafter(model, cfg, output, dtype=getattr(torch, dtype))
+    out = export_drafter(model, cfg, output, dtype=getattr(torch, dtype))
+    return ExportResult(path=out, checkpoint=src, step=int(state["position"]["global_step"]))

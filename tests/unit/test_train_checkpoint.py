@@ -82,7 +82,9 @@ def test_export_checkpoint_roundtrip(tmp_path):
     ckpt.save_checkpoint(tmp_path / "run", model_state=model.state_dict(), optimizer_state={}, scheduler_state={},
                          position=ckpt.DataPosition(epoch=0, step_in_epoch=1, global_step=1), world_size=1,
                          train_config={}, drafter_config=dc.to_json())
-    out = export_checkpoint(tmp_path / "run", tmp_path / "out", dtype="float32")
+    res = export_checkpoint(tmp_path / "run", tmp_path / "out", dtype="float32")
+    assert res.step == 1 and res.checkpoint == ckpt.checkpoint_path(tmp_path / "run", 1)
+    out = res.path
     loaded, cfg2 = load_drafter(out)
     assert cfg2 == dc
     for k, v in model.state_dict().items():
