@@ -40,8 +40,9 @@ def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limi
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     res = run_sweep(s, output=output, gpus=gpus, eval_cache=eval_cache, approximate=approximate, resume=resume,
                     device=None if device == "auto" else device, eval_limit=eval_limit)
+    from dflash.train.metrics import describe_final_loss
+
     for row in res.rows:
         tau = "" if row["tau"] is None else f", tau {row['tau']:.3f}"
-        loss = "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"
-        click.echo(f"{row['name']}: {row['steps']} steps, final loss {loss}{tau}")
+        click.echo(f"{row['name']}: {row['steps']} steps, {describe_final_loss(row['final_record'])}{tau}")
     click.echo(f"best run: {res.best}; cache bytes read {res.bytes_read}; results in {res.output / 'results.md'}")

@@ -77,8 +77,10 @@ def command(cache, model, output, config_path, steps, epochs, taps, gpus, resume
     if result is None:
         click.echo(f"training finished; run folder {cfg.output}")
     elif result.finished:
+        from dflash.train.metrics import describe_final_loss
+
         # A --resume of an already finished run runs no step, so there is no new loss to show.
-        loss = f", final loss {result.last_loss:.4f}" if result.last_loss is not None else " (already finished)"
+        loss = f", {describe_final_loss(result.final_record)}" if result.final_record else " (already finished)"
         click.echo(f"trained {result.global_step} steps{loss}; drafter exported to {result.drafter_dir}")
     else:
         click.echo(f"stopped at step {result.global_step}/{result.total_steps}; continue with --resume")

@@ -47,6 +47,7 @@ def collect_rows(out: pathlib.Path, spec: SweepSpec) -> list[dict]:
                "steps": last["step"] if last else 0,
                "finished": (run_dir / "drafter" / "config.json").exists(),
                "final_loss": last["loss"] if last else None,
+               "final_record": last,
                "final_step_loss": last["step_losses"][-1] if last else None,
                "accept_len_train": last["accept_len"] if last else None,
                "tau": tau,

@@ -12,10 +12,12 @@ states), not for sharded optimizers.
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from dflash.durable import fsync_dir
-from dflash.errors import ModelNotFoundError
+from dflash.errors import ModelNotFoundError, OutOfSpaceError
 
 CHECKPOINT_FORMAT = "dflash-train-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -80,7 +82,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
-    """torch.save to `path` atomically: tmp file in the same folder, fsync, os.replace, fsync the folder."""
+    """torch.save to `path` atomically: tmp file in the same folder, fsync, os.replace, fsync the folder.
+    A full disk is an OutOfSpaceError naming the path and the free space; the tmp file is removed, so the
+    previous checkpoints stay and a rerun with --resume continues once space is freed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -89,10 +93,28 @@ def atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        # torch.save reports a failed write as a RuntimeError whose context is the OSError (errno ENOSPC)
+        if not _is_enospc(e):
+            raise
+        if tmp.exists():
+            tmp.unlink()
+        free = shutil.disk_usage(path.parent).free
+        raise OutOfSpaceError(f"no space left on the device of {str(path.parent)!r} while saving checkpoint "
+                              f"{path.name} ({free / 2**20:.1f} MiB free); free some space and rerun the same "
+                              "command with --resume (it continues from the last complete checkpoint)") from e
     finally:
         if tmp.exists():
             tmp.unlink()
     fsync_dir(path.parent)
+
+
+def _is_enospc(e: BaseException) -> bool:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def save_checkpoint(run_dir: str | os.PathLike, *, model_state: dict, optimizer_state: dict, scheduler_state: dict,

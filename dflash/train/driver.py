@@ -103,6 +103,9 @@ def build_unit(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo, state: 
             raise ConfigError(f"--resume with {info.world_size} processes, but the checkpoint was written by "
                               f"{state['world_size']}: the epoch plan depends on the world size; resume with "
                               f"{state['world_size']}")
+    cache = cache_record(target.reader)
+    if state is not None:
+        check_same_cache(state.get("extra", {}).get("cache"), cache)
     d = setup_drafter(cfg, target, info=info, resume_state=state)
     run_dir = pathlib.Path(cfg.output)
     if info.is_main:
@@ -115,7 +118,35 @@ def build_unit(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo, state: 
     taps = tuple(d.taps) if stream_taps is None else tuple(stream_taps)
     tap_index = None if tuple(d.taps) == taps else tuple(taps.index(t) for t in d.taps)
     return DrafterUnit(UnitSpec(name=name, cfg=cfg, drafter=d, state=state, tap_index=tap_index,
-                                restore_rng=restore_rng, progress=progress), target=target, info=info)
+                                restore_rng=restore_rng, progress=progress, cache=cache), target=target, info=info)
+
+
+def cache_record(reader: "CacheReader") -> dict[str, Any]:
+    """What a checkpoint records of the cache it trained on: the fingerprint and the committed totals (a resume
+    must see the same samples, or its epoch plan and losses change)."""
+    idx = reader.index
+    return {"fingerprint": reader.fingerprint.to_json(),
+            "totals": {"samples": int(len(idx.length)), "tokens": int(idx.length.sum()),
+                       "loss_tokens": int(idx.num_loss_tokens.sum())}}
+
+
+def check_same_cache(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    """Raise CacheMismatchError naming the first field where --cache differs from the cache the checkpoint
+    trained on (checkpoints written before this record existed are not checked)."""
+    from dflash.cache.format import Fingerprint
+    from dflash.errors import CacheMismatchError
+
+    if not saved:
+        return
+    hint = ("the checkpoint was trained on another cache: resume with the --cache the run started with, or "
+            "start a new run in an empty --output")
+    try:
+        Fingerprint.from_json(current["fingerprint"]).check_matches(Fingerprint.from_json(saved["fingerprint"]))
+    except CacheMismatchError as e:
+        raise CacheMismatchError(e.field, e.expected, e.found, hint) from None
+    for key, value in saved["totals"].items():
+        if current["totals"][key] != value:
+            raise CacheMismatchError(f"totals.{key}", value, current["totals"][key], hint)
 
 
 def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: OpenLoader = streaming_loader,

@@ -148,3 +148,13 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def describe_final_loss(record: dict[str, Any] | None) -> str:
+    """"final loss" in the words `dflash train` and `dflash sweep` both print: the mean loss of the last log
+    window (the metrics record's `loss`), with its steps; one step's loss is noisier (anchors differ per step)."""
+    if record is None:
+        return "final loss - (no step logged)"
+    steps = (f"step {record['step']}" if record["first_step"] == record["step"]
+             else f"steps {record['first_step']}-{record['step']}")
+    return f"final loss {record['loss']:.4f} (mean of {steps}, the last log window)"

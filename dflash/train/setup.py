@@ -39,7 +39,9 @@ def prepare_run_dir(run_dir: pathlib.Path, *, resume: bool, require_run: bool = 
     require_run: an explicit --resume of `dflash train` needs a run in the folder (its config.json, written
     before the first step): a mistyped --output must not silently start a fresh run. A sweep resumes runs
     that may not have started yet and passes False."""
-    has_content = run_dir.exists() and any(run_dir.iterdir())
+    from dflash.locks import LOCK_FILE
+
+    has_content = run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
     if not resume:
         if has_content:
             raise ConfigError(f"run folder {str(run_dir)!r} is not empty: pass --resume to continue that run, "
@@ -53,6 +55,24 @@ def prepare_run_dir(run_dir: pathlib.Path, *, resume: bool, require_run: bool = 
         log.info("--resume: no checkpoint in %s yet, starting from step 0", run_dir)
         return None
     return ckpt.load_checkpoint(latest)
+
+
+def cache_in_progress(cache: str) -> str | None:
+    """A warning when a live process holds the cache's extraction or writer locks (dflash.locks): training
+    then sees only the samples committed so far. None when nobody writes it."""
+    import os
+    import socket
+
+    from dflash.locks import LOCK_FILE, pid_alive, read_lock_holder
+
+    # the run lock of dflash extract (LOCK_FILE) and the per-rank CacheWriter locks (LOCK_FILE-rank-R)
+    names = sorted(n for n in os.listdir(cache) if n == LOCK_FILE or n.startswith(LOCK_FILE + "-"))
+    for name in names:
+        holder = read_lock_holder(cache, name=name)
+        if holder is not None and (holder.host != socket.gethostname() or pid_alive(holder.pid)):
+            return (f"cache {cache!r} is still being written ({holder.describe()}): this run trains on the samples "
+                    "committed so far only; wait for the extraction to finish for the whole data set")
+    return None
 
 
 def compute_dtype_of(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtype, str]:
@@ -108,6 +128,9 @@ def setup_target(cfg: TrainConfig, *, info: DistInfo) -> TargetSetup:
     reader = CacheReader(cfg.cache, verify=cfg.verify_checksums)
     if len(reader) == 0:
         raise ConfigError(f"cache {cfg.cache!r} has no committed samples")
+    busy = cache_in_progress(cfg.cache)
+    if busy and info.is_main:
+        log.warning("%s (%d samples committed)", busy, len(reader))
     model_dir = local_model_dir(cfg.model)
     embed_VD, head_VD, head_info = embedding_and_head(cfg.model)
     target_config = text_config(AutoConfig.from_pretrained(model_dir))

@@ -29,6 +29,8 @@ class TrainResult:
     drafter_dir: pathlib.Path | None
     last_loss: float | None
     """Loss of the last step this call trained (None when it trained none: a resumed finished run)."""
+    final_record: dict | None = None
+    """The last metrics record this call wrote: metrics.describe_final_loss words it (None: no step logged)."""
     cache_bytes_read: int = 0
     """Hidden/scale bytes this process read from the cache (0 for an --online run: it reads ids and masks only)."""
 
@@ -43,7 +45,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, device: str | None = None) 
 
 
 def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
+    """Rank 0 holds the run folder's lock (dflash.locks) for the whole run: a second `dflash train` on the
+    same --output fails at once naming this process's PID and host, before either writes anything."""
+    from dflash.locks import FolderLock
+
     run_dir = pathlib.Path(cfg.output)
+    lock = FolderLock(run_dir, purpose=f"dflash train --output {run_dir}").acquire() if info.is_main else None
+    try:
+        return _train_locked(cfg, resume=resume, info=info, run_dir=run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pathlib.Path) -> TrainResult:
     state = prepare_run_dir(run_dir, resume=resume)      # every rank checks before anyone writes
     barrier(info)
     target = setup_target(cfg, info=info)
@@ -70,4 +85,5 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
         target.reader.close()
     return TrainResult(run_dir=run_dir, global_step=unit.pos.global_step, total_steps=unit.total_steps,
                        finished=unit.finished, drafter_dir=unit.drafter_dir, last_loss=unit.last_loss,
+                       final_record=unit.last_record,
                        cache_bytes_read=target.reader.bytes_read)

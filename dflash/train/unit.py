@@ -67,6 +67,8 @@ class UnitSpec:
     """Restore the checkpoint's global RNG states (a stream of one unit; a sweep's units share the process)."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
+    cache: dict[str, Any] | None = None
+    """driver.cache_record of the training cache, written into every checkpoint (checked on resume)."""
 
 
 class DrafterUnit:
@@ -75,6 +77,7 @@ class DrafterUnit:
     def __init__(self, spec: UnitSpec, *, target: "TargetSetup", info: DistInfo) -> None:
         cfg, d, state = spec.cfg, spec.drafter, spec.state
         self.cfg, self.name, self.info = cfg, spec.name, info
+        self.cache_record = spec.cache
         self.run_dir = pathlib.Path(cfg.output)
         self.drafter, self.dc = d.drafter, d.drafter_config
         self.embed_VD, self.lm_head_VD = target.embed_VD, target.lm_head_VD
@@ -115,6 +118,8 @@ class DrafterUnit:
                                initial_step=self.pos.global_step, progress=spec.progress)
         self.gamma = resolve_gamma(cfg.gamma, block_size=self.dc.block_size)
         self.last_loss: float | None = None
+        self.last_record: dict[str, Any] | None = None
+        """The last metrics record this call wrote (its `loss` is the "final loss" train and sweep print)."""
         self.steps_this_run = 0
         self.drafter_dir: pathlib.Path | None = None
         # The log window: steps since the last metrics record. A checkpoint inside a window carries the
@@ -191,6 +196,7 @@ class DrafterUnit:
                "mfu": (self._flops / dt / self.peak) if self.peak else None, "mem_gb": memory_gb(self.info.device),
                "step_time_s": dt / steps}
         self.sink.write(rec)
+        self.last_record = rec
         self._window, self._norms, self._tokens, self._flops, self._timed_steps = [], [], 0, 0.0, 0
         self._first = pos.global_step + 1
 
@@ -206,7 +212,8 @@ class DrafterUnit:
                                  scheduler_state=self.scheduler.state_dict(), position=self.pos,
                                  world_size=self.info.world_size, train_config=self.cfg.to_json(),
                                  drafter_config=self.dc.to_json(), keep=self.cfg.keep_checkpoints,
-                                 extra={"metric_window": self._window_state()}, plan_version=self.plan_version)
+                                 extra={"metric_window": self._window_state(), "cache": self.cache_record},
+                                 plan_version=self.plan_version)
         barrier(self.info)
 
     def export(self) -> pathlib.Path:

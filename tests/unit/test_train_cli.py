@@ -52,6 +52,9 @@ def test_train_export_and_refusals(runner, assets, tmp_path):
     res = runner.invoke(cli, _args(cache, target, out, "--steps", "3", "--config", str(yaml)))
     assert res.exit_code == 0, res.output
     assert "drafter exported to" in res.output
+    # train and sweep print one meaning of "final loss": the last log window's mean (log_every 1 here)
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert f"final loss {last['loss']:.4f} (mean of step 3, the last log window)" in res.output
     resolved = json.loads((out / "config.json").read_text())
     assert resolved["train"]["intermediate_size"] == 64 and resolved["train"]["steps"] == 3
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
@@ -67,6 +70,7 @@ def test_train_export_and_refusals(runner, assets, tmp_path):
 
     res = runner.invoke(cli, ["export", str(out), "--output", str(tmp_path / "exp")])
     assert res.exit_code == 0, res.output
+    assert "exported step 3 (" in res.output and "step-00000003.pt" in res.output
     hf = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert hf["dflash_config"]["target_layer_ids"] == [0, 1, 2] and hf["block_size"] == 4
 
