@@ -73,4 +73,14 @@ def command(model, data, output, taps, storage, max_length, num_procs, batch_tok
         template_kwargs={"enable_thinking": False} if no_thinking else {},
         dtype=dtype, device=device, fla_conv=fla_conv, dry_run=dry_run, repair=repair,
         show_progress=not no_progress)
-    launch(cfg, num_procs=num_procs, echo=click.echo)
+    try:
+        launch(cfg, num_procs=num_procs, echo=click.echo)
+    except KeyboardInterrupt:
+        import shlex
+        import sys
+
+        from dflash.extract.driver import interrupted_text
+
+        click.echo("", err=True)  # past the progress bar's line
+        click.echo(interrupted_text(output, command=shlex.join(["dflash", *sys.argv[1:]])), err=True)
+        raise SystemExit(130) from None

@@ -239,6 +239,16 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
     return result
 
 
+def interrupted_text(output: str, *, command: str) -> str:
+    """What an interrupted (Ctrl-C) run leaves: the committed samples, and the command that resumes it."""
+    from dflash.cache.commit import MANIFEST, read_commit_logs
+
+    records = read_commit_logs(output) if os.path.exists(os.path.join(output, MANIFEST)) else []
+    samples = sum(r.num_samples for r in records)
+    return (f"interrupted: {samples:,} samples in {len(records):,} shards are committed in {output} (the shard "
+            f"being written was dropped); resume with: {command}")
+
+
 def _remove_created_output(path: str) -> None:
     """A refused run leaves no folder it created: remove it when it holds only the stored tokenization."""
     import shutil

@@ -17,11 +17,13 @@ offsets int64 [N+1], sample_ids int64 [N], source_index int32 [N], skips and met
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import operator
 import os
 import re
+import shutil
 import struct
 import time
 import zipfile
@@ -34,6 +36,7 @@ from dflash.cache.commit import TOKENIZED as TOKENIZED_DIR  # noqa: F401 - re-ex
 from dflash.durable import fsync_dir
 from dflash.data.samples import TokenizedSample
 from dflash.data.skips import Skip, SkipCounter
+from dflash.errors import OutOfSpaceError
 
 FORMAT_VERSION = 1
 MAX_WORKERS = 32
@@ -317,17 +320,29 @@ def find_complete_parts(folder: str, *, prefer_world_size: int) -> list[str] | N
 
 def write_part(folder: str, part: Part, *, rank: int, world_size: int) -> str:
     """Write part-R-of-W.npz atomically: a reader sees the whole file or none (tmp + fsync + rename)."""
-    os.makedirs(folder, exist_ok=True)
     dest = part_path(folder, rank, world_size)
     tmp = f"{dest}.tmp-{os.getpid()}"
     meta = {"version": FORMAT_VERSION, "rank": rank, "world_size": world_size}
-    with open(tmp, "wb") as f:
-        np.savez(f, ids=part.ids, masks=part.masks, offsets=part.offsets, sample_ids=part.sample_ids,
-                 source_index=part.source_index, skips=_json_bytes(part.skips), meta=_json_bytes(meta))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, dest)
-    fsync_dir(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, ids=part.ids, masks=part.masks, offsets=part.offsets, sample_ids=part.sample_ids,
+                     source_index=part.source_index, skips=_json_bytes(part.skips), meta=_json_bytes(meta))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+        fsync_dir(folder)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        from dflash.extract.space import format_bytes
+
+        free = shutil.disk_usage(folder if os.path.isdir(folder) else os.path.dirname(folder)).free
+        raise OutOfSpaceError(f"no space left on device while storing the tokenization {dest} "
+                              f"(needs about {format_bytes(part.ids.nbytes + part.masks.nbytes)}, {format_bytes(free)} free): free "
+                              "space and rerun the same command") from e
     return dest
 
 

@@ -240,3 +240,81 @@ def test_verify_trusts_commit_logs_and_rejects_a_bad_group_json(ref_cache, tmp_p
     g.write_text(g.read_text()[:-5])  # invalid JSON, same shard otherwise
     r = CliRunner().invoke(cli, ["cache", "verify", str(out)])
     assert r.exit_code == 1 and f"shard {victim.shard}: group zarr.json" in r.output and "--repair" in r.output
+
+
+def test_folder_of_start_up_leftovers_resumes_with_the_same_command(tiny, ref_cache, tmp_path):
+    import shutil
+
+    model, data = tiny
+    out = tmp_path / "cache"
+    out.mkdir()
+    # What kill -9 during the first manifest write leaves: the stored tokenization, the lock files of the dead
+    # run, a half-written manifest tmp file and the empty cache folders, but no manifest.
+    shutil.copytree(ref_cache / cm.TOKENIZED, out / cm.TOKENIZED)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (cm.RUN_LOCK, cm.writer_lock_name(0)):
+        (out / name).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": 0,
+                                            "purpose": "killed"}))
+    (out / cm.LOCK).write_text("")
+    (out / f".{cm.MANIFEST}.0-{dead.pid}.tmp").write_text('{"format": "dflash-hid')
+    for d in (cm.COMMITS, cm.SHARDS, cm.STAGING):
+        (out / d).mkdir()
+    r = run_cli(extract_args(model, data, out))
+    assert r.returncode == 0, r.stderr
+    assert content(out) == content(ref_cache)
+    assert not list(out.glob(f".{cm.MANIFEST}.*.tmp"))
+
+
+def test_sigint_says_what_was_committed_and_how_to_resume(tiny, ref_cache, tmp_path):
+    import shlex
+
+    model, data = tiny
+    out = tmp_path / "cache"
+    p = subprocess.Popen(extract_args(model, data, out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    wait_for(lambda: (out / "commits").is_dir() and len(ids_committed(out)) >= 2, p)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    committed = len(ids_committed(out))
+    assert p.returncode != 0 and 0 < committed < NUM_GOOD, (p.returncode, committed)
+    assert "Traceback" not in stderr, stderr
+    lines = [ln for ln in (stdout + stderr).splitlines() if "interrupted" in ln]
+    assert lines and f"{committed} samples" in lines[-1] and str(out) in lines[-1], stdout + stderr
+    resume = (stdout + stderr).split("resume with: ", 1)[1].splitlines()[0]
+    args = shlex.split(resume)
+    assert args[:2] == ["dflash", "extract"]
+    r = run_cli([sys.executable, "-m", "cli.main", *args[1:]])
+    assert r.returncode == 0, r.stderr
+    assert f"{committed} samples were already in the cache" in r.stdout
+    assert content(out) == content(ref_cache)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"needs root to mount a tmpfs: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_enospc_while_storing_the_tokenization(tiny, ref_cache, small_disk):
+    model, data = tiny
+    out = small_disk / "cache"
+    st = os.statvfs(small_disk)
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 12 * 1024))  # 12 KB left: less than the part
+    r = run_cli(extract_args(model, data, out))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "no space left" in err[0] and "_tokenized" in err[0] and "free" in err[0], err
+    assert not list(out.rglob("*.tmp*")), list(out.rglob("*"))
+    filler.unlink()
+    r = run_cli(extract_args(model, data, out))
+    assert r.returncode == 0, r.stderr
+    assert content(out) == content(ref_cache)
