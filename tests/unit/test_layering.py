@@ -14,7 +14,8 @@ FORBIDDEN = {
     "drafter": {"cache", "data", "target", "extract", "train", "eval", "sweep"},
     "target": {"cache", "extract", "drafter", "train", "eval", "sweep"},
     "extract": {"drafter", "train", "eval", "sweep"},
-    "train": {"extract", "eval", "sweep"},
+    # train -> eval: the training driver evaluates held-out tau (dflash.eval.heldout); eval never imports train
+    "train": {"extract", "sweep"},
     "eval": {"extract", "train", "sweep"},
 }
 
