@@ -95,6 +95,15 @@ class TrainConfig:
     cache (the cache still gives the token stream: same samples, order and anchors as a cached run). The
     baseline the cache replaces; the target forward is paid every step and counted in tokens/s."""
 
+    # --- held-out evaluation ---
+    eval_cache: str | None = None
+    """Target-greedy eval cache (`dflash generate` + `dflash extract`): exact held-out tau every `eval_every`
+    steps and at the end, on rank 0, into metrics.jsonl (heldout_* fields) and TensorBoard. None = off."""
+    eval_every: int = 500
+    """Optimizer steps between held-out evaluations (such a step is also a log step)."""
+    eval_limit: int | None = None
+    """Evaluate only the first N sequences of the eval cache; None = all."""
+
     # --- loader ---
     num_readers: int = 2
     """Reader threads filling pinned host buffers."""
@@ -117,7 +126,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "num_layers", "block_size", "epochs", "batch_tokens", "grad_accum", "num_anchors",
-                  "num_readers", "prefetch", "log_every", "save_every", "keep_checkpoints", "loss_chunk_blocks")
+                  "num_readers", "prefetch", "log_every", "save_every", "keep_checkpoints", "loss_chunk_blocks",
+                  "eval_every")
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise ConfigError(f"eval_limit={self.eval_limit}: must be >= 1 (or unset for the whole eval cache)")
         if self.block_size < 2:
             raise ConfigError(f"block_size={self.block_size}: a block needs the anchor plus at least one slot (>= 2)")
         if self.steps is not None and self.steps < 1:
@@ -154,7 +166,7 @@ class TrainConfig:
 # lack the fields). Not online: live features are unrounded, an fp8 or bf16 cache's are not.
 RESUME_MUTABLE = frozenset({"cache", "model", "output", "log_every", "save_every", "keep_checkpoints",
                             "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps",
-                            "loss_impl", "compile_elementwise"})
+                            "loss_impl", "compile_elementwise", "eval_cache", "eval_every", "eval_limit"})
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:
@@ -218,4 +230,20 @@ def check_resume_compatible(saved: Mapping[str, Any], current: TrainConfig) -> N
                 f"{now[name]!r}. Resume with the original settings, or start a new run in an empty folder.")
 
 
-__all__ = ["TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible", "RESUME_MUTABLE"]
+def field_docs() -> dict[str, str]:
+    """TrainConfig field name -> its docstring (whitespace collapsed): the one source of the help texts of
+    `dflash train`'s options (cli/train_cmd.py generates them)."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name) and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            out[prev.target.id] = " ".join(node.value.value.split())
+    return out
+
+
+__all__ = ["TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible", "RESUME_MUTABLE",
+           "field_docs"]

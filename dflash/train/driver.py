@@ -117,8 +117,16 @@ def build_unit(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo, state: 
              **(record or {})}, indent=2) + "\n")
     taps = tuple(d.taps) if stream_taps is None else tuple(stream_taps)
     tap_index = None if tuple(d.taps) == taps else tuple(taps.index(t) for t in d.taps)
+    heldout = None
+    if cfg.eval_cache is not None and info.is_main:  # other ranks wait for rank 0's evaluation at the next step
+        from dflash.eval.heldout import HeldoutConfig, HeldoutEvaluator
+
+        heldout = HeldoutEvaluator.from_cache(cfg.eval_cache, taps=tuple(d.drafter_config.target_layer_ids),
+                                              device=info.device, model=cfg.model,
+                                              cfg=HeldoutConfig(limit=cfg.eval_limit))
     return DrafterUnit(UnitSpec(name=name, cfg=cfg, drafter=d, state=state, tap_index=tap_index,
-                                restore_rng=restore_rng, progress=progress, cache=cache), target=target, info=info)
+                                restore_rng=restore_rng, progress=progress, cache=cache, heldout=heldout),
+                       target=target, info=info)
 
 
 def cache_record(reader: "CacheReader") -> dict[str, Any]:

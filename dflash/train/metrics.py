@@ -70,6 +70,7 @@ class MetricSink:
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool, total_steps: int, initial_step: int,
                  progress: bool = True) -> None:
         self.enabled = enabled
+        self._heldout: dict[str, str] = {}
         self._jsonl = None
         self._tb = None
         self._bar = None
@@ -114,6 +115,11 @@ class MetricSink:
                     "stall": f"{record['stall_frac']:.2f}"}
             if record.get("mfu") is not None:
                 post["mfu"] = f"{record['mfu']:.3f}"
+            if record.get("heldout_tau") is not None:  # the last evaluation stays on the line until the next
+                self._heldout = {"heldout_tau": f"{record['heldout_tau']:.3f}",
+                                 "train/heldout": f"{record['train_over_heldout']:.2f}"
+                                 if record.get("train_over_heldout") is not None else "-"}
+            post.update(self._heldout)
             self._bar.set_postfix(post, refresh=False)
 
     def advance(self, n: int = 1) -> None:
@@ -131,15 +137,25 @@ class MetricSink:
 
 
 class Stopwatch:
-    """Wall time between log steps, on the host (the log step's .item() sync makes it cover the GPU work)."""
+    """Wall time between log steps, on the host (the log step's .item() sync makes it cover the GPU work).
+    pause/resume leave out a stretch (a held-out evaluation) from the current lap."""
 
     def __init__(self) -> None:
         self.t = time.perf_counter()
+        self._paused: float | None = None
 
     def lap(self) -> float:
         now = time.perf_counter()
         dt, self.t = now - self.t, now
         return dt
+
+    def pause(self) -> None:
+        self._paused = time.perf_counter()
+
+    def resume(self) -> None:
+        assert self._paused is not None, "resume without pause"
+        self.t += time.perf_counter() - self._paused
+        self._paused = None
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from dflash.train.objective import resolve_gamma
 from dflash.train.step import AnchorRule, GradSync, autocast, lr_factor, micro_batch_loss, summarize_counters
 
 if TYPE_CHECKING:
+    from dflash.eval.heldout import HeldoutEvaluator
     from dflash.train.setup import DrafterSetup, TargetSetup
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class UnitSpec:
     """Show a tqdm progress bar on rank 0."""
     cache: dict[str, Any] | None = None
     """driver.cache_record of the training cache, written into every checkpoint (checked on resume)."""
+    heldout: "HeldoutEvaluator | None" = None
+    """Exact held-out tau every cfg.eval_every steps and at the end (rank 0 only); None = no eval cache."""
 
 
 class DrafterUnit:
@@ -78,6 +81,7 @@ class DrafterUnit:
         cfg, d, state = spec.cfg, spec.drafter, spec.state
         self.cfg, self.name, self.info = cfg, spec.name, info
         self.cache_record = spec.cache
+        self.heldout = spec.heldout
         self.run_dir = pathlib.Path(cfg.output)
         self.drafter, self.dc = d.drafter, d.drafter_config
         self.embed_VD, self.lm_head_VD = target.embed_VD, target.lm_head_VD
@@ -122,6 +126,8 @@ class DrafterUnit:
         """The last metrics record this call wrote (its `loss` is the "final loss" train and sweep print)."""
         self.steps_this_run = 0
         self.drafter_dir: pathlib.Path | None = None
+        self.last_heldout = None
+        """The last held-out evaluation (eval.heldout.HeldoutResult) of this call, for the model card."""
         # The log window: steps since the last metrics record. A checkpoint inside a window carries the
         # window's counters (metric_window), so a resume logs every step exactly once.
         self._window: list[torch.Tensor] = [c.to(info.device) for c in window.get("counters", [])]
@@ -173,14 +179,28 @@ class DrafterUnit:
         self.sink.advance()
         last = self.finished or stop
         logged = False
-        if pos.global_step % cfg.log_every == 0 or last:
-            self._log(pos, stall_s())
+        evaluate = self.heldout is not None and (pos.global_step % cfg.eval_every == 0 or last)
+        if pos.global_step % cfg.log_every == 0 or last or evaluate:
+            self._log(pos, stall_s(), heldout=self._evaluate() if evaluate else None)
             logged = True
         if pos.global_step % cfg.save_every == 0 or last:
             self.save()
         return logged
 
-    def _log(self, pos: ckpt.DataPosition, stall_s: float) -> None:
+    def _evaluate(self) -> dict[str, Any]:
+        """Held-out tau of the drafter as it is now (heldout_* metrics), with the time it took; the time is
+        no part of the log window's tokens/s (the stopwatch is lapped around it)."""
+        assert self.heldout is not None
+        self.watch.pause()
+        try:
+            res = self.heldout.evaluate(self.drafter, embed_VD=self.embed_VD, lm_head_VD=self.lm_head_VD,
+                                        compute_dtype=self.compute_dtype)
+        finally:
+            self.watch.resume()
+        self.last_heldout = res
+        return res.to_metrics()
+
+    def _log(self, pos: ckpt.DataPosition, stall_s: float, *, heldout: dict[str, Any] | None = None) -> None:
         B = self.dc.block_size
         dt = self.watch.lap()  # after the .cpu() below the GPU has caught up; measured per window
         summ = summarize_counters(torch.stack(self._window), block_size=B)
@@ -195,6 +215,11 @@ class DrafterUnit:
                "tokens_per_s": self._tokens / dt, "stall_frac": min(1.0, stall_s / dt),
                "mfu": (self._flops / dt / self.peak) if self.peak else None, "mem_gb": memory_gb(self.info.device),
                "step_time_s": dt / steps}
+        if heldout is not None:
+            rec.update(heldout)
+            # training-batch acceptance over held-out tau: well above 1 means the drafter memorises its batches
+            tau = heldout["heldout_tau"]
+            rec["train_over_heldout"] = summ["accept_len"] / tau if tau and tau == tau else None
         self.sink.write(rec)
         self.last_record = rec
         self._window, self._norms, self._tokens, self._flops, self._timed_steps = [], [], 0, 0.0, 0
