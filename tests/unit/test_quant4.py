@@ -331,3 +331,22 @@ def test_names_and_refusals():
         decode(q.codes, q.group_scales, fmt=parse_quant4("e2m1-g32-e4m3"))
     with pytest.raises(ConfigError, match="group scales have shape"):
         decode(q.codes, q.group_scales, q.row_scales, fmt=parse_quant4("e2m1-g16-e4m3"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ALL + ROTATED)
+def test_cuda_matches_cpu(name):
+    """The GPU path (extraction encodes, the loader decodes there) gives the CPU's bytes: elementwise IEEE ops
+    only; with a rotation the fp32 matmul may sum in another order, so a few codes may sit one step apart."""
+    fmt = parse_quant4(name)
+    x = features(T=300, K=3, D=D)
+    cpu, gpu = encode(x, fmt=fmt), encode(x.cuda(), fmt=fmt)
+    if fmt.rotate:
+        assert (cpu.codes != gpu.codes.cpu()).float().mean() < 1e-3
+    else:
+        assert torch.equal(cpu.codes, gpu.codes.cpu()) and torch.equal(cpu.group_scales, gpu.group_scales.cpu())
+    out_cpu = decode(cpu.codes, cpu.group_scales, cpu.row_scales, fmt=fmt, dtype=torch.float32)
+    out_gpu = decode(cpu.codes.cuda(), cpu.group_scales.cuda(), None if cpu.row_scales is None else
+                     cpu.row_scales.cuda(), fmt=fmt, dtype=torch.float32).cpu()
+    torch.testing.assert_close(out_gpu, out_cpu, rtol=0, atol=1e-5 * float(out_cpu.abs().max()))
