@@ -4,6 +4,7 @@ extract` (the CLI), and a drafter overfit in-test to the cached responses so tha
 (a random drafter accepts almost nothing and would make the comparison vacuous)."""
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -26,42 +27,69 @@ def _invoke(args):
     return res
 
 
-def overfit_drafter(cache_dir, model, *, block_size, steps, seed=0, vocab=264, hidden=64):
-    """A 1-layer drafter pulled toward the cached responses' next-token embeddings (cheap cosine loss)."""
-    from dflash.cache import CacheReader
-    from dflash.target.head import embedding_and_head
-    from dflash.train.objective import build_blocks, packed_layout
-
+def tiny_drafter(*, block_size, seed=0, vocab=264, hidden=64, taps=TAPS, mask_token_id=MASK_ID,
+                 num_target_layers=4, layers=1):
     torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=128, target_layer_ids=TAPS, num_target_layers=4,
-                        mask_token_id=MASK_ID, vocab_size=vocab, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, block_size=block_size)
-    dr = DFlashDrafter(cfg)
-    embed, head, _ = embedding_and_head(model, dtype=torch.float32)
-    with CacheReader(cache_dir) as reader:
-        packed = reader.read_many(list(range(len(reader))), taps=TAPS, dequantize=True)
-    ids = torch.from_numpy(packed.input_ids.astype(np.int64))
-    mask = torch.from_numpy(packed.loss_mask.astype(np.uint8))
-    feats = packed.hidden.float()
-    offs = np.concatenate([[0], np.cumsum(packed.lengths)]).tolist()
-    batches = []  # one sequence per step: its context and response anchors only (dense CPU attention is O(Q x C))
-    for i in range(len(packed.lengths)):
-        sl = slice(offs[i], offs[i + 1])
-        a = torch.arange(int(mask[sl].nonzero()[0]), offs[i + 1] - offs[i] - 1)
-        b = build_blocks(ids[sl], mask[sl], a, block_size=block_size, mask_token_id=MASK_ID)
-        lay = packed_layout(lengths=[offs[i + 1] - offs[i]], anchors=[a], block_size=block_size)
-        tgt = torch.nn.functional.normalize(head[b.labels_JB.flatten().clamp(min=0)], dim=-1)
-        batches.append((feats[sl], embed[b.block_ids_JB.flatten()], lay, tgt, b.weights_JB.flatten()))
-    opt = torch.optim.AdamW(dr.parameters(), lr=1e-2)
-    total_w = sum(float(b[-1].sum()) for b in batches)
-    for _ in range(steps):
-        opt.zero_grad()
-        for f, x, lay, tgt, w in batches:  # gradients of all sequences per step
-            out = dr(x, dr.context(f), q_pos=lay.q_pos_Q, kv_pos=lay.kv_pos_K, mask=lay)
-            loss = ((1 - (torch.nn.functional.normalize(out, dim=-1) * tgt).sum(-1)) * w).sum() / total_w
-            loss.backward()
-        opt.step()
-    return dr, cfg, embed, head
+    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=128, target_layer_ids=taps,
+                        num_target_layers=num_target_layers, mask_token_id=mask_token_id, vocab_size=vocab,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        block_size=block_size)
+    return DFlashDrafter(cfg).eval(), cfg
+
+
+@torch.no_grad()
+def chain_cache(path, model, dr, embed, head, *, lengths, prompt_len, seed=0, source=None):
+    """A target-greedy cache built around the drafter: at each chain position the response continues with
+    the drafter's own first k drafts (k random in 0..B-1) and then a token that differs from draft k+1, so the
+    accept chain is known by construction (returned per sequence), with long accepts. Features are random,
+    rounded to bf16 (what the cache stores), written through the real CacheWriter."""
+    import dataclasses
+
+    from dflash.cache import CacheWriter
+    from dflash.eval.tau import draft_argmax
+    from train_helpers import fingerprint_for
+
+    B, K, D = dr.cfg.block_size, len(dr.cfg.target_layer_ids), dr.cfg.hidden_size
+    fp = dataclasses.replace(fingerprint_for(pathlib.Path(model), taps=dr.cfg.target_layer_ids), target_greedy=True,
+                             sources=({"path": str(source), "sha256": "-"},) if source else ())
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    all_ids, all_feats, all_mask, expected = [], [], [], []
+    for T in lengths:
+        feats = torch.randn(T, K, D, generator=g).to(torch.bfloat16).float()
+        y = rng.integers(0, 256, size=T)
+        pos, steps = prompt_len, []
+        while pos < T - 1:
+            x = embed[torch.tensor([int(y[pos])] + [MASK_ID] * (B - 1))]
+            q_pos = pos + torch.arange(B)
+            out = dr(x, dr.context(feats[:pos]), q_pos=q_pos, kv_pos=torch.cat([torch.arange(pos), q_pos]))
+            d = draft_argmax(out[1:], head).numpy()
+            k = min(int(rng.integers(0, B)), T - 1 - pos)
+            y[pos + 1: pos + 1 + k] = d[:k]
+            if k < B - 1 and pos + k + 1 < T:
+                y[pos + k + 1] = (d[k] + 1 + rng.integers(0, 255)) % 256  # any token but draft k+1
+            steps.append(k + 1)
+            pos += k + 1
+        mask = np.zeros(T, np.uint8)
+        mask[prompt_len:] = 1
+        all_ids.append(y.astype(np.int32)), all_feats.append(feats), all_mask.append(mask), expected.append(steps)
+    with CacheWriter(path, fp, shard_tokens=256) as w:
+        w.append(sample_ids=np.arange(len(lengths)), lengths=np.asarray(lengths), input_ids=np.concatenate(all_ids),
+                 loss_mask=np.concatenate(all_mask), hidden=torch.cat(all_feats))
+    return str(path), expected
+
+
+def eval_steps(cache, dr, embed, head, taps, *, chunk_anchors=16):
+    """`dflash eval`'s per-sequence accept chains (tau.sequence_steps over CacheReader.read)."""
+    from dflash.cache import CacheReader
+    from dflash.eval.tau import sequence_steps
+
+    with CacheReader(cache) as reader:
+        return [sequence_steps(dr, embed_VD=embed, lm_head_VD=head,
+                               input_ids_T=torch.from_numpy(s.input_ids.astype(np.int64)), hidden_TKD=s.hidden,
+                               loss_mask_T=s.loss_mask, mask_token_id=dr.cfg.mask_token_id,
+                               chunk_anchors=chunk_anchors)
+                for s in (reader.read(i, taps=taps, dequantize=True) for i in range(len(reader)))]
 
 
 @pytest.fixture(scope="module")
@@ -80,44 +108,57 @@ def tiny_eval(tmp_path_factory):
     return root, model
 
 
-def test_equals_dflash_eval_per_sequence_and_source(tiny_eval):
-    from dflash.cache import CacheReader
-    from dflash.drafter.export import export_drafter
-    from dflash.eval.tau import sequence_steps
+def test_known_chains_with_long_accepts(tiny_eval, tmp_path):
+    """Chains known by construction (accepts of 0..B-1 drafts): dflash eval and the evaluator both find them,
+    also when a small context budget splits each iteration into several forwards of different widths."""
+    from dflash.target.head import embedding_and_head
 
-    root, model = tiny_eval
-    cache = str(root / "cache")
-    dr, cfg, embed, head = overfit_drafter(cache, model, block_size=8, steps=40)
-    # reference: dflash eval's per-sequence chain (tau.sequence_steps) and the CLI's JSON on the exported drafter
-    ref_steps = []
-    with CacheReader(cache) as reader:
-        for i in range(len(reader)):
-            s = reader.read(i, taps=TAPS, dequantize=True)
-            ref_steps.append(sequence_steps(dr.eval(), embed_VD=embed, lm_head_VD=head,
-                                            input_ids_T=torch.from_numpy(s.input_ids.astype(np.int64)),
-                                            hidden_TKD=s.hidden, loss_mask_T=s.loss_mask, mask_token_id=MASK_ID,
-                                            chunk_anchors=16))
-    assert max(max(s) for s in ref_steps) >= 3, "the overfit drafter should accept several tokens somewhere"
-    ddir = export_drafter(dr, cfg, root / "drafter", dtype=torch.float32, overwrite=True)
-    cli_out = json.loads(_invoke(["eval", "--drafter", str(ddir), "--cache", cache, "--model", model, "--json",
-                                  "--device", "cpu"]).output)
-
-    # a small context budget forces several forwards per iteration (groups of different widths)
-    for budget in (1 << 20, 300):
+    _, model = tiny_eval
+    dr, cfg = tiny_drafter(block_size=8, layers=2)
+    embed, head, _ = embedding_and_head(model, dtype=torch.float32)
+    (tmp_path / "src.jsonl").write_text("".join("{}\n" for _ in range(5)))
+    cache, expected = chain_cache(tmp_path / "chain", model, dr, embed, head, lengths=[60, 97, 41, 130, 75],
+                                  prompt_len=12, source=tmp_path / "src.jsonl")
+    assert max(max(s) for s in expected) == cfg.block_size and np.mean([np.mean(s) for s in expected]) > 3
+    assert eval_steps(cache, dr, embed, head, TAPS) == expected
+    for budget in (1 << 20, 200):
         ev = HeldoutEvaluator.from_cache(cache, taps=TAPS, device="cpu", model=model,
                                          cfg=HeldoutConfig(max_context_tokens=budget))
         dr.train()
         res = ev.evaluate(dr, embed_VD=embed, lm_head_VD=head)
         assert dr.training, "evaluate must restore train mode"
-        assert res.exact and res.num_sequences == 6
-        per_seq = [float(np.mean(s)) for s in ref_steps if s]
-        assert res.overall.per_sequence_tau == per_seq
-        assert res.tau == cli_out["tau"]
-        assert res.tau_by_source == {s["name"]: s["tau"] for s in cli_out["sources"]}
-        assert res.overall.to_json()["accept_length_counts"] == cli_out["overall"]["accept_length_counts"]
-        m = res.to_metrics()
-        assert m["heldout_tau"] == res.tau and m["heldout_tau/mt.jsonl"] == res.tau_by_source["mt.jsonl"]
-        assert len(m["heldout_acc"]) == cfg.block_size - 1
+        assert all(p.grad is None for p in dr.parameters())
+        assert res.overall.per_sequence_tau == [float(np.mean(s)) for s in expected]
+        counts = np.bincount(np.concatenate(expected), minlength=cfg.block_size + 1)
+        assert res.overall.step_counts == counts.tolist()
+        assert res.tau_by_source == {"src.jsonl": res.tau}
+    dr.eval()
+
+
+def test_equals_dflash_eval_on_generated_cache(tiny_eval):
+    """A real target-greedy cache (`dflash generate` + `dflash extract` of a tiny random Qwen3.5): the CLI's
+    JSON and the evaluator agree on tau, per source and on the step histogram."""
+    from dflash.drafter.export import export_drafter
+    from dflash.target.head import embedding_and_head
+
+    root, model = tiny_eval
+    cache = str(root / "cache")
+    dr, cfg = tiny_drafter(block_size=4, seed=1)
+    embed, head, _ = embedding_and_head(model, dtype=torch.float32)
+    ref = eval_steps(cache, dr, embed, head, TAPS)
+    ddir = export_drafter(dr, cfg, root / "drafter", dtype=torch.float32, overwrite=True)
+    cli_out = json.loads(_invoke(["eval", "--drafter", str(ddir), "--cache", cache, "--model", model, "--json",
+                                  "--device", "cpu"]).output)
+    res = HeldoutEvaluator.from_cache(cache, taps=TAPS, device="cpu", model=model).evaluate(
+        dr, embed_VD=embed, lm_head_VD=head)
+    assert res.exact and res.num_sequences == 6
+    assert res.overall.per_sequence_tau == [float(np.mean(s)) for s in ref if s]
+    assert res.tau == cli_out["tau"]
+    assert res.tau_by_source == {s["name"]: s["tau"] for s in cli_out["sources"]} and len(res.per_source) == 2
+    assert res.overall.to_json()["accept_length_counts"] == cli_out["overall"]["accept_length_counts"]
+    m = res.to_metrics()
+    assert m["heldout_tau"] == res.tau and m["heldout_tau/mt.jsonl"] == res.tau_by_source["mt.jsonl"]
+    assert len(m["heldout_acc"]) == cfg.block_size - 1
 
 
 def test_limit_and_refusals(tiny_eval, tmp_path):
@@ -140,3 +181,28 @@ def test_acceptance_by_position_from_step_histogram():
     counts = [0, 1, 2, 0, 1]
     assert acceptance_by_position(counts) == [0.75, 0.25, 0.25]
     assert all(np.isnan(acceptance_by_position([0] * 5)))
+
+
+@pytest.mark.slow
+def test_equals_dflash_eval_on_smollm2(tmp_path, smollm2_dir):
+    """The real SmolLM2-135M: its greedy responses to 2 MT-Bench and 1 HumanEval prompts, extracted (5 taps)."""
+    from dflash.cache import CacheReader
+    from dflash.data.assets import humaneval_path, mtbench_questions_path
+    from dflash.target.head import embedding_and_head
+
+    model = str(smollm2_dir)
+    for name, src, n in (("mt.jsonl", mtbench_questions_path(), 2), ("he.jsonl", humaneval_path(), 1)):
+        _invoke(["generate", "--model", model, "--prompts", str(src), "--output", str(tmp_path / name), "--limit",
+                 str(n), "--max-new-tokens", "20", "--batch-size", str(n), "--device", "cpu", "--dtype", "float32"])
+    cache = str(tmp_path / "cache")
+    _invoke(["extract", "--model", model, "--data", str(tmp_path / "mt.jsonl"), "--data", str(tmp_path / "he.jsonl"),
+             "--output", cache, "--dtype", "float32", "--max-length", "1024"])
+    with CacheReader(cache) as reader:
+        taps = reader.tap_layer_ids
+    dr, _ = tiny_drafter(block_size=8, vocab=49152, hidden=576, taps=taps, mask_token_id=16, num_target_layers=30)
+    embed, head, _ = embedding_and_head(model, dtype=torch.float32)
+    ref = eval_steps(cache, dr, embed, head, taps, chunk_anchors=256)
+    res = HeldoutEvaluator.from_cache(cache, taps=taps, device="cpu", model=model).evaluate(
+        dr, embed_VD=embed, lm_head_VD=head)
+    assert res.overall.per_sequence_tau == [float(np.mean(s)) for s in ref if s]
+    assert [(s.name, s.num_sequences) for s in res.per_source] == [("mt.jsonl", 2), ("he.jsonl", 1)]
