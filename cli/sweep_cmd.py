@@ -44,5 +44,7 @@ def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limi
 
     for row in res.rows:
         tau = "" if row["tau"] is None else f", tau {row['tau']:.3f}"
+        if row["heldout_tau"] is not None:
+            tau += f", held-out tau {row['heldout_tau']:.3f} (step {row['heldout_step']})"
         click.echo(f"{row['name']}: {row['steps']} steps, {describe_final_loss(row['final_record'])}{tau}")
     click.echo(f"best run: {res.best}; cache bytes read {res.bytes_read}; results in {res.output / 'results.md'}")

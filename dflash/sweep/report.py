@@ -43,6 +43,8 @@ def collect_rows(out: pathlib.Path, spec: SweepSpec) -> list[dict]:
         last = recs[-1] if recs else None
         ev = run_dir / "eval.json"
         tau = json.loads(ev.read_text())["tau"] if ev.exists() else None
+        # held-out tau measured during training (a spec with eval_cache in its base): the last evaluation
+        heldout = next((rec for rec in reversed(recs) if rec.get("heldout_tau") is not None), None)
         row = {"name": r.name, **{k: r.config.to_json()[k] for k in spec.varied},
                "steps": last["step"] if last else 0,
                "finished": (run_dir / "drafter" / "config.json").exists(),
@@ -51,6 +53,8 @@ def collect_rows(out: pathlib.Path, spec: SweepSpec) -> list[dict]:
                "final_step_loss": last["step_losses"][-1] if last else None,
                "accept_len_train": last["accept_len"] if last else None,
                "tau": tau,
+               "heldout_tau": heldout["heldout_tau"] if heldout else None,
+               "heldout_step": heldout["step"] if heldout else None,
                "acc": last["acc"] if last else []}
         row["loss_curve"] = [(s, x) for rec in recs
                              for s, x in zip(range(rec["first_step"], rec["step"] + 1), rec["step_losses"])]
@@ -71,13 +75,14 @@ def best_run(rows: list[dict]) -> tuple[str | None, str]:
 
 def _table(rows: list[dict], varied: tuple[str, ...]) -> tuple[list[str], list[list[str]]]:
     max_acc = max((len(r["acc"]) for r in rows), default=0)
-    head = ["name", *varied, "steps", "finished", "final_loss", "accept_len_train", "tau",
-            *[f"acc_{k + 1}" for k in range(max_acc)]]
+    head = ["name", *varied, "steps", "finished", "final_loss", "accept_len_train", "tau", "heldout_tau",
+            "heldout_step", *[f"acc_{k + 1}" for k in range(max_acc)]]
     body = []
     for r in rows:
         acc = list(r["acc"]) + [None] * (max_acc - len(r["acc"]))
         body.append([r["name"], *[_fmt(r[k]) for k in varied], str(r["steps"]), str(r["finished"]).lower(),
-                     _fmt(r["final_loss"]), _fmt(r["accept_len_train"]), _fmt(r["tau"]), *[_fmt(a) for a in acc]])
+                     _fmt(r["final_loss"]), _fmt(r["accept_len_train"]), _fmt(r["tau"]), _fmt(r["heldout_tau"]),
+                     _fmt(r["heldout_step"]), *[_fmt(a) for a in acc]])
     return head, body
 
 
@@ -138,7 +143,8 @@ def write_report(out: pathlib.Path, spec: SweepSpec) -> tuple[list[dict], str | 
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     lines += ["", "acc_k: accuracy at block position k over the last log window; final_loss: mean loss of that "
-              "window; tau: exact greedy acceptance length on the eval cache.", ""]
+              "window; tau: exact greedy acceptance length of the exported drafter on the sweep's --eval-cache; heldout_tau: "
+              "the last held-out tau measured during training (eval_cache in the spec's base), at heldout_step.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     return rows, best

@@ -78,3 +78,25 @@ def test_heldout_tau_every_n_steps_and_at_the_end(caches, tmp_path, monkeypatch)
     assert ev.evaluate(dr, embed_VD=embed, lm_head_VD=head).tau == evals[-1]["heldout_tau"]
     config = json.loads((out / "config.json").read_text())
     assert config["train"]["eval_cache"] == eval_cache and config["train"]["eval_every"] == 2
+
+
+def test_sweep_reports_heldout_tau_per_run(caches, tmp_path, monkeypatch):
+    import csv
+
+    from dflash.sweep.runner import run_sweep
+    from dflash.sweep.spec import spec_from_dict
+
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    model, train_cache, eval_cache = caches
+    base = dict(num_layers=1, block_size=4, num_anchors=8, batch_tokens=200, log_every=1, save_every=100,
+                intermediate_size=64, mask_token_id=257, steps=2, eval_cache=eval_cache, eval_every=2)
+    out = tmp_path / "sw"
+    spec = spec_from_dict({"base": base, "grid": {"seed": [0, 1]}}, cache=train_cache, model=model, output=str(out))
+    res = run_sweep(spec, output=out, device="cpu")
+    rows = {r["name"]: r for r in csv.DictReader(open(out / "results.csv"))}
+    for name in ("seed0", "seed1"):
+        last = read_metrics(out / "runs" / name)[-1]
+        assert rows[name]["heldout_tau"] == f"{last['heldout_tau']:.4g}" and rows[name]["heldout_step"] == "2"
+    assert {r["name"]: r["heldout_tau"] for r in res.rows}["seed1"] == read_metrics(out / "runs" / "seed1")[-1][
+        "heldout_tau"]
+    assert "heldout_tau" in (out / "results.md").read_text()
