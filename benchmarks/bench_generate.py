@@ -110,6 +110,9 @@ def main() -> None:
         return GreedyDecoder(model, stop_ids=stops, pad_id=pad,
                              cfg=DecodeConfig(max_new_tokens=max_new, batch_size=batch_size, backend=backend))
 
+    # warm-up (CUDA context, cuBLAS handles, allocator) so that eager is not charged for them
+    GreedyDecoder(model, stop_ids=stops, pad_id=pad,
+                  cfg=DecodeConfig(max_new_tokens=4, batch_size=batch_size, backend="eager")).decode(prompts[:8])
     eager, eager_s, eager_tok = timed_decode(decoder("eager"), prompts)
     print(f"[bench_generate] HF eager generate: {eager_tok} tokens in {eager_s:.1f} s = {eager_tok / eager_s:,.0f} "
           "tok/s", flush=True)

@@ -153,7 +153,9 @@ class GreedyDecoder:
             import torch._dynamo
 
             # one graph per (rows, cache length) until dynamo turns the dims dynamic; keep room for all buckets
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            dyn = torch._dynamo.config
+            name = "recompile_limit" if hasattr(dyn, "recompile_limit") else "cache_size_limit"
+            setattr(dyn, name, max(getattr(dyn, name), 64))
 
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig

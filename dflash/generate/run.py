@@ -104,8 +104,8 @@ class RegenerateStats:
         tr = ", ".join(f"{r}={n}" for r, n in sorted(self.truncated.items())) or "none"
         head = ("already complete (same job): " if self.already_complete else
                 "" if self.complete else "stopped at the time limit, rerun the same command to continue; so far: ")
-        return (f"{head}wrote {self.records} conversations, {self.turns} responses ({self.stopped_at_eos} stopped at eos, "
-                f"{self.hit_max_tokens} hit the token limit), {self.response_tokens} response tokens in "
+        return (f"{head}wrote {self.records} conversations, {self.turns} responses ({self.stopped_at_eos} stopped "
+                f"at eos, {self.hit_max_tokens} hit the token limit), {self.response_tokens} response tokens in "
                 f"{self.output}; skipped: {sk}; truncated: {tr}")
 
 
@@ -202,25 +202,27 @@ def model_fingerprint(model_dir: str) -> dict:
     p = pathlib.Path(model_dir)
     weights = sorted((f.name, f.stat().st_size) for f in p.iterdir()
                      if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")) if p.is_dir() else []
-    return {"path": os.path.abspath(model_dir), "config_hash": target_config_hash(model_dir) if p.is_dir() else None,
-            "weights": [list(w) for w in weights]}
+    return {"config_hash": target_config_hash(model_dir) if p.is_dir() else None, "weights": [list(w) for w in weights]}
 
 
-def job_of(cfg: RegenerateConfig, *, extra: dict) -> dict:
-    """The job fingerprint: model, inputs with their hashes, and every option that changes the records."""
+def job_of(cfg, *, model: dict, extra: dict) -> dict:
+    """The job fingerprint of a RegenerateConfig or EndpointConfig: the model, the inputs with their hashes,
+    and every option that changes the records (extra: the backend's own, e.g. batch size and dtype). Paths
+    are not part of it (file names and hashes are), so a parts folder carried to another machine resumes."""
     from dflash.extract.preflight import sha256_source
 
     inputs = list(cfg.data) if cfg.data else [cfg.prompts]
-    return {"model": extra.pop("model"),
-            "inputs": [{"path": os.path.abspath(p), "sha256": sha256_source(p)} for p in inputs],
+    return {"model": model,
+            "inputs": [{"name": os.path.basename(os.path.normpath(p)), "sha256": sha256_source(p)} for p in inputs],
             "options": {"turns": cfg.turn_mode, "max_new_tokens": cfg.max_new_tokens, "max_length": cfg.max_length,
-                        "batch_size": cfg.batch_size, "chunk_conversations": cfg.chunk_conversations,
+                        "chunk_conversations": cfg.chunk_conversations,
                         "template_kwargs": dict(cfg.template_kwargs), "limit": cfg.limit, **extra}}
 
 
-def run_chunks(*, cfg: RegenerateConfig, convs: list[Conversation], out, process_chunk, read_skips: SkipCounter,
+def run_chunks(*, cfg, convs: list[Conversation], out, process_chunk, read_skips: SkipCounter,
                progress: bool, t0: float, stop_after: float | None = None) -> RegenerateStats:
     """Process the uncommitted chunks in order, commit each, merge at the end; totals over all chunks.
+    cfg: RegenerateConfig or EndpointConfig (chunk_conversations, turn_mode, output).
     stop_after: seconds since t0 within which the run must end: no chunk is started unless it fits, judged by
     the slowest chunk so far (a time-limited device call ends cleanly instead of being killed)."""
     from tqdm import tqdm
@@ -272,7 +274,7 @@ def run_chunks(*, cfg: RegenerateConfig, convs: list[Conversation], out, process
     return _stats(cfg, totals, resumed_chunks=resumed, complete=False, t0=t0)
 
 
-def _stats(cfg: RegenerateConfig, totals: dict, *, resumed_chunks: int, complete: bool, t0: float,
+def _stats(cfg, totals: dict, *, resumed_chunks: int, complete: bool, t0: float,
            finished: bool = True) -> RegenerateStats:
     return RegenerateStats(output=cfg.output, records=totals["records"], turns=totals["turns"],
                            stopped_at_eos=totals["eos"], hit_max_tokens=totals["length"],
@@ -299,8 +301,8 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
     dtype = cfg.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     backend = resolve_backend(cfg.backend, torch.device(device).type)
     mfp = model_fingerprint(model_dir)
-    out = ShardedOutput(cfg.output, job=job_of(cfg, extra={"model": mfp, "dtype": dtype, "backend": backend}),
-                        overwrite=cfg.overwrite)
+    job = job_of(cfg, model=mfp, extra={"batch_size": cfg.batch_size, "dtype": dtype, "backend": backend})
+    out = ShardedOutput(cfg.output, job=job, overwrite=cfg.overwrite)
     if out.complete is not None:
         return _stats(cfg, out.complete["totals"], resumed_chunks=out.complete["chunks"], complete=True, t0=t0)
     if not convs:

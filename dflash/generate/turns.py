@@ -36,8 +36,8 @@ def transition_ids(tokenizer, *, history: Sequence[dict], next_messages: Sequenc
     None when the template does not render the longer conversation as an extension of the shorter one."""
     done = tokenizer.apply_chat_template(list(history), add_generation_prompt=False, tokenize=False,
                                          **template_kwargs)
-    more = tokenizer.apply_chat_template(list(history) + list(next_messages), add_generation_prompt=True, tokenize=False,
-                                         **template_kwargs)
+    more = tokenizer.apply_chat_template(list(history) + list(next_messages), add_generation_prompt=True,
+                                         tokenize=False, **template_kwargs)
     cut = done.rfind(end_token)
     if cut < 0 or not more.startswith(done):
         return None

@@ -192,3 +192,16 @@ def test_static_backend_equals_eager_on_cpu(smollm2_dir, data_file, tmp_path):
     _, static = _run(smollm2_dir, tmp_path / "s.jsonl.gz", data_file, backend="static", turns="first")
     assert [r["input_ids"] for r in static] == [r["input_ids"] for r in eager]
     assert {r["dflash_generate"]["backend"] for r in static} == {"static"}
+
+
+def test_extraction_refuses_a_greedy_marker_of_another_dtype(tmp_path):
+    from dflash.extract.preflight import target_greedy_of
+
+    p = tmp_path / "g.jsonl"
+    rec = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
+           "dflash_generate": {"target": "m", "target_config_hash": "h", "dtype": "bfloat16", "greedy": True}}
+    p.write_text(json.dumps(rec) + "\n")
+    assert target_greedy_of([str(p)], target_config_hash="h", target_dtype="bfloat16")[0] is True
+    ok, why = target_greedy_of([str(p)], target_config_hash="h", target_dtype="float32")
+    assert ok is False and "bfloat16" in why and "float32" in why
+    assert target_greedy_of([str(p)], target_config_hash="other", target_dtype="bfloat16")[0] is False
