@@ -41,13 +41,16 @@ import click
 @click.option("--max-consecutive-errors", default=8, show_default=True, type=int,
               help="With --endpoint: stop after this many failed requests in a row.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output of another job.")
+@click.option("--keep-shards", is_flag=True,
+              help="Keep OUTPUT.parts/shards/*.jsonl.gz after the merge (each readable by dflash extract --data).")
 def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, max_length, batch_size,
             chunk_conversations, backend, no_thinking, limit, device, dtype, stop_after, endpoint, served_model,
-            concurrency, request_timeout, retries, max_consecutive_errors, overwrite) -> None:
+            concurrency, request_timeout, retries, max_consecutive_errors, overwrite, keep_shards) -> None:
     """Regenerate assistant turns greedily (do_sample=False) with the target, or through a served endpoint."""
     common = dict(data=tuple(data), prompts=prompts_path, output=output_path, turns=turns,
                   max_new_tokens=max_new_tokens, max_length=max_length, chunk_conversations=chunk_conversations,
-                  template_kwargs={"enable_thinking": False} if no_thinking else {}, limit=limit, overwrite=overwrite)
+                  template_kwargs={"enable_thinking": False} if no_thinking else {}, limit=limit, overwrite=overwrite,
+                  keep_shards=keep_shards)
     if endpoint is not None:
         from dflash.generate.endpoint import EndpointConfig, regenerate_endpoint
 

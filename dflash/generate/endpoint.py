@@ -61,6 +61,8 @@ class EndpointConfig:
     """Sent as `chat_template_kwargs` (vLLM, SGLang) when not empty."""
     limit: int | None = None
     overwrite: bool = False
+    keep_shards: bool = False
+    """Keep OUTPUT.parts/shards after the merge (as in-process)."""
     concurrency: int = 8
     """Requests in flight."""
     request_timeout: float = 300.0

@@ -153,8 +153,9 @@ class ShardedOutput:
             os.fsync(f.fileno())
         self.committed[chunk] = entry
 
-    def finish(self, *, num_chunks: int, summary: dict) -> pathlib.Path:
-        """Merge the committed shards in chunk order into the output (atomically), then drop the shards."""
+    def finish(self, *, num_chunks: int, summary: dict, keep_shards: bool = False) -> pathlib.Path:
+        """Merge the committed shards in chunk order into the output (atomically), then drop the shards
+        (keep_shards: leave them, e.g. to move the output in pieces; `cat` of them in order is the output)."""
         missing = [c for c in range(num_chunks) if c not in self.committed]
         assert not missing, f"chunks {missing[:5]} not committed"
         tmp = self.output.with_name(self.output.name + ".tmp")
@@ -174,7 +175,8 @@ class ShardedOutput:
         fsync_dir(self.output.parent)
         self.complete = {"output": str(self.output), "chunks": num_chunks, **summary}
         _write_durable(self.parts / "complete.json", json.dumps(self.complete, indent=1).encode())
-        shutil.rmtree(self.parts / "shards")  # the output holds the same bytes now
+        if not keep_shards:
+            shutil.rmtree(self.parts / "shards")  # the output holds the same records now
         return self.output
 
 

@@ -62,6 +62,8 @@ class RegenerateConfig:
     """cuda / cpu; None: cuda when available."""
     overwrite: bool = False
     """Replace an existing output of another job."""
+    keep_shards: bool = False
+    """Keep OUTPUT.parts/shards after the merge (pieces under 16 MiB to move; in chunk order they are OUTPUT)."""
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_length", "batch_size", "chunk_conversations"):
@@ -270,7 +272,7 @@ def run_chunks(*, cfg, convs: list[Conversation], out, process_chunk, read_skips
         _add(totals["skipped"], reason, n)
     if len(out.committed) < len(chunks):
         return _stats(cfg, totals, resumed_chunks=resumed, complete=False, t0=t0, finished=False)
-    out.finish(num_chunks=len(chunks), summary={"totals": totals})
+    out.finish(num_chunks=len(chunks), summary={"totals": totals}, keep_shards=getattr(cfg, "keep_shards", False))
     return _stats(cfg, totals, resumed_chunks=resumed, complete=False, t0=t0)
 
 

@@ -74,9 +74,11 @@ def test_sharded_output_commit_resume_and_job_check(tmp_path):
     with pytest.raises(ConfigError, match="options.a"):
         ShardedOutput(out, job={"model": "m", "options": {"a": 2}})
     o2.commit(2, [{"r": 3}], {"n": 1})
-    o2.finish(num_chunks=3, summary={})
+    o2.finish(num_chunks=3, summary={}, keep_shards=True)
     with gzip.open(out, "rt") as f:  # the shards' gzip members concatenated, read as one file
         assert [json.loads(x)["r"] for x in f] == [0, 1, 2, 3]
+    shards = sorted((parts_dir(out) / "shards").iterdir())
+    assert b"".join(p.read_bytes() for p in shards) == out.read_bytes()
     assert ShardedOutput(out, job=job).complete is not None
     plain = tmp_path / "p.jsonl"
     plain.write_text("{}\n")
