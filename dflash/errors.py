@@ -15,12 +15,52 @@ class CacheFormatError(DflashError):
 
 
 class CacheMismatchError(DflashError):
-    """A cache was made with a different fingerprint (model, tokenizer, taps, dtype, ...) than requested."""
+    """Two objects that must belong together disagree on one field: a cache and the run that extends or reads
+    it, a cache and the target model, a drafter and its target. The message names both objects and the field:
+    "the drafter's num_target_layers 6 != the target's 8"; hashes are shortened to 12 hex digits and of two
+    source lists only the first differing entry is shown."""
 
-    def __init__(self, field: str, expected: object, found: object, hint: str = "") -> None:
-        self.field, self.expected, self.found = field, expected, found
-        msg = f"cache fingerprint mismatch in field {field!r}: cache has {found!r}, this run has {expected!r}"
+    def __init__(self, field: str, expected: object, found: object, hint: str = "", *,
+                 mine: str = "the requested", theirs: str = "the cache's") -> None:
+        self.field, self.expected, self.found, self.hint = field, expected, found, hint
+        self.mine, self.theirs = mine, theirs
+        exp, fnd = describe_difference(expected, found)
+        msg = f"{mine} {field} {exp} != {theirs} {fnd}"
         super().__init__(msg + (f". {hint}" if hint else ""))
+
+    def __reduce__(self):
+        # default exception pickling calls cls(*args) with the message only; a spawned process reports it
+        return (_rebuild_mismatch, (self.field, self.expected, self.found, self.hint, self.mine, self.theirs))
+
+
+def _rebuild_mismatch(field, expected, found, hint, mine, theirs) -> CacheMismatchError:
+    return CacheMismatchError(field, expected, found, hint, mine=mine, theirs=theirs)
+
+
+HASH_SHOWN = 12   # hex digits of a sha256 shown in messages (git's short hashes are 7-12)
+
+
+def _short(value: object) -> str:
+    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return value[:HASH_SHOWN]
+    if isinstance(value, dict) and "path" in value:
+        extra = {k: _short(v) for k, v in value.items() if k != "path"}
+        return repr(value["path"]) + (f" ({', '.join(f'{k} {v}' for k, v in extra.items())})" if extra else "")
+    return repr(value)
+
+
+def describe_difference(expected: object, found: object) -> tuple[str, str]:
+    """Short texts of two differing values: hashes cut to HASH_SHOWN digits; of two lists only the first
+    differing entry with its index (a source list names the differing path, not every source)."""
+    if isinstance(expected, (list, tuple)) and isinstance(found, (list, tuple)):
+        for i, (a, b) in enumerate(zip(expected, found)):
+            if a != b:
+                return f"[{i}] {_short(a)}", f"[{i}] {_short(b)}"
+        n = min(len(expected), len(found))
+        more = [f"{len(x)} entries" + (f" (first extra [{n}] {_short(x[n])})" if len(x) > n else "")
+                for x in (expected, found)]
+        return more[0], more[1]
+    return _short(expected), _short(found)
 
 
 class CacheNotFoundError(DflashError, FileNotFoundError):

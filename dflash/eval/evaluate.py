@@ -133,16 +133,25 @@ def source_of_sample_ids(sources: list[dict], sample_ids: np.ndarray) -> list[st
     return out
 
 
-def check_target(fingerprint, model_path: str) -> None:
-    """The frozen embedding/head must be the cache's target: compare the config.json hashes."""
-    from dflash.eval.generate import target_config_hash
+def check_target(fingerprint, model_path: str) -> int:
+    """The frozen embedding/head must be the cache's target: the rule train applies (hidden size, layer count,
+    tokenizer, config.json hash; dflash.target.check). Returns the target's decoder layer count (the cache's
+    when model_path is a hub name, which is not checked)."""
+    if not os.path.isdir(model_path):
+        return fingerprint.num_target_layers
+    from transformers import AutoConfig, AutoTokenizer
 
-    if os.path.isdir(model_path):
-        found = target_config_hash(model_path)
-        if found != fingerprint.target_config_hash:
-            raise CacheMismatchError("target_config_hash", found, fingerprint.target_config_hash,
-                                     hint=f"--model {model_path} is not the target the cache was extracted with "
-                                          f"({fingerprint.target})")
+    from dflash.target.check import check_target_matches
+    from dflash.target.load import text_config
+
+    tc = text_config(AutoConfig.from_pretrained(model_path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as e:  # a target folder without tokenizer files
+        raise ConfigError(f"cannot load the tokenizer of {model_path!r} ({e}); the cache check needs it") from e
+    check_target_matches(fingerprint, model_dir=model_path, tokenizer=tokenizer, embed_hidden=int(tc.hidden_size),
+                         num_target_layers=int(tc.num_hidden_layers))
+    return int(tc.num_hidden_layers)
 
 
 def check_greedy(fingerprint, *, cache_dir: str, approximate: bool) -> None:
@@ -162,6 +171,7 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
     from dflash.cache import CacheReader
     from dflash.drafter.export import load_drafter
     from dflash.eval.tau import sequence_steps
+    from dflash.target.check import DRAFTER_HINT, check_drafter_matches
     from dflash.target.head import embedding_and_head
 
     t0 = time.perf_counter()
@@ -170,7 +180,7 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
     check_greedy(fp, cache_dir=cache_dir, approximate=cfg.approximate)
     if not fp.target_greedy:
         log.warning("cache %s is not target_greedy: tau is approximate (--approximate)", cache_dir)
-    check_target(fp, model)
+    num_target_layers = check_target(fp, model)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = cfg.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     log.info("drafter dtype %s (%s)", dtype_name, "given" if cfg.dtype else "default for " + device)
@@ -181,14 +191,13 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
     # shape. The chunked dense SDPA path has no compile step and is exact, and eval is forward-only.
     drafter.attn_backend = "dense"
     log.info("drafter attention backend dense for eval (varying chunk shapes; no recompiles)")
-    if dcfg.hidden_size != reader.hidden_size:
-        raise CacheMismatchError("hidden_size", dcfg.hidden_size, reader.hidden_size,
-                                 hint="the drafter was made for another target")
-    reader.tap_positions(dcfg.target_layer_ids)  # ConfigError naming the cache's taps
     embed_VD, head_VD, info = embedding_and_head(model, dtype=dtype)
-    if info.vocab_size != dcfg.vocab_size or info.hidden_size != dcfg.hidden_size:
-        raise ConfigError(f"drafter vocab/hidden {dcfg.vocab_size}/{dcfg.hidden_size} do not match the target "
-                          f"{model} ({info.vocab_size}/{info.hidden_size})")
+    check_drafter_matches(dcfg, num_target_layers=num_target_layers, hidden_size=info.hidden_size,
+                          vocab_size=info.vocab_size)
+    if dcfg.hidden_size != reader.hidden_size:
+        raise CacheMismatchError("hidden_size", dcfg.hidden_size, reader.hidden_size, DRAFTER_HINT,
+                                 mine="the drafter's", theirs="the cache's")
+    reader.tap_positions(dcfg.target_layer_ids)  # ConfigError naming the cache's taps
     embed_VD, head_VD = embed_VD.to(device), head_VD.to(device)
 
     n = len(reader) if cfg.limit is None else min(cfg.limit, len(reader))
