@@ -8,13 +8,13 @@ wrote into the cache fingerprint.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dflash.drafter.config import DrafterConfig
-from dflash.errors import CacheMismatchError, ConfigError
-from dflash.target.identity import target_config_hash, tokenizer_hash
+from dflash.errors import ConfigError
+# the target check is one rule shared with `dflash eval` (setup.py imports it from here)
+from dflash.target.check import check_target_matches  # noqa: F401
 
 
 def select_taps(cache_taps: Sequence[int], requested: Sequence[int] | None) -> tuple[int, ...]:
@@ -91,22 +91,3 @@ def build_drafter_config(cfg: Any, *, hidden_size: int, taps: Sequence[int], num
         head_dim=cfg.head_dim if cfg.head_dim is not None else head_dim,
         rope_theta=float(cfg.rope_theta), block_size=cfg.block_size)
     return ResolvedDrafter(config=dc, reasons=tuple(reasons))
-
-
-# ---- the target check (the same dflash.target.identity hashes extraction wrote into the fingerprint)
-
-def check_target_matches(fingerprint: Any, *, model_dir: str | os.PathLike, tokenizer: Any, embed_hidden: int,
-                         num_target_layers: int) -> None:
-    """Raise CacheMismatchError when --model is not the target the cache was made with."""
-    hint = "pass the target the cache was extracted with (--model), or extract a cache for this target"
-    if embed_hidden != fingerprint.hidden_size:
-        raise CacheMismatchError("hidden_size", embed_hidden, fingerprint.hidden_size, hint)
-    if num_target_layers != fingerprint.num_target_layers:
-        raise CacheMismatchError("num_target_layers", num_target_layers, fingerprint.num_target_layers, hint)
-    if tokenizer is not None:
-        found = tokenizer_hash(tokenizer)
-        if found != fingerprint.tokenizer_hash:
-            raise CacheMismatchError("tokenizer_hash", found, fingerprint.tokenizer_hash, hint)
-    cfg_hash = target_config_hash(model_dir)
-    if cfg_hash != fingerprint.target_config_hash:
-        raise CacheMismatchError("target_config_hash", cfg_hash, fingerprint.target_config_hash, hint)
