@@ -18,8 +18,6 @@ from typing import Iterator
 
 from dflash.errors import DataError
 
-_ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                 "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
 _ID_FIELDS = ("id", "question_id", "task_id")
 
 
@@ -54,39 +52,19 @@ class PromptSkips:
         return f"skipped {sum(self.counts.values())} prompts ({parts}); first: {'; '.join(self.examples)}"
 
 
-def _normalise_chat(turns: list, *, role_key: str, content_key: str) -> list[dict] | None:
-    out: list[dict] = []
-    for t in turns:
-        if not isinstance(t, dict):
-            return None
-        role = _ROLE_ALIASES.get(str(t.get(role_key, "")).lower())
-        content = t.get(content_key)
-        if role is None or not isinstance(content, str):
-            return None
-        if role == "assistant":
-            break  # the prompt is everything before the first response
-        out.append({"role": role, "content": content})
-    return out
-
-
 def prompt_messages(record: dict) -> list[dict] | str:
-    """The prompt chat of one record, or a skip reason (str)."""
-    if isinstance(record.get("messages"), list):
-        msgs = _normalise_chat(record["messages"], role_key="role", content_key="content")
-    elif isinstance(record.get("conversations"), list):
-        msgs = _normalise_chat(record["conversations"], role_key="from", content_key="value")
-    elif isinstance(record.get("turns"), list) and record["turns"]:
-        first = record["turns"][0]
-        msgs = [{"role": "user", "content": first}] if isinstance(first, str) else None
-    elif isinstance(record.get("prompt"), str):
-        msgs = [{"role": "user", "content": record["prompt"]}]
-    else:
-        return "no_prompt_field"
-    if msgs is None:
-        return "malformed_messages"
-    if not msgs or msgs[-1]["role"] != "user" or not msgs[-1]["content"].strip():
-        return "empty_prompt"
-    return msgs
+    """The prompt chat of one record (system turns + the first turn's messages), or a skip reason (str). The
+    record shapes are dflash.generate.conversations' (which regenerates whole conversations from them)."""
+    from dflash.data.skips import Skip
+    from dflash.generate.conversations import conversation_of, prompt_record_messages
+
+    msgs = prompt_record_messages(record)
+    if isinstance(msgs, str):
+        return msgs
+    conv = conversation_of(msgs, index=0, location="", record_id=None)
+    if isinstance(conv, Skip):
+        return conv.reason
+    return [dict(m) for m in conv.system] + [dict(m) for m in conv.turns[0].prompt]
 
 
 def _open_text(path: pathlib.Path):

@@ -58,8 +58,9 @@ class Conversation:
 
 def conversation_of(messages: Sequence[dict], *, index: int, location: str, record_id: str | None
                     ) -> Conversation | Skip:
-    """Normalised messages (role/content) -> Conversation, or Skip when no turn has a user message."""
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    """Normalised messages (role/content) -> Conversation, or Skip when no turn has a user message. An
+    assistant message with content None ends a turn that has no source reply (MT-Bench's turns)."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]  # an assistant content None: no reply
     system: list[dict] = []
     while msgs and msgs[0]["role"] == "system":
         system.append(msgs.pop(0))
@@ -118,7 +119,9 @@ def prompt_record_messages(record: dict) -> list[dict] | str:
     elif isinstance(record.get("turns"), list) and record["turns"]:
         if not all(isinstance(t, str) for t in record["turns"]):
             return "malformed_messages"
-        return [{"role": "user", "content": t} for t in record["turns"]]
+        # each MT-Bench turn is its own exchange: a placeholder reply (None) separates them
+        return [m for t in record["turns"] for m in ({"role": "user", "content": t},
+                                                     {"role": "assistant", "content": None})]
     elif isinstance(record.get("prompt"), str):
         return [{"role": "user", "content": record["prompt"]}]
     else:

@@ -148,6 +148,7 @@ def test_generate_cli(smol, tmp_path):
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(recs) == 2 and recs[0]["id"] == "1"
     assert recs[0]["messages"][0] == {"role": "user", "content": "What is the capital of France?"}
+    assert len(recs[0]["messages"]) == 2  # MT-Bench turn 2 is not part of the first turn's prompt
     assert recs[0]["messages"][-1]["role"] == "assistant"
     assert all(len(r["dflash_generate"]["response_ids"]) <= 12 for r in recs)
     assert recs[1]["dflash_generate"]["stop_reason"] == "length"

@@ -27,8 +27,9 @@ def test_conversation_turns():
     assert c.num_generated("all") == 3 and c.num_generated("first") == c.num_generated("last") == 1
     assert isinstance(conversation_of([{"role": "assistant", "content": "A"}], index=0, location="f:2",
                                       record_id=None), Skip)
-    assert prompt_record_messages({"turns": ["q1", "q2"]}) == [{"role": "user", "content": "q1"},
-                                                                {"role": "user", "content": "q2"}]
+    mt = conversation_of(prompt_record_messages({"turns": ["q1", "q2"]}), index=0, location="q:1", record_id="81")
+    assert [t.prompt for t in mt.turns] == [({"role": "user", "content": "q1"},), ({"role": "user", "content": "q2"},)]
+    assert [t.reply for t in mt.turns] == [None, None]
     assert prompt_record_messages({"text": "x"}) == "no_prompt_field"
 
 
