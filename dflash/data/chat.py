@@ -24,6 +24,7 @@ token lists compared instead (exact, ~4x slower on ShareGPT).
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any
 
 import numpy as np
@@ -72,16 +73,65 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
+_CHARS_MARGIN = 2
+"""Normalizers (NFKC) can fold a few characters into one, so the bound allows twice the longest token."""
+_MAX_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_token_chars(tokenizer) -> int:
+    """Most characters one token can stand for: the longest vocabulary entry (byte-level BPE entries hold one
+    character per byte, SentencePiece ones one per character, so this bounds the text a token covers)."""
+    try:
+        return _MAX_TOKEN_CHARS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    n = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    try:
+        _MAX_TOKEN_CHARS[tokenizer] = n
+    except TypeError:
+        pass
+    return n
+
+
+def max_chars_for(tokenizer, max_length: int) -> int:
+    """Characters of message text that are certain to hold more than max_length tokens."""
+    return _CHARS_MARGIN * max_token_chars(tokenizer) * max_length + 1024
+
+
+def bound_messages(messages: list[dict], *, max_chars: int) -> tuple[list[dict], bool]:
+    """Cut the message texts once their running length passes max_chars (later texts become ""); returns the
+    messages and whether anything was cut. Every token covers at most max_token_chars characters, so the first
+    max_length tokens lie well before the cut and tokenize exactly as without it, while a 20 MB line costs a
+    few hundred KB of template and tokenizer work instead of minutes and GBs (issue 19). Roles and turns stay,
+    so the template sees the same structure."""
+    left, cut, out = max_chars, False, []
+    for m in messages:
+        m2 = dict(m)
+        for key in ("reasoning_content", "content"):
+            text = m2.get(key)
+            if isinstance(text, str):
+                if len(text) > left:
+                    m2[key], cut = text[:left], True
+                left = max(0, left - len(text))
+        out.append(m2)
+    return out, cut
+
+
 def tokenize_conversation(
     tokenizer, messages: list[dict], *, max_length: int | None = None, template_kwargs: dict | None = None,
-    location: str = "",
+    location: str = "", bound_chars: bool = True,
 ) -> tuple[np.ndarray, np.ndarray] | Skip:
     """Token ids int32 [T] and loss mask uint8 [T] of one conversation, or a Skip with the reason.
 
     `template_kwargs` go to apply_chat_template (e.g. enable_thinking=False). `max_length` truncates; a
-    sample left with no loss token is skipped (over_length).
+    sample left with no loss token is skipped (over_length). With max_length, texts are first cut at
+    max_chars_for(tokenizer, max_length) characters (bound_messages: same tokens, bounded work);
+    bound_chars=False tokenizes everything (tests compare the two).
     """
     kwargs = dict(template_kwargs or {})
+    cut = False
+    if max_length is not None and bound_chars:
+        messages, cut = bound_messages(messages, max_chars=max_chars_for(tokenizer, max_length))
     try:
         # return_assistant_tokens_mask needs a fast tokenizer (offsets); slow ones use the prefix path.
         if has_generation_markers(tokenizer) and getattr(tokenizer, "is_fast", False):
@@ -96,6 +146,8 @@ def tokenize_conversation(
     ids_T = np.asarray(ids, dtype=np.int32)
     mask_T = np.asarray(mask, dtype=np.uint8)
     if not mask_T.any():
+        if cut:  # the assistant turns were past the cut, hence past max_length
+            return Skip(skips.OVER_LENGTH, location, f"no assistant token within the first {max_length} tokens")
         return Skip(skips.NO_LOSS_TOKENS, location, f"{len(ids_T)} tokens, none from an assistant turn")
     return truncate(ids_T, mask_T, max_length=max_length, location=location)
 

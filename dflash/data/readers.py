@@ -9,15 +9,20 @@ directly: `datasets` is not a dependency). A `.gz` suffix on .jsonl/.json is rea
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
+import logging
 import pathlib
 import re
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 from dflash.data.skips import BAD_JSON, TRUNCATED_FILE, Skip
 from dflash.errors import DataError
+
+log = logging.getLogger(__name__)
 
 RawItem = tuple[str, Any] | Skip
 
@@ -38,6 +43,12 @@ def detect_format(path: pathlib.Path) -> str:
             f"data folder {str(path)!r} is not a datasets save_to_disk folder (no state.json or "
             "dataset_dict.json); pass the .jsonl/.json/.parquet files themselves"
         )
+    if _is_gz(path):
+        with open(path, "rb") as f:
+            magic = f.read(2)
+        if magic != b"\x1f\x8b":
+            raise DataError(f"data file {str(path)!r} is named .gz but is not gzip-compressed (it starts with "
+                            f"{magic!r}): rename it without .gz, or compress it")
     name = path.name.lower().removesuffix(".gz")
     for suffix, fmt in ((".jsonl", "jsonl"), (".json", "json"), (".parquet", "parquet")):
         if name.endswith(suffix) and not (fmt == "parquet" and path.name.lower().endswith(".gz")):
@@ -61,15 +72,68 @@ def iter_raw(path: str | pathlib.Path) -> Iterator[RawItem]:
         yield from _iter_arrow_dir(path)
 
 
-def _open_text(path: pathlib.Path):
-    if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+def _is_gz(path: pathlib.Path) -> bool:
+    return path.name.lower().endswith(".gz")
+
+
+class _Text:
+    """A data file as text: UTF-8 with a leading BOM accepted (editors on Windows write one), invalid bytes
+    replaced by U+FFFD and counted (reported once per file, not silently), and a .gz read through gzip with a
+    corrupt or truncated stream turned into one DataError naming the file."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.raw = gzip.open(path, "rb") if _is_gz(path) else open(path, "rb")
+        self.replaced = 0
+        self.first_bad = ""
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._start = True
+
+    def __enter__(self) -> _Text:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.raw.close()
+
+    def _decode(self, raw: bytes, *, final: bool, where: str) -> str:
+        text = self._decoder.decode(raw, final=final)
+        if self._start and text:
+            text, self._start = text.removeprefix("\ufeff"), False
+        bad = text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")  # minus U+FFFD written in the file itself
+        if bad > 0:
+            self.replaced += bad
+            self.first_bad = self.first_bad or where
+        return text
+
+    def _guard(self, read):
+        try:
+            return read()
+        except (EOFError, OSError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+            if not _is_gz(self.path):
+                raise
+            raise DataError(f"{self.path}: the gzip stream is corrupt or truncated ({e}); re-download or "
+                            "re-compress the file") from e
+
+    def lines(self) -> Iterator[tuple[int, str]]:
+        line_no = 0
+        while line := self._guard(self.raw.readline):
+            line_no += 1
+            yield line_no, self._decode(line, final=False, where=f"line {line_no}")
+
+    def read(self, size: int = -1) -> str:
+        raw = self._guard(lambda: self.raw.read(size))
+        return self._decode(raw, final=not raw or size < 0, where="a record")
+
+    def report(self) -> None:
+        """Log the replaced bytes once the whole file was read."""
+        if self.replaced:
+            log.warning("%s: %d invalid UTF-8 byte sequence(s) replaced by U+FFFD (first at %s)", self.path,
+                        self.replaced, self.first_bad)
 
 
 def _iter_jsonl(path: pathlib.Path) -> Iterator[RawItem]:
-    with _open_text(path) as f:
-        for line_no, line in enumerate(f, start=1):
+    with _Text(path) as f:
+        for line_no, line in f.lines():
             if not line.strip():
                 continue  # blank lines are not records
             location = f"{path}:{line_no}"
@@ -77,54 +141,60 @@ def _iter_jsonl(path: pathlib.Path) -> Iterator[RawItem]:
                 yield location, json.loads(line)
             except json.JSONDecodeError as e:
                 yield Skip(BAD_JSON, location, f"{e.msg} at column {e.colno}")
+        f.report()
 
 
 def _iter_json_list(path: pathlib.Path) -> Iterator[RawItem]:
     """Stream a top-level JSON list element by element with raw_decode; a top-level object is one record."""
     decoder = json.JSONDecoder()
-    with _open_text(path) as f:
-        buf, eof = f.read(_CHUNK_CHARS), False
-        pos = _SEPARATOR.match(buf).end()
-        line_no = 1 + buf.count("\n", 0, pos)
-        if not buf[pos:pos + 1] == "[":
-            text = buf + f.read()
-            try:
-                yield f"{path}:{line_no}", json.loads(text)
-            except json.JSONDecodeError as e:
-                yield Skip(BAD_JSON, f"{path}:{e.lineno}", e.msg)
+    with _Text(path) as f:
+        yield from _json_list_items(path, f, decoder)
+        f.report()
+
+
+def _json_list_items(path: pathlib.Path, f: _Text, decoder: json.JSONDecoder) -> Iterator[RawItem]:
+    buf, eof = f.read(_CHUNK_CHARS), False
+    pos = _SEPARATOR.match(buf).end()
+    line_no = 1 + buf.count("\n", 0, pos)
+    if not buf[pos:pos + 1] == "[":
+        text = buf + f.read()
+        try:
+            yield f"{path}:{line_no}", json.loads(text)
+        except json.JSONDecodeError as e:
+            yield Skip(BAD_JSON, f"{path}:{e.lineno}", e.msg)
+        return
+    pos += 1
+    while True:
+        end_sep = _SEPARATOR.match(buf, pos).end()
+        line_no += buf.count("\n", pos, end_sep)
+        pos = end_sep
+        if pos == len(buf) and not eof:
+            buf, pos = buf[pos:] + f.read(_CHUNK_CHARS), 0
+            eof = pos == len(buf)
+            continue
+        if buf[pos:pos + 1] == "]":
             return
-        pos += 1
-        while True:
-            end_sep = _SEPARATOR.match(buf, pos).end()
-            line_no += buf.count("\n", pos, end_sep)
-            pos = end_sep
-            if pos == len(buf) and not eof:
-                buf, pos = buf[pos:] + f.read(_CHUNK_CHARS), 0
-                eof = pos == len(buf)
+        if pos == len(buf):  # eof without the closing bracket, between records
+            yield Skip(TRUNCATED_FILE, f"{path}:{line_no}", "file ends before the closing ']'")
+            return
+        try:
+            obj, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as e:
+            # A record cut by the end of the buffer fails at (or, for a string, opens a string that runs to)
+            # the end of the buffer; an error earlier than that is malformed JSON.
+            cut = e.msg.startswith("Unterminated string") or e.pos >= len(buf) - 16
+            if cut and not eof:
+                more = f.read(_CHUNK_CHARS)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
                 continue
-            if buf[pos:pos + 1] == "]":
-                return
-            if pos == len(buf):  # eof without the closing bracket, between records
-                yield Skip(TRUNCATED_FILE, f"{path}:{line_no}", "file ends before the closing ']'")
-                return
-            try:
-                obj, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError as e:
-                # A record cut by the end of the buffer fails at (or, for a string, opens a string that runs to)
-                # the end of the buffer; an error earlier than that is malformed JSON.
-                cut = e.msg.startswith("Unterminated string") or e.pos >= len(buf) - 16
-                if cut and not eof:
-                    more = f.read(_CHUNK_CHARS)
-                    eof = not more
-                    buf, pos = buf[pos:] + more, 0
-                    continue
-                # A list cannot be resynchronised after an error, so both cases stop this file.
-                reason = TRUNCATED_FILE if cut else BAD_JSON
-                yield Skip(reason, f"{path}:{line_no}", f"{e.msg}; the rest of the file is ignored")
-                return
-            yield f"{path}:{line_no}", obj
-            line_no += buf.count("\n", pos, end)
-            pos = end
+            # A list cannot be resynchronised after an error, so both cases stop this file.
+            reason = TRUNCATED_FILE if cut else BAD_JSON
+            yield Skip(reason, f"{path}:{line_no}", f"{e.msg}; the rest of the file is ignored")
+            return
+        yield f"{path}:{line_no}", obj
+        line_no += buf.count("\n", pos, end)
+        pos = end
 
 
 def _iter_table_rows(batches, location_prefix: str) -> Iterator[RawItem]:

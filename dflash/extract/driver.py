@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.cache.format import STORAGE_DTYPES
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DflashError
 from dflash.extract.plan import PlannedBatch
 from dflash.extract.progress import BYTES, PADDED, SAMPLES, TOKENS, WAIT_S, ProgressReporter, RankCounters
 
@@ -142,6 +142,10 @@ def run_rank(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1, local_ra
     try:
         return _run_rank(cfg, rank=rank, world_size=world_size, local_rank=local_rank, echo=echo,
                          created_output=created_output)
+    except DflashError:
+        if rank == 0 and created_output:  # a refused run leaves no folder behind it
+            _remove_created_output(cfg.output)
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -172,12 +176,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
         echo(pre.tokenize_text)
         if pre.fingerprint_note:
             echo(pre.fingerprint_note)
-    try:
-        check_free_space(cfg.output, needed_bytes=pre.cache_bytes.total)
-    except Exception:
-        if rank == 0 and pre.created_output:
-            _remove_created_output(cfg.output)
-        raise
+    check_free_space(cfg.output, needed_bytes=pre.cache_bytes.total)  # run_rank removes a folder it created
     if cfg.dry_run:
         return _result(cfg, pre, torch.zeros(5, dtype=torch.float64), t0, world_size, dry_run=True)
 

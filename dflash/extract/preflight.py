@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.cache.format import Fingerprint
-from dflash.errors import CacheFormatError, ConfigError
+from dflash.errors import CacheFormatError, ConfigError, DataError
 from dflash.extract.plan import ExtractPlan, extraction_batches, make_plan
 from dflash.extract.space import CacheBytes, estimate_cache_bytes
 from dflash.target.identity import chat_template_hash, target_weights_hash, tokenizer_hash
@@ -176,6 +176,7 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
                            distributed=distributed, num_workers=num_workers,
                            show_progress=cfg.show_progress and rank == 0)
     samples, skips = tok.samples, tok.skips
+    _refuse_empty_sources(list(cfg.data), samples, skips)
     committed = committed_sample_ids(cfg.output) if existing is not None else set()
     committed -= {i for f in faults for i in f.sample_ids}  # a dry run plans the repair it did not do
     sample_ids = samples.sample_ids
@@ -191,6 +192,16 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
                      plan=plan, cache_bytes=cache_bytes, target_greedy_reason=greedy_reason,
                      tokenize_seconds=tok.seconds, tokenize_text=_tokenize_text(tok, len(samples)),
                      created_output=created_output, fingerprint_note=fingerprint_note)
+
+
+def _refuse_empty_sources(paths: list[str], samples, skips) -> None:
+    """A source that yields no usable sample is a mistake (an empty file, the wrong file, a format we skip
+    entirely): refuse instead of writing an empty cache and exiting 0."""
+    used = set(np.unique(np.concatenate([p.source_index for p in samples.parts])).tolist()) if samples.parts else set()
+    empty = [p for i, p in enumerate(paths) if i not in used]
+    if empty:
+        raise DataError(f"nothing to extract from {empty[0]}: it holds no usable conversation (empty, or every "
+                        f"record skipped; {skips.summary().splitlines()[0]})")
 
 
 def _check_committed(cfg, *, rank: int) -> list:

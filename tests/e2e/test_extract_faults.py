@@ -318,3 +318,24 @@ def test_enospc_while_storing_the_tokenization(tiny, ref_cache, small_disk):
     r = run_cli(extract_args(model, data, out))
     assert r.returncode == 0, r.stderr
     assert content(out) == content(ref_cache)
+
+
+@pytest.mark.parametrize("body", ["", "{broken\n[1, 2]\n"], ids=["empty", "all_invalid"])
+def test_a_source_with_nothing_to_extract_is_refused(tiny, tmp_path, body):
+    from dflash.errors import DataError
+
+    model, data = tiny
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(body)
+    out = tmp_path / "cache"
+    with pytest.raises(DataError, match="nothing to extract from .*bad.jsonl") as e:
+        extract(model, bad, out)
+    assert "\n" not in str(e.value)
+    assert not out.exists()  # a refused run leaves no folder behind
+    from dflash.extract.driver import ExtractConfig
+    from dflash.extract.launch import launch
+
+    cfg = ExtractConfig(model=model, data=(data, str(bad)), output=str(out), taps=(0, 2, 4), max_length=192,
+                        batch_tokens=384, show_progress=False)
+    with pytest.raises(DataError, match="bad.jsonl"):  # also beside a good source
+        launch(cfg, num_procs=1, echo=lambda _m: None)
