@@ -46,17 +46,17 @@ def _spec_record(spec: SweepSpec, groups: list[list[RunSpec]]) -> dict:
 
 def prepare_output(out: pathlib.Path, spec: SweepSpec, groups: list[list[RunSpec]], *, resume: bool) -> None:
     """Refuse a non-empty DIR unless resuming; a resume must have the same runs and configs."""
+    from dflash.train.setup import refuse_nonempty
+
     rec = json.loads(json.dumps(_spec_record(spec, groups)))
     path = out / "sweep.json"
-    if out.exists() and any(out.iterdir()):
-        if not resume:
-            raise ConfigError(f"sweep folder {str(out)!r} is not empty: pass --resume to continue that sweep, "
-                              "or choose a new --output")
-        if path.exists():
-            old = json.loads(path.read_text())
-            if old["runs"] != rec["runs"]:
-                raise ConfigError(f"--resume: the spec's runs differ from those of the sweep in {str(out)!r} "
-                                  f"(see {path}); resume with the original spec or use a new --output")
+    if not resume:
+        refuse_nonempty(out, what="sweep folder")
+    elif path.exists():
+        old = json.loads(path.read_text())
+        if old["runs"] != rec["runs"]:
+            raise ConfigError(f"--resume: the spec's runs differ from those of the sweep in {str(out)!r} "
+                              f"(see {path}); resume with the original spec or use a new --output")
     out.mkdir(parents=True, exist_ok=True)
     replace_text(path, json.dumps(rec, indent=2) + "\n")
 

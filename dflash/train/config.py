@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dflash.errors import ConfigError
+from dflash.train.noise import NoiseConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,17 @@ class TrainConfig:
     cache (the cache still gives the token stream: same samples, order and anchors as a cached run). The
     baseline the cache replaces; the target forward is paid every step and counted in tokens/s."""
 
+    # --- feature-noise augmentation (train/noise.py), off by default ---
+    noise_start: float = 0.0
+    """Peak Gaussian noise std on the cached features, relative to each token's and tap's RMS, reached after
+    noise_warmup_ratio of the steps; 0 = off."""
+    noise_end: float = 0.0
+    """Feature-noise std at the last step (the decay's floor), relative like noise_start."""
+    noise_warmup_ratio: float = 0.04
+    """Fraction of the steps over which the feature-noise std ramps from 0 to noise_start."""
+    noise_decay: str = "cosine"
+    """Decay of the feature-noise std after its warm-up: cosine or linear."""
+
     # --- held-out evaluation ---
     eval_cache: str | None = None
     """Target-greedy eval cache (`dflash generate` + `dflash extract`): exact held-out tau every `eval_every`
@@ -151,6 +163,13 @@ class TrainConfig:
             raise ConfigError("taps=(): give at least one tap layer id, or leave it unset for all cached taps")
         if self.gamma is not None and self.gamma <= 0:
             raise ConfigError(f"gamma={self.gamma}: must be > 0")
+        self.noise  # noqa: B018 (NoiseConfig validates the noise fields)
+
+    @property
+    def noise(self) -> NoiseConfig:
+        """The feature-noise schedule of this run."""
+        return NoiseConfig(noise_start=self.noise_start, noise_end=self.noise_end,
+                           warmup_ratio=self.noise_warmup_ratio, decay=self.noise_decay)
 
     @property
     def data_seed(self) -> int:

@@ -33,19 +33,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def refuse_nonempty(folder: pathlib.Path, *, what: str) -> None:
+    """ConfigError when `folder` holds anything but its lock file: a new run (train or sweep) never writes
+    into an old one's folder without --resume."""
+    from dflash.locks import LOCK_FILE
+
+    if folder.exists() and any(p.name != LOCK_FILE for p in folder.iterdir()):
+        raise ConfigError(f"{what} {str(folder)!r} is not empty: pass --resume to continue that run, "
+                          "or choose a new --output")
+
+
 def prepare_run_dir(run_dir: pathlib.Path, *, resume: bool, require_run: bool = True) -> dict | None:
     """Refuse a non-empty run folder unless resuming; return the newest checkpoint's state when resuming.
 
     require_run: an explicit --resume of `dflash train` needs a run in the folder (its config.json, written
     before the first step): a mistyped --output must not silently start a fresh run. A sweep resumes runs
     that may not have started yet and passes False."""
-    from dflash.locks import LOCK_FILE
-
-    has_content = run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
     if not resume:
-        if has_content:
-            raise ConfigError(f"run folder {str(run_dir)!r} is not empty: pass --resume to continue that run, "
-                              "or choose a new --output")
+        refuse_nonempty(run_dir, what="run folder")
         return None
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:

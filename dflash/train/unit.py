@@ -26,6 +26,7 @@ from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo, barrier
 from dflash.train.loader import MicroBatch
 from dflash.train.metrics import H200_PEAK_BF16, FlopModel, MetricSink, Stopwatch
+from dflash.train.noise import add_feature_noise, noise_std
 from dflash.train.objective import resolve_gamma
 from dflash.train.step import AnchorRule, GradSync, autocast, lr_factor, micro_batch_loss, summarize_counters
 
@@ -121,6 +122,8 @@ class DrafterUnit:
         self.sink = MetricSink(self.run_dir, enabled=info.is_main, total_steps=self.total_steps,
                                initial_step=self.pos.global_step, progress=spec.progress)
         self.gamma = resolve_gamma(cfg.gamma, block_size=self.dc.block_size)
+        self.noise = cfg.noise
+        self._micro_in_step = 0
         self.last_loss: float | None = None
         self.last_record: dict[str, Any] | None = None
         """The last metrics record this call wrote (its `loss` is the "final loss" train and sweep print)."""
@@ -144,12 +147,25 @@ class DrafterUnit:
     def begin_step(self) -> None:
         self.sync.zero()
         self._step_flops = 0.0
+        self._micro_in_step = 0
+
+    def _noise_generator(self) -> torch.Generator:
+        """The feature-noise draws of one micro-batch, seeded by (seed, step, rank, micro-batch of the step):
+        a resumed run draws the same noise as an uninterrupted one without saving generator state."""
+        seed = int(np.random.SeedSequence([self.cfg.seed, self.pos.global_step, self.info.rank, self._micro_in_step,
+                                           0x401]).generate_state(1, np.uint64)[0] >> 1)
+        return torch.Generator(device=self.info.device).manual_seed(seed)
 
     def micro_batch(self, mb: MicroBatch) -> None:
         """Forward + backward of one non-empty micro-batch of the stream, with this drafter's taps and anchors."""
         if self.tap_index is not None:
             mb = dataclasses.replace(mb, hidden_TKD=mb.hidden_TKD.index_select(1, self.tap_index))
         hb = mb.blocks[self.anchor_rule]
+        std = noise_std(step=self.pos.global_step, total_steps=self.total_steps, cfg=self.noise)
+        if std > 0:
+            mb = dataclasses.replace(mb, hidden_TKD=add_feature_noise(mb.hidden_TKD, std=std,
+                                                                      generator=self._noise_generator()))
+        self._micro_in_step += 1
         with autocast(self.info.device, self.compute_dtype):
             terms = micro_batch_loss(self.drafter, mb, hb, embed_VD=self.embed_VD, lm_head_VD=self.lm_head_VD,
                                      mask_token_id=self.dc.mask_token_id, gamma=self.gamma,

@@ -155,3 +155,23 @@ def test_train_logs_the_drafter_shape(assets, tmp_path, caplog):
     assert shape and "block 4" in shape[0] and "trainable parameters" in shape[0]
     cfg = json.loads((tmp_path / "r" / "config.json").read_text())
     assert cfg["drafter"]["num_hidden_layers"] == 2
+
+
+def test_feature_noise_is_applied_and_resumes_exactly(assets, tmp_path):
+    """noise_start > 0 (train/noise.py) changes the losses; a cut + resume draws the same noise as an
+    uninterrupted run (per-(seed, step, rank, micro-batch) generators); the schedule cannot change on resume."""
+    from dflash.train.config import check_resume_compatible
+
+    model, cache = assets
+    kw = dict(cache=cache, model=model, steps=6, save_every=2, noise_start=0.5, noise_end=0.1, noise_warmup_ratio=0.3)
+    train(tiny_config(output=str(tmp_path / "clean"), **{**kw, "noise_start": 0.0, "noise_end": 0.0}), device="cpu")
+    train(tiny_config(output=str(tmp_path / "ref"), **kw), device="cpu")
+    clean, noisy = _steps_and_losses(tmp_path / "clean")[1], _steps_and_losses(tmp_path / "ref")[1]
+    assert clean != noisy and len(noisy) == 6
+    run = tmp_path / "run"
+    train(tiny_config(output=str(run), stop_after_steps=3, **kw), device="cpu")
+    train(tiny_config(output=str(run), **kw), resume=True, device="cpu")
+    assert _steps_and_losses(run)[1] == noisy
+    cfg = tiny_config(output=str(run), **kw)
+    with pytest.raises(ConfigError, match="different 'noise_start'"):
+        check_resume_compatible(cfg.to_json(), dataclasses.replace(cfg, noise_start=0.2))
