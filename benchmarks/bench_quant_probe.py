@@ -3,8 +3,8 @@ the bf16 features a bf16 cache stores, with fp8 (dflash.cache.format.quantize_fp
 
 Features: the real SmolLM2-135M-Instruct target (dflash.target.assets.smollm2_hf_dir) run through
 dflash.target.forward.TappedForward with the default 5 DFlash taps (1, 8, 14, 20, 27), over the first N usable
-ShareGPT conversations tokenized with the chat template as extraction does (dflash.data.chat), truncated to
---max-length tokens. Every sequence starts with the same default system prompt (22 tokens): that shared prefix
+ShareGPT conversations (their first two turns) tokenized with the chat template as extraction does
+(dflash.data.chat), truncated to --max-length tokens. Every sequence starts with the same default system prompt (22 tokens): that shared prefix
 is counted once, so the statistics are over distinct contexts. The target runs in float32 on CPU (bf16 matmuls
 are ~4x slower there); its features are rounded to bf16, as a bf16 cache stores them, and the bf16 row shows
 that rounding's own error against float32 for scale.
@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import sys
 import time
 
@@ -73,8 +74,8 @@ def real_features(args, device: torch.device) -> tuple[torch.Tensor, dict]:
     taps = default_tap_layer_ids(model.config.num_hidden_layers)
     seqs = []
     for rec in sharegpt_conversations(4 * args.conversations):
-        # the first two turns only: ChatML renders prefixes identically, so the first --max-length tokens and
-        # their loss mask are those of the whole conversation, without rendering thousands of tokens to cut
+        # the first two turns only: ChatML renders a prefix identically, so when they reach --max-length the
+        # window and its loss mask equal the whole conversation's; rendering all turns to cut them cost ~15 s
         r = tokenize_conversation(tok, rec["messages"][:2], max_length=args.max_length)
         if isinstance(r, tuple):
             seqs.append(r)
@@ -180,7 +181,7 @@ def main() -> None:
     from dflash.cache.format import dequantize_fp8, quantize_fp8
     from dflash.cache.quant4 import ELEMENTS, SCALES, Quant4Format, bytes_per_token, decode, encode, parse_quant4
 
-    t_start = time.perf_counter()
+    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
     hidden32, info = real_features(args, device)
     ref = hidden32.to(torch.bfloat16)  # what a bf16 cache holds: the reference
     ref32 = ref.float()
@@ -253,6 +254,10 @@ def main() -> None:
             print(f"  {name:<22} encode {t['encode_s'] * 1e3:8.1f} ms ({t['encode_vs_fp8']:.2f}x fp8)  "
                   f"decode {t['decode_s'] * 1e3:8.1f} ms ({t['decode_vs_fp8']:.2f}x fp8)")
     result["seconds"] = round(time.perf_counter() - t_start, 1)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    # a shared CPU stretches wall time: CPU seconds and the 1-minute load average say by how much
+    result["cpu_seconds"] = round(ru.ru_utime + ru.ru_stime, 1)
+    result["load_average_1min"] = [load_start, os.getloadavg()[0]]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

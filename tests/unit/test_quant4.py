@@ -12,7 +12,7 @@ import zarr
 
 from dflash.cache import quant4
 from dflash.cache.quant4 import (Quant4Format, bytes_per_token, decode, encode, is_quant4, parse_quant4,
-                                 raise_if_nonfinite, rotation_flops_per_token)
+                                 raise_if_nonfinite, rotation_flops_per_token, stored_arrays)
 from dflash.cache.shardfile import ArrayWriter
 from dflash.errors import ConfigError, DataError
 
@@ -281,6 +281,8 @@ def test_plain_zarr_read_back_and_numpy_decode_equal_decode(tmp_path, name):
     arrays = {"hidden": q.codes.numpy(), "group_scales": q.group_scales.numpy()}
     if q.row_scales is not None:
         arrays["row_scales"] = q.row_scales.numpy()
+    layout = stored_arrays(fmt, num_taps=3, hidden_size=x.shape[2])  # what a writer would create
+    assert {k: (str(a.dtype), a.shape[1:]) for k, a in arrays.items()} == layout
     write_shard_group(tmp_path / "shard", arrays)
     g = zarr.open_group(str(tmp_path / "shard"), mode="r")
     read = {k: g[k][...] for k in arrays}
