@@ -14,6 +14,16 @@ and for the others the first position where they part (bf16 near-ties under othe
     python benchmarks/bench_generate.py --tiny --out benchmarks/results/generate_cpu.json        # CPU check
 
 H200 defaults: 1024 prompts, batch 512, 256 new tokens (eager ~40 s, fast path ~35 s compile + 2 x ~7 s).
+
+Reference data (issue 14): every ShareGPT conversation of the package regenerated whole by the target, resumable
+over 10-minute device calls (each call stops cleanly before its limit; rerun the same command to continue,
+carrying the git-ignored runs/regen/ folder; with --keep-shards the gzip shards, each < 16 MiB at 4096
+conversations, stay under runs/regen/sharegpt_smollm2.jsonl.gz.parts/shards and are what to bring back):
+
+    SG=$(python -c 'from dflash.data.assets import sharegpt_path; print(sharegpt_path())')
+    dflash generate --model ~/.cache/dflash/smollm2-135m-instruct --data "$SG" \
+        --output runs/regen/sharegpt_smollm2.jsonl.gz --max-new-tokens 256 --max-length 2048 --batch-size 512 \
+        --chunk-conversations 4096 --stop-after 500 --keep-shards
 """
 
 from __future__ import annotations
