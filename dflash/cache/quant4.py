@@ -269,9 +269,11 @@ def _encode_scales(amax_TKG: torch.Tensor, fmt: Quant4Format):
 
 
 def _decode_e8m0(stored: torch.Tensor) -> torch.Tensor:
-    e = stored.to(torch.int32) - E8M0_BIAS
-    v = torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=e.device), e)
-    return torch.where(stored == E8M0_NAN, torch.full_like(v, float("nan")), v)
+    """Exponent bytes -> float32 2^(b-127), built from its bits (exact on every device, unlike a pow):
+    byte b in 1..254 is the float32 exponent field itself; byte 0 is the subnormal 2^-127 = 0x00400000."""
+    b = stored.to(torch.int32)
+    bits = torch.where(b > 0, torch.bitwise_left_shift(b, 23), 1 << 22)
+    return torch.where(b == E8M0_NAN, float("nan"), bits.view(torch.float32))
 
 
 def _element_lut(element: str, device: torch.device) -> torch.Tensor:
@@ -320,7 +322,7 @@ def encode(hidden_TKD: torch.Tensor, *, fmt: Quant4Format, check_finite: bool = 
         t = x.shape[0]
         if fmt.rotate:
             x = _rotate(x, fmt.rotate)
-        xg = F.pad(x, (0, G * Gs - D)).view(t, K, G, Gs)  # zero padding never changes an absmax
+        xg = (F.pad(x, (0, G * Gs - D)) if G * Gs > D else x).view(t, K, G, Gs)  # zero pads keep an absmax
         amax = xg.abs().amax(dim=-1)  # NaN propagates, so a NaN group gets a NaN scale
         finite = torch.isfinite(amax)
         stored, row, scale_f = _encode_scales(amax, fmt)
@@ -390,7 +392,8 @@ def decode(codes_TKC: torch.Tensor, group_scales_TKG: torch.Tensor, row_scales_T
         else:
             row = row_scales_TK[t0:t0 + t].to(torch.float32).unsqueeze(-1)
             scale_f = s.view(torch.float8_e4m3fn).to(torch.float32) * row
-        y = F.pad(lut[nib.long()], (0, G * Gs - D)).view(t, K, G, Gs) * scale_f.unsqueeze(-1)
+        v = lut[nib.long()]
+        y = (F.pad(v, (0, G * Gs - D)) if G * Gs > D else v).view(t, K, G, Gs) * scale_f.unsqueeze(-1)
         y = y.view(t, K, G * Gs)[..., :D]
         if fmt.rotate:
             y = _rotate(y.contiguous(), fmt.rotate)

@@ -39,7 +39,7 @@ def np_scales(group_scales, row_scales, fmt):
     if fmt.scale == "bf16":
         return (b.astype(np.uint32) << 16).view(np.float32)
     if fmt.scale == "e8m0":
-        v = np.ldexp(np.float32(1.0), b.astype(np.int32) - 127).astype(np.float32)
+        v = np.ldexp(np.float32(1.0), np.minimum(b, 254).astype(np.int32) - 127).astype(np.float32)
         return np.where(b == 255, np.float32(np.nan), v)
     sign = np.where(b & 0x80, -1.0, 1.0)
     e, m = (b >> 3) & 0xF, (b & 7).astype(np.float64)
@@ -352,3 +352,12 @@ def test_cuda_matches_cpu(name):
     out_gpu = decode(cpu.codes.cuda(), cpu.group_scales.cuda(), None if cpu.row_scales is None else
                      cpu.row_scales.cuda(), fmt=fmt, dtype=torch.float32).cpu()
     torch.testing.assert_close(out_gpu, out_cpu, rtol=0, atol=1e-5 * float(out_cpu.abs().max()))
+
+
+def test_every_e8m0_byte_decodes_to_its_power_of_two():
+    fmt = parse_quant4("int4-g2-e8m0")
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(1, 1, 256)
+    codes = torch.full((1, 1, 256), 0x01, dtype=torch.uint8)  # channel 2c = 1, channel 2c+1 = 0
+    out = decode(codes, b, fmt=fmt, dtype=torch.float32)[0, 0, 0::2]
+    assert [math.ldexp(1.0, i - 127) for i in range(255)] == out[:255].tolist() and math.isnan(out[255])
+    assert np.array_equal(np_scales(b.numpy(), None, fmt)[0, 0], out.numpy(), equal_nan=True)
