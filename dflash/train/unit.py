@@ -82,6 +82,7 @@ class DrafterUnit:
         cfg, d, state = spec.cfg, spec.drafter, spec.state
         self.cfg, self.name, self.info = cfg, spec.name, info
         self.cache_record = spec.cache
+        self.cache_manifest = target.reader.manifest  # the model card's training-data table
         self.heldout = spec.heldout
         self.run_dir = pathlib.Path(cfg.output)
         self.drafter, self.dc = d.drafter, d.drafter_config
@@ -258,12 +259,20 @@ class DrafterUnit:
         barrier(self.info)
 
     def export(self) -> pathlib.Path:
-        """Write RUN_DIR/drafter on rank 0 (every rank calls it once the unit is finished)."""
+        """Write RUN_DIR/drafter with its model card (README.md: held-out tau, data, recipe) on rank 0; every
+        rank calls it once the unit is finished."""
         out = self.run_dir / "drafter"
         if self.info.is_main:
+            from dflash.drafter.card import write_model_card
             from dflash.drafter.export import export_drafter
 
             out = export_drafter(self.drafter, self.dc, out, overwrite=True)
+            heldout = []
+            if self.last_heldout is not None:  # the evaluation of the last step (end_step runs before export)
+                heldout = [{**self.last_heldout.to_json(), "name": pathlib.Path(str(self.cfg.eval_cache)).name,
+                            "step": self.pos.global_step}]
+            write_model_card(out, heldout=heldout, data=self.cache_manifest, recipe=self.cfg.to_json(),
+                             target=self.cfg.model)
             log.info("%s: exported the drafter of step %d to %s", self.name, self.pos.global_step, out)
         barrier(self.info)
         self.drafter_dir = out

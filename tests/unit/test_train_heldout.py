@@ -79,6 +79,14 @@ def test_heldout_tau_every_n_steps_and_at_the_end(caches, tmp_path, monkeypatch)
     config = json.loads((out / "config.json").read_text())
     assert config["train"]["eval_cache"] == eval_cache and config["train"]["eval_every"] == 2
 
+    # the exported drafter's model card carries that held-out tau, the training data and the recipe
+    from dflash.drafter.card import read_card_data
+
+    card = read_card_data(out / "drafter")
+    assert card["heldout"][0]["tau"] == evals[-1]["heldout_tau"] and card["heldout"][0]["step"] == 5
+    assert card["data"]["samples"] == 10 and card["recipe"]["eval_every"] == 2
+    assert f"{evals[-1]['heldout_tau']:.3f}" in (out / "drafter" / "README.md").read_text()
+
 
 def test_sweep_reports_heldout_tau_per_run(caches, tmp_path, monkeypatch):
     import csv
