@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from dflash.drafter.config import DrafterConfig
 from dflash.drafter.model import DFlashDrafter
-from dflash.durable import fsync_dir
+from dflash.durable import apply_umask, fsync_dir
 from dflash.errors import ConfigError, ModelNotFoundError
 
 CONFIG_NAME = "config.json"
@@ -36,8 +36,8 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.P
     """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"export directory {str(out)!r} exists and is not empty: "
-                          "choose another directory or pass overwrite=True")
+        raise ConfigError(f"export directory {str(out)!r} exists and is not empty: choose another --output "
+                          "folder, or remove this one first")
     out.parent.mkdir(parents=True, exist_ok=True)
     hf = cfg.to_hf_config()
     hf["dtype"] = str(dtype).removeprefix("torch.")
@@ -52,8 +52,8 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.P
         for name in (WEIGHTS_NAME, CONFIG_NAME):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
+        apply_umask(tmp)   # safetensors writes 0600 and mkdtemp makes 0700: readable like any other file
         fsync_dir(tmp)
-        os.chmod(tmp, 0o755)   # mkdtemp makes it 0700
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dflash.durable import apply_umask
 from dflash.errors import ModelNotFoundError
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def _convert(gguf: Path, out: Path, dtype_name: str) -> None:
     if not tokenizer.chat_template:
         raise RuntimeError(f"the tokenizer in {gguf} has no chat template")
     tokenizer.save_pretrained(out)
+    apply_umask(out)   # safetensors writes 0600 and mkdtemp makes 0700: the folder may be shared
 
 
 def convert_gguf_to_hf(gguf: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
@@ -108,7 +110,6 @@ def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None, *, dtype: str = "
         log.warning("removing incomplete asset folder %s", dest)
         shutil.rmtree(dest, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=base))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
     try:
         log.info("converting %s to an HF folder at %s (once, ~20 s)", gguf.name, dest)
         _convert(gguf, tmp, dtype)

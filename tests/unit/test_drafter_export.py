@@ -103,3 +103,29 @@ def test_load_rejects_weights_that_do_not_match_config(tmp_path):
     (out / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ModelNotFoundError, match="does not match"):
         load_drafter(out)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_respect_the_umask(tmp_path, umask):
+    """Issue 19: model.safetensors was written 0600 (safetensors) while config.json was 0644."""
+    import os
+    import stat
+
+    model, cfg = tiny()
+    old = os.umask(umask)
+    try:
+        out = export_drafter(model, cfg, tmp_path / "d")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == {"config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+
+
+def test_refusal_names_what_the_cli_offers(tmp_path):
+    """The refusal used to suggest overwrite=True, which `dflash export` has no flag for."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError) as e:
+        export_drafter(*tiny(), tmp_path / "d")
+    assert "overwrite=True" not in str(e.value) and "choose another --output folder" in str(e.value)
