@@ -148,13 +148,14 @@ def check_same_cache(saved: dict[str, Any] | None, current: dict[str, Any]) -> N
         return
     hint = ("the checkpoint was trained on another cache: resume with the --cache the run started with, or "
             "start a new run in an empty --output")
+    who = dict(mine="the checkpoint's cache", theirs="the --cache's")
     try:
         Fingerprint.from_json(current["fingerprint"]).check_matches(Fingerprint.from_json(saved["fingerprint"]))
-    except CacheMismatchError as e:
-        raise CacheMismatchError(e.field, e.expected, e.found, hint) from None
+    except CacheMismatchError as e:  # expected = the checkpoint's value, found = --cache's
+        raise CacheMismatchError(e.field, e.expected, e.found, hint, **who) from None
     for key, value in saved["totals"].items():
         if current["totals"][key] != value:
-            raise CacheMismatchError(f"totals.{key}", value, current["totals"][key], hint)
+            raise CacheMismatchError(f"totals.{key}", value, current["totals"][key], hint, **who)
 
 
 def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: OpenLoader = streaming_loader,

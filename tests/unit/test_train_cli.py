@@ -89,7 +89,7 @@ def test_wrong_target_is_a_cache_mismatch(runner, assets, tmp_path):
     _, other, cache = assets
     res = runner.invoke(cli, _args(cache, other, tmp_path / "r", "--steps", "1"))
     assert res.exit_code == 1
-    assert "cache fingerprint mismatch in field 'num_target_layers'" in res.output
+    assert "num_target_layers 2 != the cache's 4" in res.output
 
 
 def test_config_errors(runner, assets, tmp_path):

@@ -82,10 +82,10 @@ def test_resume_with_another_cache_is_refused_naming_the_field(assets, tmp_path)
     run = tmp_path / "run"
     train(tiny_config(cache=cache, output=str(run), stop_after_steps=2, **kw), device="cpu")
     fewer = tiny_cache(tmp_path / "fewer", pathlib.Path(model), num_samples=10)  # same fingerprint, other data
-    with pytest.raises(CacheMismatchError, match="totals.samples"):
+    with pytest.raises(CacheMismatchError, match="the checkpoint's cache totals.samples 12 != the --cache's 10"):
         train(tiny_config(cache=str(fewer), output=str(run), **kw), resume=True, device="cpu")
     fp8 = tiny_cache(tmp_path / "fp8", pathlib.Path(model), num_samples=12, storage="fp8")
-    with pytest.raises(CacheMismatchError, match=r"\bstorage\b"):
+    with pytest.raises(CacheMismatchError, match="the checkpoint's cache storage 'bf16' != the --cache's 'fp8'"):
         train(tiny_config(cache=str(fp8), output=str(run), **kw), resume=True, device="cpu")
     moved = tmp_path / "moved"
     shutil.copytree(cache, moved)  # the same cache at another path resumes
