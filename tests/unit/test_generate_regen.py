@@ -208,3 +208,18 @@ def test_extraction_refuses_a_greedy_marker_of_another_dtype(tmp_path):
     ok, why = target_greedy_of([str(p)], target_config_hash="h", target_dtype="float32")
     assert ok is False and "bfloat16" in why and "float32" in why
     assert target_greedy_of([str(p)], target_config_hash="other", target_dtype="bfloat16")[0] is False
+
+
+def test_mtbench_question_regenerated_whole(smollm2_dir, tmp_path):
+    from dflash.generate.run import RegenerateConfig, regenerate
+
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question_id": 81, "turns": ["Name a color.", "Now name another one."]}) + "\n")
+    out = tmp_path / "mt.jsonl"
+    st = regenerate(RegenerateConfig(model=str(smollm2_dir), output=str(out), prompts=str(q), turns="all",
+                                     max_new_tokens=6, device="cpu"), progress=False)
+    (rec,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert st.turns == 2 and rec["id"] == "81"
+    assert [(m["role"], m["content"] if m["role"] == "user" else "") for m in rec["messages"]] == [
+        ("user", "Name a color."), ("assistant", ""), ("user", "Now name another one."), ("assistant", "")]
+    assert len(rec["dflash_generate"]["turns"]) == 2
