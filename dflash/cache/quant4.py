@@ -253,6 +253,9 @@ def _encode_scales(amax_TKG: torch.Tensor, fmt: Quant4Format):
     qmax = fmt.qmax
     if fmt.scale == "bf16":
         s = _bf16_round_up(amax_TKG / qmax)
+        # absmax/qmax of a float32-subnormal group can underflow to 0: the smallest bf16 step covers it
+        s = torch.where((amax_TKG > 0) & (s == 0), torch.tensor(1, dtype=torch.int16, device=s.device)
+                        .view(torch.bfloat16), s)
         return s.view(torch.uint16), None, s.to(torch.float32)
     if fmt.scale == "e8m0":
         e = _e8m0_round_up(amax_TKG / qmax)
@@ -263,7 +266,9 @@ def _encode_scales(amax_TKG: torch.Tensor, fmt: Quant4Format):
     row_TK = amax_TKG.amax(dim=-1) / (qmax * E4M3_MAX)
     safe_row = torch.where(row_TK > 0, row_TK, torch.ones_like(row_TK))
     g = (amax_TKG / (qmax * safe_row.unsqueeze(-1))).clamp(max=E4M3_MAX)
-    stored = _e4m3_round_up(g)
+    # a group 1e-45 times smaller than its row's largest makes g underflow to 0 in float32: give it the
+    # smallest e4m3 step instead, which still covers it (its codes round to 0)
+    stored = torch.where((amax_TKG > 0) & (g == 0), 1, _e4m3_round_up(g)).to(torch.uint8)
     stored = torch.where(torch.isfinite(amax_TKG), stored, torch.full_like(stored, E4M3_NAN))
     return stored, row_TK, stored.view(torch.float8_e4m3fn).to(torch.float32) * row_TK.unsqueeze(-1)
 

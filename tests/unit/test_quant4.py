@@ -361,3 +361,24 @@ def test_every_e8m0_byte_decodes_to_its_power_of_two():
     out = decode(codes, b, fmt=fmt, dtype=torch.float32)[0, 0, 0::2]
     assert [math.ldexp(1.0, i - 127) for i in range(255)] == out[:255].tolist() and math.isnan(out[255])
     assert np.array_equal(np_scales(b.numpy(), None, fmt)[0, 0], out.numpy(), equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_bound_holds_across_60_decades_of_group_magnitude(name):
+    """Groups from 1e-30 to 1e30 in one row: bf16 and e8m0 scales cover the float32 range; e4m3 scales are
+    relative to the row's largest group, so small groups fall to e4m3 subnormals or the smallest step (their
+    codes round to 0) and still meet the bound of the scale actually stored."""
+    fmt = parse_quant4(name)
+    g = torch.Generator().manual_seed(3)
+    G = -(-256 // fmt.group_size)
+    mag = 10.0 ** (torch.rand(16, 2, G, generator=g, dtype=torch.float64) * 60 - 30)
+    x = torch.randn(16, 2, 256, generator=g, dtype=torch.float64) * mag.repeat_interleave(fmt.group_size, -1)[..., :256]
+    x = x.float()
+    x[0, 0, :fmt.group_size] = torch.tensor([1e-45, -3e-45] * (fmt.group_size // 2))  # float32 subnormals
+    q = encode(x, fmt=fmt)
+    out = decode(q.codes, q.group_scales, q.row_scales, fmt=fmt, dtype=torch.float32).double().numpy()
+    s = np_scales(q.group_scales.numpy(), None if q.row_scales is None else q.row_scales.numpy(), fmt)
+    s = s.astype(np.float64)[:, :, np.arange(256) // fmt.group_size]
+    xd = x.double().numpy()
+    assert np.isfinite(out).all() and (s > 0).all()
+    assert (np.abs(xd - out) <= half_step(np.abs(xd) / s, fmt.element) * s * (1 + 1e-6)).all()
