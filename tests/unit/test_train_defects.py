@@ -175,3 +175,29 @@ def test_feature_noise_is_applied_and_resumes_exactly(assets, tmp_path):
     cfg = tiny_config(output=str(run), **kw)
     with pytest.raises(ConfigError, match="different 'noise_start'"):
         check_resume_compatible(cfg.to_json(), dataclasses.replace(cfg, noise_start=0.2))
+
+
+def test_benchmark_drives_the_same_loop_with_patched_io(assets, tmp_path):
+    """bench_train's run B: train.driver.run_stream with its loader replaced by GPU-resident (here: preloaded)
+    micro-batches trains exactly like `dflash train` (same losses to the bit)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_train import resident_loader
+
+    from dflash.train.distributed import DistInfo
+    from dflash.train.driver import Stream, build_unit, run_stream
+    from dflash.train.setup import setup_target
+
+    model, cache = assets
+    train(tiny_config(cache=cache, model=model, output=str(tmp_path / "train"), steps=3), device="cpu")
+    cfg = tiny_config(cache=cache, model=model, output=str(tmp_path / "resident"), steps=3)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    target = setup_target(cfg, info=info)
+    unit = build_unit(cfg, target, info=info, state=None, progress=False)
+    try:
+        run_stream([unit], Stream(reader=target.reader, taps=tuple(unit.dc.target_layer_ids), info=info,
+                                  compute_dtype=target.compute_dtype, cfg=cfg), open_loader=resident_loader(3))
+    finally:
+        unit.close()
+        target.reader.close()
+    assert unit.finished
+    assert _steps_and_losses(tmp_path / "resident") == _steps_and_losses(tmp_path / "train")
