@@ -43,6 +43,11 @@ class DecodeConfig:
     """"eager" (HF dynamic cache), "static" (static cache, compiled on CUDA) or "auto" (static on CUDA)."""
     compile: bool = True
     """static backend on CUDA: let transformers compile the decode step (off: static cache, eager kernels)."""
+    cache_len: int | None = None
+    """static backend: one cache length for every call, and every batch padded to batch_size rows, so the
+    compiled decode step meets ONE shape (batch_size, cache_len) instead of one per (rows, width) bucket; each
+    new shape costs a compile (~10-30 s on the H200), and a whole-conversation job meets dozens of widths.
+    Must be >= every batch's padded width + its new tokens. None: the bucketed shapes."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -51,6 +56,8 @@ class DecodeConfig:
             raise ConfigError(f"batch_size={self.batch_size}: must be >= 1")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.cache_len is not None and self.cache_len <= self.max_new_tokens:
+            raise ConfigError(f"cache_len={self.cache_len}: must exceed max_new_tokens={self.max_new_tokens}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +172,8 @@ class GreedyDecoder:
         if self.backend == "static":
             kw["cache_implementation"] = "static"
             kw["disable_compile"] = not (self.cfg.compile and self.device.type == "cuda")
+            if self.cfg.cache_len is not None:
+                kw["max_cache_len"] = self.cfg.cache_len  # transformers >= 5.2x sizes the cache to it
         return GenerationConfig(**kw)
 
     def decode(self, prompts: Sequence[Sequence[int]], *, budgets: Sequence[int] | None = None,
@@ -181,7 +190,17 @@ class GreedyDecoder:
             width = max(len(prompts[i]) for i in idx)
             rows = len(idx)
             max_new = min(self.cfg.max_new_tokens, max(budgets[i] for i in idx))
-            if self.backend == "static":
+            if self.backend == "static" and self.cfg.cache_len is not None:
+                width = bucket_width(width)
+                rows = self.cfg.batch_size
+                if width + max_new > self.cfg.cache_len:
+                    raise ConfigError(f"a batch of {width}-token prompts (padded) plus {max_new} new tokens does "
+                                      f"not fit the static cache of {self.cfg.cache_len} positions")
+                self.shapes.add((rows, self.cfg.cache_len))
+                # transformers sizes a new static cache to max(this call, every earlier call): start at the
+                # fixed length, so every call gets the same cache shape (older versions lack max_cache_len)
+                self.model._previous_max_cache_length = self.cfg.cache_len
+            elif self.backend == "static":
                 width = bucket_width(width)
                 rows = bucket_rows(len(idx), batch_size=self.cfg.batch_size)
                 self.shapes.add((rows, width))

@@ -290,7 +290,8 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
     """Run (or resume) one job in-process on the target; returns the totals. stop_after: see run_chunks."""
     import torch
 
-    from dflash.generate.decode import DecodeConfig, GreedyDecoder, chat_end_token_id, resolve_backend, stop_token_ids
+    from dflash.generate.decode import (DecodeConfig, GreedyDecoder, bucket_width, chat_end_token_id, resolve_backend,
+                                        stop_token_ids)
     from dflash.generate.output import ShardedOutput
     from dflash.target.load import check_model_path
 
@@ -320,9 +321,12 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
         raise ConfigError(f"the chat template of {cfg.model} ends a turn with no special token, so later turns "
                           "cannot extend the generated ids exactly; use --turns first or --turns last")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    # one static shape for the whole job: no prompt is wider than max_length, so its padded width is at most
+    # bucket_width(max_length), and no batch asks for more than max_new_tokens
+    cache_len = bucket_width(cfg.max_length) + cfg.max_new_tokens if backend == "static" else None
     decoder = GreedyDecoder(model, stop_ids=stops, pad_id=pad,
                             cfg=DecodeConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                             backend=backend))
+                                             backend=backend, cache_len=cache_len))
     meta = {"target": cfg.model, "target_config_hash": mfp["config_hash"], "dtype": dtype, "greedy": True,
             "backend": backend, "max_new_tokens": cfg.max_new_tokens, "max_length": cfg.max_length,
             "turn_mode": cfg.turn_mode, "template_kwargs": dict(cfg.template_kwargs)}
