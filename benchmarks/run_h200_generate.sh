@@ -25,7 +25,7 @@ model() {
 regen() {  # $1: seconds this stage may take
   cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
   timeout "$1" python3 -m cli.main generate --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
-    --output "$REGEN" --turns all --max-new-tokens 384 --max-length 2048 --batch-size 512 \
+    --output "$REGEN" --turns all --max-new-tokens 256 --max-length 2048 --batch-size 512 \
     --chunk-conversations 2048 --stop-after $(( $1 - 25 )) 2>&1 | tr '\r' '\n' | grep -v "^generate: .*it/s\]$" | tail -n 40
   python3 benchmarks/pack_regen.py "$REGEN" "$LOGS"
 }
