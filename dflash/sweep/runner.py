@@ -64,13 +64,24 @@ def prepare_output(out: pathlib.Path, spec: SweepSpec, groups: list[list[RunSpec
 def run_sweep(spec: SweepSpec, *, output: str | pathlib.Path, gpus: int = 1, eval_cache: str | None = None,
               approximate: bool = False, resume: bool = False, device: str | None = None,
               eval_limit: int | None = None) -> SweepResult:
-    """Train every run of the spec (module docstring), evaluate when eval_cache is given, write the report."""
+    """Train every run of the spec (module docstring), evaluate when eval_cache is given, write the report.
+    This process holds the sweep folder's lock (dflash.locks) throughout: a second sweep on the same --output
+    fails at once naming this process's PID and host."""
+    from dflash.locks import FolderLock
+
+    out = pathlib.Path(output)
+    with FolderLock(out, purpose=f"dflash sweep --output {out}"):
+        return _run_sweep(spec, out=out, gpus=gpus, eval_cache=eval_cache, approximate=approximate, resume=resume,
+                          device=device, eval_limit=eval_limit)
+
+
+def _run_sweep(spec: SweepSpec, *, out: pathlib.Path, gpus: int, eval_cache: str | None, approximate: bool,
+               resume: bool, device: str | None, eval_limit: int | None) -> SweepResult:
     import torch
 
     from dflash.sweep.report import write_report
 
     t0 = time.perf_counter()
-    out = pathlib.Path(output)
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if use_cuda and torch.cuda.device_count() < gpus:
         raise ConfigError(f"--gpus {gpus}: only {torch.cuda.device_count()} CUDA devices are visible")

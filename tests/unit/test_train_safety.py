@@ -136,3 +136,29 @@ def test_training_on_a_cache_being_written_warns(assets, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="dflash.train.setup"):
         train(tiny_config(cache=cache, model=model, output=str(tmp_path / "r2"), steps=1), device="cpu")
     assert not [r for r in caplog.records if "still being written" in r.getMessage()]
+
+
+def test_second_sweep_on_one_output_fails_at_once(assets, tmp_path):
+    model, cache, _ = assets
+    out = tmp_path / "sw"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("base: {num_layers: 1, block_size: 4, num_anchors: 8, batch_tokens: 200, intermediate_size: 64, "
+                    "steps: 100000, save_every: 1000, log_every: 1}\n")
+    env = dict(os.environ, DFLASH_NO_PROGRESS="1")
+    args = [sys.executable, "-m", "cli.main", "sweep", str(spec), "--cache", cache, "--model", model,
+            "--output", str(out), "--device", "cpu"]
+    first = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        while not (out / "runs" / "run" / "metrics.jsonl").exists():
+            assert first.poll() is None, "the first sweep exited"
+            assert time.time() < deadline, "the first sweep logged nothing in 90 s"
+            time.sleep(0.05)
+        second = subprocess.run(args + ["--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, second.stdout + second.stderr
+        err = [line for line in second.stderr.splitlines() if line.startswith("Error")]
+        assert len(err) == 1 and f"PID {first.pid} on host {socket.gethostname()}" in err[0], second.stderr
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
