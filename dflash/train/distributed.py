@@ -10,12 +10,13 @@ padding micro-batches, which DDP's per-backward hooks cannot express.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from dflash.procs import spawn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,12 +33,6 @@ class DistInfo:
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def init_distributed(*, device: str | None = None) -> DistInfo:
@@ -76,19 +71,14 @@ def barrier(info: DistInfo) -> None:
             dist.barrier()
 
 
-def _child(local_rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
-    os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+def _call(rank: int, emit, fn: Callable, args: tuple) -> None:
     fn(*args)
 
 
 def spawn_local(fn: Callable, nprocs: int, args: tuple = ()) -> None:
-    """Run fn(*args) in `nprocs` fresh processes with the torchrun environment set; re-raises a child's error.
-    fn must be importable (a module-level function)."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_child, args=(nprocs, free_port(), fn, args), nprocs=nprocs, join=True,
-                       start_method="spawn")
+    """Run fn(*args) in `nprocs` fresh processes with the torchrun environment set (dflash.procs.spawn: the
+    first failing rank stops the others and is raised here). fn must be importable (a module-level function)."""
+    spawn(_call, nprocs, args=(fn, args), name="dflash-train")
 
 
 def under_launcher() -> bool:

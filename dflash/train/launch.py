@@ -1,7 +1,8 @@
 """Start training in this process, or in N local processes (`dflash train --gpus N`).
 
 Under torchrun (RANK/WORLD_SIZE set) every process simply trains. Otherwise --gpus N > 1 spawns N processes
-with the torchrun environment (distributed.spawn_local); on a machine without CUDA they are gloo processes on
+with the torchrun environment (distributed.spawn_local over dflash.procs.spawn: the first failing rank stops the
+others and is raised here); on a machine without CUDA they are gloo processes on
 the CPU, which is how the DDP tests run.
 """
 
