@@ -5,23 +5,18 @@ One process per GPU, never threads: each rank owns a target replica, and FLA's T
 thread-safe. The process group is gloo in every case: ranks exchange only a few progress counters and
 barriers (no tensors), so NCCL would add nothing but a GPU dependency, and gloo also runs the CPU tests.
 
-Local spawning relays rank 0's report lines and every rank's DflashError to the parent; when one rank
-fails, the parent terminates the others (which would otherwise wait in a collective until the timeout).
+Local spawning (dflash.procs.spawn) relays rank 0's report lines and every rank's DflashError to the parent;
+when one rank fails, the parent terminates the others (which would otherwise wait in a collective until the
+timeout).
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
-import multiprocessing as mp
 import os
-import queue
-import signal
-import socket
-import sys
-import time
 
 from dflash.errors import DflashError
+from dflash.procs import spawn
 from dflash.extract.driver import ExtractConfig, ExtractResult, run_rank, set_cpu_threads
 
 # Long enough for a slow rank to finish tokenizing or loading a 27B target while the others wait.
@@ -63,80 +58,18 @@ def _silent(_msg: str) -> None:
     pass
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: have the kernel SIGKILL this rank when the launcher dies (e.g. it is SIGKILLed itself), so no
-    orphan keeps writing into the cache while a rerun resumes it."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-        raise SystemExit(1)
-
-
-def _worker(rank: int, world_size: int, port: int, cfg: ExtractConfig, out: mp.Queue, parent_pid: int) -> None:
+def _worker(rank: int, emit, world_size: int, cfg: ExtractConfig) -> ExtractResult:
     import torch.distributed as dist
 
-    _die_with_parent(parent_pid)
     set_cpu_threads(world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)  # env:// from spawn
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=PG_TIMEOUT)
-        try:
-            echo = (lambda msg: out.put(("echo", rank, msg))) if rank == 0 else _silent
-            result = run_rank(cfg, rank=rank, world_size=world_size, local_rank=rank, echo=echo)
-        finally:
-            dist.destroy_process_group()
-    except DflashError as e:
-        out.put(("error", rank, f"{type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
-    out.put(("done", rank, result))
+        return run_rank(cfg, rank=rank, world_size=world_size, local_rank=rank,
+                        echo=emit if rank == 0 else _silent)
+    finally:
+        dist.destroy_process_group()
 
 
 def _spawn(cfg: ExtractConfig, n: int, echo) -> ExtractResult:
-    ctx = mp.get_context("spawn")  # fork after torch/CUDA initialisation is unsafe
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, cfg, out, os.getpid()), name=f"dflash-extract-{r}")
-             for r in range(n)]
-    for p in procs:
-        p.start()
-    results: dict[int, ExtractResult] = {}
-    error: str | None = None
-    try:
-        while len(results) < n and error is None:
-            try:
-                kind, rank, payload = out.get(timeout=0.5)
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:  # crashed without a message (traceback already on its stderr)
-                    time.sleep(0.5)  # a DflashError message may still be in the queue
-                    while not out.empty():
-                        kind, rank, payload = out.get()
-                        if kind == "error":
-                            error = f"rank {rank}: {payload}"
-                    error = error or f"rank {procs.index(dead[0])} exited with code {dead[0].exitcode}"
-                continue
-            if kind == "echo":
-                echo(payload)
-            elif kind == "error":
-                error = f"rank {rank}: {payload}"
-            else:
-                results[rank] = payload
-    finally:
-        if error is not None or len(results) < n:
-            for p in procs:  # only the processes started above
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join()
-    if error is not None:
-        raise DflashError(error)
+    results = spawn(_worker, n, args=(n, cfg), on_message=lambda _rank, msg: echo(msg), name="dflash-extract")
     return results[0]
