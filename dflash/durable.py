@@ -1,9 +1,13 @@
-"""Durability primitive shared by every layer that commits files atomically (cache shards, tokenization parts,
-checkpoints, drafter exports): a rename is only durable once its directory is fsynced."""
+"""File-system rules shared by every layer that writes output folders (cache shards, tokenization parts,
+checkpoints, drafter exports): a rename is only durable once its directory is fsynced; finished files get the
+modes the umask asks for; a non-empty output folder is refused unless the caller is resuming."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable
+
+from dflash.errors import ConfigError
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -50,3 +54,19 @@ def apply_umask(folder: str | os.PathLike) -> None:
             os.chmod(os.path.join(root, d), 0o777 & ~mask)
         for f in files:
             os.chmod(os.path.join(root, f), 0o666 & ~mask)
+
+
+def refuse_nonempty(folder: str | os.PathLike, *, what: str, remedy: str,
+                    ignore: Callable[[str], bool] | None = None) -> None:
+    """ConfigError when `folder` exists and holds an entry that `ignore(name)` does not accept (STYLE 11: a
+    command never writes into a folder that holds something else unless it is resuming). The message names
+    the folder, a few of its entries and `remedy`, e.g. "pass --resume to continue that run, or choose a new
+    --output". Callers decide what resuming means; this is only the refusal, written once."""
+    if not os.path.isdir(folder):
+        if os.path.exists(folder):
+            raise ConfigError(f"{what} {os.fspath(folder)!r} exists and is not a folder: {remedy}")
+        return
+    names = sorted(n for n in os.listdir(folder) if ignore is None or not ignore(n))
+    if names:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ConfigError(f"{what} {os.fspath(folder)!r} is not empty ({shown}): {remedy}")

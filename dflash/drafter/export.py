@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from dflash.drafter.config import DrafterConfig
 from dflash.drafter.model import DFlashDrafter
-from dflash.durable import apply_umask, fsync_dir
+from dflash.dtypes import dtype_name
+from dflash.durable import apply_umask, fsync_dir, refuse_nonempty
 from dflash.errors import ConfigError, ModelNotFoundError
 
 CONFIG_NAME = "config.json"
@@ -35,12 +36,11 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.P
     only after the new one is complete.
     """
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"export directory {str(out)!r} exists and is not empty: choose another --output "
-                          "folder, or remove this one first")
+    if not overwrite:
+        refuse_nonempty(out, what="export directory", remedy="choose another --output folder, or remove this one first")
     out.parent.mkdir(parents=True, exist_ok=True)
     hf = cfg.to_hf_config()
-    hf["dtype"] = str(dtype).removeprefix("torch.")
+    hf["dtype"] = dtype_name(dtype)
     state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
              for name, t in model.state_dict().items()}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

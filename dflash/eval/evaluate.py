@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash.dtypes import check_dtype_name, default_dtype, dtype_of
 from dflash.errors import CacheMismatchError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,8 @@ class EvalConfig:
             raise ConfigError(f"chunk_anchors={self.chunk_anchors}: must be >= 1 (256 is a good default)")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit={self.limit}: must be >= 1")
-        if self.dtype not in (None, "bfloat16", "float16", "float32"):
-            raise ConfigError(f"dtype={self.dtype!r}: use bfloat16, float16 or float32")
+        if self.dtype is not None:
+            check_dtype_name(self.dtype)
 
 
 @dataclass(kw_only=True)
@@ -182,9 +183,9 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
         log.warning("cache %s is not target_greedy: tau is approximate (--approximate)", cache_dir)
     num_target_layers = check_target(fp, model)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = cfg.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype_name = cfg.dtype or default_dtype(device)
     log.info("drafter dtype %s (%s)", dtype_name, "given" if cfg.dtype else "default for " + device)
-    dtype = getattr(torch, dtype_name)
+    dtype = dtype_of(dtype_name)
     drafter, dcfg = load_drafter(drafter_dir, device=device, dtype=dtype)
     drafter.eval()
     # Each anchor chunk has its own context length; compiled flex attention would recompile for every new

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dflash.dtypes import dtype_of
 from dflash.durable import apply_umask
 from dflash.errors import ModelNotFoundError
 
@@ -51,7 +52,7 @@ def _convert(gguf: Path, out: Path, dtype_name: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    dtype = getattr(torch, dtype_name)
+    dtype = dtype_of(dtype_name)
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     cfg_dict = src.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
