@@ -39,7 +39,7 @@ import click
 @click.option("--retries", default=4, show_default=True, type=int,
               help="With --endpoint: retries per request (exponential backoff).")
 @click.option("--max-consecutive-errors", default=8, show_default=True, type=int,
-              help="With --endpoint: stop after this many failed requests in a row.")
+              help="With --endpoint: stop after this many failed request attempts in a row.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output of another job.")
 @click.option("--keep-shards", is_flag=True,
               help="Keep OUTPUT.parts/shards/*.jsonl.gz after the merge (each readable by dflash extract --data).")

@@ -5,10 +5,10 @@ resume as in-process generation (dflash.generate.run).
 Requests are chat completions at temperature 0 with max_tokens, `concurrency` in flight (threads; the stdlib
 HTTP client, no extra dependency). A request is retried with exponential backoff on connection errors,
 timeouts, 408/429 and 5xx; a 400/413/422 is the server refusing this prompt (e.g. longer than its context):
-that conversation ends there, counted as endpoint_rejected. A request that still fails ends its conversation
-too (request_failed); after `max_consecutive_errors` failures in a row the run stops with one line naming the
-endpoint and the last error, and the chunk in flight is not committed, so a rerun resumes after the last
-committed chunk.
+that conversation ends there, counted as endpoint_rejected. The run stops, with one line naming the endpoint
+and the last error, after `max_consecutive_errors` failed attempts in a row (over all requests) or when one
+request has failed all its attempts; the chunk in flight is not committed (no conversation is silently
+dropped from a committed chunk), so a rerun resumes after the last committed chunk.
 
 Records hold the conversation as text only (the server's token ids are not returned), are marked with the
 endpoint and served model, and are never target-greedy: a served engine's kernels, batching and sampling
@@ -70,7 +70,7 @@ class EndpointConfig:
     retries: int = 4
     """Extra attempts per request after the first (backoff 0.5 s, doubling, capped at 30 s, with jitter)."""
     max_consecutive_errors: int = 8
-    """Stop the run after this many failed requests in a row."""
+    """Stop the run after this many failed request attempts in a row (over all requests)."""
     backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -114,6 +114,8 @@ class EndpointClient:
         self.consecutive_errors = 0
         self.last_error = ""
         self.stopped = False
+        self.stop_reason = ""
+        """Why one request stopped the run (empty: the consecutive-attempt limit did)."""
 
     def _post(self, body: dict) -> dict:
         req = urllib.request.Request(self.cfg.completions_url, data=json.dumps(body).encode(),
@@ -121,72 +123,91 @@ class EndpointClient:
         with urllib.request.urlopen(req, timeout=self.cfg.request_timeout) as resp:
             return json.loads(resp.read().decode())
 
-    def chat(self, messages: Sequence[dict], *, max_tokens: int) -> tuple[str, str] | Failed:
-        """(text, finish_reason) or Failed; counts toward the consecutive-error stop."""
+    def _failed_attempt(self, err: str) -> None:
+        with self._lock:
+            self.consecutive_errors += 1
+            self.last_error = err
+            if self.consecutive_errors >= self.cfg.max_consecutive_errors and not self.stopped:
+                self.stop_reason = f"{self.consecutive_errors} attempts failed in a row"
+                self.stopped = True
+
+    def chat(self, messages: Sequence[dict], *, max_tokens: int) -> tuple[str, str, int] | Failed:
+        """(text, finish_reason, completion tokens: the server's usage count, else words), or Failed when the
+        server refuses this prompt. Every failed attempt counts toward the consecutive-error stop; a request
+        that fails all its attempts stops the run too (its conversation would otherwise be lost from a
+        committed chunk)."""
         body: dict = {"model": self.cfg.served_model, "messages": list(messages), "max_tokens": max_tokens,
                       "temperature": 0.0}
         if self.cfg.template_kwargs:
             body["chat_template_kwargs"] = dict(self.cfg.template_kwargs)
-        err = ""
         for attempt in range(self.cfg.retries + 1):
             if self.stopped:
-                return Failed("request_failed", "run stopping")
+                break
+            retry = True
             try:
                 out = self._post(body)
                 choice = out["choices"][0]
                 text = choice["message"]["content"] or ""
                 with self._lock:
                     self.consecutive_errors = 0
-                return text, str(choice.get("finish_reason") or "stop")
+                used = (out.get("usage") or {}).get("completion_tokens")
+                return text, str(choice.get("finish_reason") or "stop"), int(used if used is not None
+                                                                               else len(text.split()))
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:200] if e.fp is not None else ""
                 err = f"HTTP {e.code}: {detail}".strip()
                 if e.code in _REJECT_STATUS:
                     return Failed("endpoint_rejected", err)  # this prompt, not the server: no retry, no count
-                if e.code not in _RETRY_STATUS and e.code < 500:
-                    break  # 401/403/404: retrying cannot help
+                retry = e.code in _RETRY_STATUS or e.code >= 500  # 401/403/404: retrying cannot help
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 err = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
             except (KeyError, IndexError, TypeError, ValueError) as e:  # not an OpenAI chat completion
                 err = f"malformed response: {type(e).__name__}: {e}"
+            self._failed_attempt(err)
+            if not retry:
+                break
             if attempt < self.cfg.retries:
                 delay = min(30.0, self.cfg.backoff_s * (2 ** attempt))
                 time.sleep(delay * (0.5 + random.random() / 2))
         with self._lock:
-            self.consecutive_errors += 1
-            self.last_error = err
-            if self.consecutive_errors >= self.cfg.max_consecutive_errors:
-                self.stopped = True
-        return Failed("request_failed", err)
+            if not self.stopped:
+                self.stop_reason = f"a request failed {attempt + 1} time(s)"
+            self.stopped = True
+        return Failed("request_failed", self.last_error)
 
     def chat_many(self, requests: Sequence[Sequence[dict]], *, max_tokens: int,
-                  on_done: Callable[[str | None], None] | None = None) -> list[tuple[str, str] | Failed]:
+                  on_done: Callable[[int | None], None] | None = None) -> list[tuple[str, str, int] | Failed]:
         """All requests with `concurrency` in flight; results in request order. Raises DflashError once the
         consecutive-error limit is reached."""
         def one(msgs):
             res = self.chat(msgs, max_tokens=max_tokens)
             if on_done is not None:
-                on_done(None if isinstance(res, Failed) else res[0])
+                on_done(None if isinstance(res, Failed) else res[2])
             return res
 
         with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
             results = list(pool.map(one, requests))
         if self.stopped:
-            raise DflashError(f"endpoint {self.cfg.completions_url}: {self.consecutive_errors} requests failed in a "
-                              f"row, stopping (last: {self.last_error}); committed chunks are kept, rerun the same "
-                              "command to resume")
+            what = self.stop_reason or f"{self.consecutive_errors} attempts failed in a row"
+            raise DflashError(f"endpoint {self.cfg.completions_url}: {what}, stopping (last: {self.last_error}); "
+                              "committed chunks are kept, rerun the same command to resume")
         return results
 
 
 def endpoint_chunk(convs: Sequence[Conversation], *, client: EndpointClient, mode: str, max_new_tokens: int,
                    meta: dict, on_batch: Callable[[int, int], None]) -> tuple[list[dict], dict]:
-    """Records of one chunk (input order) and its stats, like dflash.generate.run.regenerate_chunk (tokens
-    counted as words: the server's ids are not known here)."""
+    """Records of one chunk (input order) and its stats, like dflash.generate.run.regenerate_chunk (tokens:
+    the server's completion_tokens, or words when it reports no usage)."""
     stats: dict = {"records": 0, "turns": 0, "eos": 0, "length": 0, "response_tokens": 0, "skipped": {},
                    "truncated": {}}
     history: list[list[dict] | None] = [None] * len(convs)
     turns: list[list[dict]] = [[] for _ in convs]
     ended = [False] * len(convs)
+
+    def done(tokens: int | None) -> None:
+        if tokens is not None:  # failed requests reach the progress bar with the chunk's end
+            on_batch(1, tokens)
+
     for r in range(max(c.num_generated(mode) for c in convs)):
         rows = []
         for k, conv in enumerate(convs):
@@ -197,19 +218,19 @@ def endpoint_chunk(convs: Sequence[Conversation], *, client: EndpointClient, mod
         if not rows:
             break
         results = client.chat_many([(history[k] or []) + new for k, new in rows], max_tokens=max_new_tokens,
-                                   on_done=lambda text: on_batch(1, len(text.split()) if text else 0))
+                                   on_done=done)
         for (k, new), res in zip(rows, results):
             if isinstance(res, Failed):
                 _add(stats["skipped" if r == 0 else "truncated"], res.reason)
                 ended[k] = True
                 continue
-            text, finish = res
+            text, finish, tokens = res
             reason = {"stop": "eos", "length": "length"}.get(finish, finish)
             history[k] = (history[k] or []) + new + [{"role": "assistant", "content": text}]
             turns[k].append({"stop_reason": reason})
             _add(stats, reason if reason in ("eos", "length") else "eos")
             stats["turns"] += 1
-            stats["response_tokens"] += len(text.split())
+            stats["response_tokens"] += tokens
     records = []
     for conv, h, t in zip(convs, history, turns):
         if h is not None and t:

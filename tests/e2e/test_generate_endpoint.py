@@ -106,7 +106,7 @@ def test_server_stopped_mid_run_then_resume(server, tmp_path):
     data, out = tmp_path / "d.jsonl", tmp_path / "cut.jsonl.gz"
     _data(data, 6)
     log = tmp_path / "cut.jsonl.gz.parts" / "commits.jsonl"
-    args = _args(url, served, data, out, "--request-timeout", "3", "--retries", "1", "--max-consecutive-errors", "2")
+    args = _args(url, served, data, out, "--request-timeout", "10", "--retries", "1", "--max-consecutive-errors", "2")
     gen = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     try:
@@ -120,7 +120,7 @@ def test_server_stopped_mid_run_then_resume(server, tmp_path):
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     assert gen.returncode == 1
-    msg = [line for line in err.splitlines() if "requests failed in a row" in line]
+    msg = [line for line in err.splitlines() if "2 attempts failed in a row" in line]
     assert len(msg) == 1 and url in msg[0] and "rerun" in msg[0], err[-2000:]
     committed = log.read_text().count("\n")
     assert 1 <= committed < 3 and not out.exists()
@@ -140,5 +140,5 @@ def test_unreachable_endpoint_fails_with_one_line(tmp_path):
     res = CliRunner().invoke(cli, _args(url, "m", data, out, "--retries", "1", "--max-consecutive-errors", "2"),
                              prog_name="dflash")
     assert res.exit_code == 1
-    assert "2 requests failed in a row" in res.output and "Connection refused" in res.output
+    assert "2 attempts failed in a row" in res.output and "Connection refused" in res.output
     assert not out.exists()
