@@ -113,6 +113,8 @@ class ExtractResult:
     """Start to the first batch (rank 0): preflight, tokenization, model load, writer open."""
     drain_seconds: float = 0.0
     """Last append to the end (rank 0): the writer's queue drain, last shard commit, final reduction."""
+    eta_seconds: float | None = None
+    """The calibrated estimate of loop_seconds printed before the loop (None: plan too small to calibrate)."""
 
 
 def resolve_device(cfg: ExtractConfig, *, local_rank: int) -> torch.device:
@@ -214,6 +216,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
     with writer:
         loop = _BatchLoop(samples=pre.samples, tapped=tapped, device=device, storage=cfg.storage, pad_id=pad_id,
                           writer=writer, counters=counters, pool=pool)
+        eta_s = _calibrated_eta(loop, my_batches, pre, device=device, echo=echo) if rank == 0 else None
         t_first = time.perf_counter()
         for r in range(plan.num_rounds):
             if r < len(my_batches):
@@ -232,7 +235,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
         loop_s = float(slowest[0])
         dist.barrier()
     result = _result(cfg, pre, totals, t0, world_size if distributed else 1, dry_run=False, loop_s=loop_s,
-                     setup_s=t_first - t0, drain_s=time.perf_counter() - t_last)
+                     setup_s=t_first - t0, drain_s=time.perf_counter() - t_last, eta_s=eta_s)
     if rank == 0:
         echo(format_summary(result, skips_text=pre.skips.summary()))
     return result
@@ -258,14 +261,46 @@ def _remove_created_output(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+CALIBRATE_MIN_BATCHES = 6
+"""Plans with fewer batches (of rank 0) skip the calibration: its 3 forwards would be a large part of the run."""
+
+
+def _calibrated_eta(loop, batches, pre, *, device: torch.device, echo) -> float | None:
+    """Time real forwards of planned batches (dflash.extract.eta.calibrate) and print the loop's ETA."""
+    from dflash.extract.eta import calibrate, forward_flops
+    from dflash.extract.progress import format_seconds
+
+    if len(batches) < CALIBRATE_MIN_BATCHES:
+        return None
+    deepest = max(pre.fingerprint.tap_layer_ids)
+    batch_flops = [forward_flops(config=pre.config, deepest_tap=deepest, batch_shapes=[(len(b.members), b.padded_len)])
+                   for b in batches]
+
+    def run(i: int) -> None:
+        p = loop._forward_pack(batches[i])
+        if p.event is not None:
+            p.event.synchronize()
+        if p.buffer is not None:
+            loop.pool.release(p.buffer)
+
+    cal = calibrate(run, batch_flops=batch_flops)
+    eta = cal.estimate(batch_flops)
+    rate = sum(f for f, _ in cal.timed) / max(sum(t for _, t in cal.timed), 1e-9)
+    echo(f"ETA: ~{format_seconds(eta)} for the extraction loop (calibrated on {device.type}: 2 timed forwards of "
+         f"planned batches after a warm-up, {rate / 1e12:.3g} TFLOP/s, {cal.seconds_per_batch * 1e3:.0f} ms fixed "
+         "per batch)")
+    return eta
+
+
 def _result(cfg, pre, totals: torch.Tensor, t0: float, world_size: int, *, dry_run: bool,
-            loop_s: float = 0.0, setup_s: float = 0.0, drain_s: float = 0.0) -> ExtractResult:
+            loop_s: float = 0.0, setup_s: float = 0.0, drain_s: float = 0.0,
+            eta_s: float | None = None) -> ExtractResult:
     return ExtractResult(
         num_samples=int(totals[SAMPLES]), num_tokens=int(totals[TOKENS]), num_padded_tokens=int(totals[PADDED]),
         bytes_written=int(totals[BYTES]), wait_s=float(totals[WAIT_S]) / max(world_size, 1),
         seconds=time.perf_counter() - t0, num_committed_before=pre.plan.num_committed,
         skip_counts=dict(pre.skips.counts), dry_run=dry_run, loop_seconds=loop_s, setup_seconds=setup_s,
-        drain_seconds=drain_s)
+        drain_seconds=drain_s, eta_seconds=eta_s)
 
 
 def format_summary(result: ExtractResult, *, skips_text: str) -> str:
@@ -278,6 +313,8 @@ def format_summary(result: ExtractResult, *, skips_text: str) -> str:
         f"({result.num_padded_tokens:,} with padding), {format_bytes(result.bytes_written)} written "
         f"in {format_seconds(result.seconds)} ({rate:,.0f} tok/s; waiting on disk {result.wait_s:.1f}s per rank)",
         f"resumed: {result.num_committed_before:,} samples were already in the cache",
+        *([f"extraction loop: {format_seconds(result.loop_seconds)} (estimated ~{format_seconds(result.eta_seconds)} "
+           "before it)"] if result.eta_seconds is not None else []),
         skips_text,
     ])
 

@@ -60,3 +60,43 @@ def estimate_eta(*, config, deepest_tap: int, batch_shapes: list[tuple[int, int]
     how = (f"FLOPs-based guess: {flops / 1e12:.3g} TFLOP at {EFFICIENCY} x measured {device.type} "
            f"{str(dtype).removeprefix('torch.')} matmul {peak / 1e12:.3g} TFLOP/s x {world_size} rank(s)")
     return EtaEstimate(flops=flops, flops_per_s=rate, seconds=flops / rate if rate else 0.0, how=how)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Seconds per batch as a + b x FLOPs, fitted on real batches of the plan run through the real model."""
+
+    seconds_per_batch: float
+    """a: the per-batch cost that does not grow with FLOPs (packing, launch, Python)."""
+    seconds_per_flop: float
+    """b."""
+    timed: tuple[tuple[float, float], ...]
+    """(FLOPs, seconds) of the timed forwards."""
+
+    def estimate(self, batch_flops: list[float]) -> float:
+        return sum(self.seconds_per_batch + self.seconds_per_flop * f for f in batch_flops)
+
+
+def calibrate(run_batch, *, batch_flops: list[float], timer=time.perf_counter) -> Calibration:
+    """Time run_batch(i) (the real forward + pack + encode of planned batch i, result discarded) on the batch of
+    median FLOPs and on the smallest one, after one untimed warm-up call (allocator, lazy init, kernel
+    compilation), and fit a line through the two points.
+
+    Why not the matmul guess: a square matmul on CPU says little about a model forward (bf16 matmuls without
+    AMX are slow, a forward is also attention, norms and copies): the demo printed ETA ~10m29s for a 1m15s run
+    (issue 19). Costs 3 batches of work; the caller skips it for plans that small."""
+    order = np.argsort(batch_flops, kind="stable")
+    mid, small = int(order[len(order) // 2]), int(order[0])
+    run_batch(mid)  # warm-up
+    points = []
+    for i in (mid, small):
+        t0 = timer()
+        run_batch(i)
+        points.append((float(batch_flops[i]), timer() - t0))
+    (f1, t1), (f0, t0_) = points
+    if f1 > f0 and t1 > t0_:
+        b = (t1 - t0_) / (f1 - f0)
+        a = max(0.0, t1 - b * f1)
+    else:  # same FLOPs (or timer noise): all of it scales with FLOPs
+        a, b = 0.0, t1 / f1 if f1 else 0.0
+    return Calibration(seconds_per_batch=a, seconds_per_flop=b, timed=tuple(points))
