@@ -4,8 +4,9 @@ the bf16 features a bf16 cache stores, with fp8 (dflash.cache.format.quantize_fp
 Features: the real SmolLM2-135M-Instruct target (dflash.target.assets.smollm2_hf_dir) run through
 dflash.target.forward.TappedForward with the default 5 DFlash taps (1, 8, 14, 20, 27), over the first N usable
 ShareGPT conversations (their first two turns) tokenized with the chat template as extraction does
-(dflash.data.chat), truncated to --max-length tokens. Every sequence starts with the same default system prompt (22 tokens): that shared prefix
-is counted once, so the statistics are over distinct contexts. The target runs in float32 on CPU (bf16 matmuls
+(dflash.data.chat), truncated to --max-length tokens. Every sequence starts with the same default system prompt
+(24 tokens with its turn header): that shared prefix is counted once, so the statistics are over distinct
+contexts. The target runs in float32 on CPU (bf16 matmuls
 are ~4x slower there); its features are rounded to bf16, as a bf16 cache stores them, and the bf16 row shows
 that rounding's own error against float32 for scale.
 
@@ -19,6 +20,8 @@ Prints a table; the last stdout line is the result JSON, also written to --out.
 
     python benchmarks/bench_quant_probe.py --conversations 100 --max-length 48 \
         --out benchmarks/results/quant_probe_cpu.json
+GPU cost of the format against fp8 (random features, no assets needed):
+    python benchmarks/bench_quant_probe.py --device cuda --time-only --time-tokens 16384
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--time-tokens", type=int, default=0,
                    help="also time encode/decode of random [N, 5, 5120] bf16 features (27B shape) against fp8's "
                         "quantize/dequantize on --device (0: skip; meant for the GPU, e.g. 16384)")
+    p.add_argument("--time-only", action="store_true", help="skip the probe (needs no model or data): timing only")
+    p.add_argument("--model", default=None, help="SmolLM2 HF folder (default: dflash.target.assets.smollm2_hf_dir())")
     p.add_argument("--time-formats", nargs="+", default=["e2m1-g32-e4m3", "int4-g32-e4m3-h32", "e2m1-g32-e8m0-h32",
                                                           "int4-g64-bf16-h64"])
     p.add_argument("--out", default=None, help="result JSON path (default: print only)")
@@ -70,7 +75,7 @@ def real_features(args, device: torch.device) -> tuple[torch.Tensor, dict]:
     from dflash.target.load import load_target
     from dflash.target.taps import default_tap_layer_ids
 
-    model, tok = load_target(smollm2_hf_dir(), device=device, dtype=torch.float32)
+    model, tok = load_target(args.model or smollm2_hf_dir(), device=device, dtype=torch.float32)
     taps = default_tap_layer_ids(model.config.num_hidden_layers)
     seqs = []
     for rec in sharegpt_conversations(4 * args.conversations):
@@ -173,15 +178,11 @@ def rotation_for(group: int, hidden: int) -> int:
     return r if r >= 2 else 0
 
 
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    device = torch.device(args.device)
-
+def probe(args, device: torch.device) -> dict:
+    """The per-format, per-tap error table on real features (printed); returns the result fields."""
     from dflash.cache.format import dequantize_fp8, quantize_fp8
     from dflash.cache.quant4 import ELEMENTS, SCALES, Quant4Format, bytes_per_token, decode, encode, parse_quant4
 
-    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
     hidden32, info = real_features(args, device)
     ref = hidden32.to(torch.bfloat16)  # what a bf16 cache holds: the reference
     ref32 = ref.float()
@@ -233,18 +234,26 @@ def main() -> None:
     print(f"lowest typical-token error within {BOUND_27B:,} B/token: {best['storage']} (median per-token relative "
           f"L2 {best['token_rel_l2_median_mean']:.4f}, global {best['rel_l2_mean']:.4f}; fp8 "
           f"{fp8['token_rel_l2_median_mean']:.4f}, {fp8['rel_l2_mean']:.4f})")
-    result = {
-        "bench": "quant_probe", "command": " ".join(["python", "benchmarks/bench_quant_probe.py"] + sys.argv[1:]),
-        "machine": machine_info(device), "torch": torch.__version__,
-        "transformers": package_version("transformers"), "features": info,
-        "shape_27b": SHAPE_27B, "bound_27b_bytes_per_token": BOUND_27B,
+    return {
+        "features": info, "shape_27b": SHAPE_27B, "bound_27b_bytes_per_token": BOUND_27B,
         "metrics": "rel_l2 (over all tokens) / token_rel_l2_median / cos_mean / cos_min per tap index (taps in "
                    "features.tap_layer_ids order), against the bf16 features (bf16 row: against float32); "
                    "zstd_ratio = raw/zstd-3 bytes of the stored arrays; best_within_bound = lowest "
                    "token_rel_l2_median_mean among 4-bit rows within the bound",
         "rows": rows, "best_within_bound": best["storage"], "quant_seconds_cpu": round(quant_s, 1),
-        "seconds": round(time.perf_counter() - t_start, 1),
     }
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    device = torch.device(args.device)
+    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
+    result = {"bench": "quant_probe", "command": " ".join(["python", "benchmarks/bench_quant_probe.py"] + sys.argv[1:]),
+              "machine": machine_info(device), "torch": torch.__version__,
+              "transformers": package_version("transformers")}
+    if not args.time_only:
+        result.update(probe(args, device))
     if args.time_tokens:
         result["timing_27b"] = timing = time_27b(args, device)
         print(f"27B shape, {args.time_tokens:,} tokens on {device}: fp8 encode "
