@@ -161,10 +161,16 @@ def regenerate_chunk(convs: Sequence[Conversation], *, decode: DecodeFn, tokeniz
                 st = states[k] = TurnState(messages=[])
             else:
                 msgs = [dict(m) for m in conv.turns[r].prompt]
-                new_ids = transition_ids(tokenizer, history=st.messages, next_messages=msgs, end_token=end_token,
-                                         template_kwargs=template_kwargs)
+                try:
+                    new_ids = transition_ids(tokenizer, history=st.messages, next_messages=msgs,
+                                             end_token=end_token, template_kwargs=template_kwargs)
+                except Exception as e:  # the template rejects the longer chat: keep the turns done
+                    log.debug("%s: template error at turn %d: %s", conv.location, r, e)
+                    new_ids, why = None, "template_error"
+                else:
+                    why = "template_prefix_mismatch"
                 if new_ids is None:
-                    _add(stats["truncated"], "template_prefix_mismatch")
+                    _add(stats["truncated"], why)
                     ended[k] = True
                     continue
             budget = min(max_new_tokens, max_length - len(st.ids) - len(new_ids))
