@@ -23,12 +23,15 @@ def info(cache: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(d))
         return
+    from dflash.extract.space import format_bytes
+
     bpt = d["bytes_per_token"]
-    rows = [("samples", f"{d['samples']:,}"), ("tokens", f"{d['tokens']:,}"),
+    rows = [("target", d["target"]), ("target_greedy", "yes" if d["target_greedy"] else "no"),
+            ("samples", f"{d['samples']:,}"), ("tokens", f"{d['tokens']:,}"),
             ("loss tokens", f"{d['loss_tokens']:,}"),
             ("taps", f"{d['num_taps']} {d['tap_layer_ids']}"), ("hidden size", str(d["hidden_size"])),
             ("storage", d["storage"]), ("shards", str(d["shards"])),
-            ("bytes on disk", f"{d['bytes_on_disk']:,} ({d['bytes_on_disk'] / 2**30:.2f} GiB)"),
+            ("bytes on disk", format_bytes(d["bytes_on_disk"])),
             ("bytes per token", "-" if bpt is None else f"{bpt:,.1f}")]
     for k, v in rows:
         click.echo(f"{k:<16}{v}")

@@ -137,4 +137,6 @@ def cache_info(path) -> dict:
             "hidden_size": fp.hidden_size, "storage": fp.storage, "shards": t["shards"],
             "bytes_on_disk": on_disk, "shard_bytes": t["bytes"],
             "bytes_per_token": (t["bytes"] / t["tokens"]) if t["tokens"] else None,
-            "target": fp.target}
+            "target": fp.target, "target_greedy": fp.target_greedy, "target_dtype": fp.target_dtype,
+            "max_length": fp.max_length, "num_target_layers": fp.num_target_layers,
+            "sources": [s.get("path") for s in fp.sources]}

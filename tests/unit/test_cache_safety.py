@@ -244,3 +244,18 @@ def test_new_commit_log_is_made_durable(tmp_path, monkeypatch):
     n = synced.count(commits)
     write_small(tmp_path, [3, 4])  # appending to an existing log adds no entry: no extra directory fsync
     assert synced.count(commits) == n
+
+
+def test_info_shows_target_greedy_and_readable_bytes(tmp_path):
+    s = [sample(i) for i in range(4)]
+    with CacheWriter(tmp_path, fp(target="/models/qwen", target_greedy=True), shard_tokens=40) as w:
+        w.append(sample_ids=np.arange(4), lengths=np.array([len(x[0]) for x in s]),
+                 input_ids=np.concatenate([x[0] for x in s]), loss_mask=np.concatenate([x[1] for x in s]),
+                 hidden=torch.cat([x[2] for x in s]))
+    d = json.loads(CliRunner().invoke(cli, ["cache", "info", "--json", str(tmp_path)]).output)
+    assert d["target_greedy"] is True and d["target"] == "/models/qwen" and d["max_length"] == 0
+    text = CliRunner().invoke(cli, ["cache", "info", str(tmp_path)]).output
+    rows = dict(line.split(None, 1) if not line.startswith(("bytes", "loss", "hidden")) else
+                (line[:16].strip(), line[16:]) for line in text.strip().splitlines())
+    assert rows["target"].strip() == "/models/qwen" and rows["target_greedy"].strip() == "yes"
+    assert rows["bytes on disk"].strip().endswith("KB") and "," not in rows["bytes on disk"]
