@@ -397,7 +397,7 @@ def decode(codes_TKC: torch.Tensor, group_scales_TKG: torch.Tensor, row_scales_T
         else:
             row = row_scales_TK[t0:t0 + t].to(torch.float32).unsqueeze(-1)
             scale_f = s.view(torch.float8_e4m3fn).to(torch.float32) * row
-        v = lut[nib.long()]
+        v = lut[nib]  # int32 indices: half the temporary of int64 (decode runs in the loader, on the GPU)
         y = (F.pad(v, (0, G * Gs - D)) if G * Gs > D else v).view(t, K, G, Gs) * scale_f.unsqueeze(-1)
         y = y.view(t, K, G * Gs)[..., :D]
         if fmt.rotate:
