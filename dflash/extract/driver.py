@@ -181,6 +181,13 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
     check_free_space(cfg.output, needed_bytes=pre.cache_bytes.total)  # run_rank removes a folder it created
     if cfg.dry_run:
         return _result(cfg, pre, torch.zeros(5, dtype=torch.float64), t0, world_size, dry_run=True)
+    if plan.num_todo == 0:  # every rank sees the same plan: none loads the target (a demo rerun took seconds)
+        from dflash.cache import CacheWriter
+
+        if rank == 0:
+            CacheWriter(cfg.output, pre.fingerprint, rank=rank).close()  # rewrites lagging manifest totals
+            echo(f"nothing to extract: all {plan.num_committed:,} samples are in the cache")
+        return _result(cfg, pre, torch.zeros(5, dtype=torch.float64), t0, world_size, dry_run=False)
 
     from dflash.cache import CacheWriter
     from dflash.target.forward import TappedForward

@@ -350,3 +350,15 @@ def test_calibrated_eta_is_close_to_the_loop_time(tiny, tmp_path):
     # The FLOPs guess was 3-8x off on CPU (issue 19); a shared CI machine still jitters, hence the wide band.
     assert 0.4 < ratio < 2.5, text
     assert "extraction loop:" in text and "estimated ~" in text
+
+
+def test_rerun_of_a_complete_cache_does_not_load_the_target(tiny, ref_cache, tmp_path, caplog):
+    import logging
+
+    model, data = tiny
+    out = damaged_copy(ref_cache, tmp_path)
+    with caplog.at_level(logging.INFO, logger="dflash.target.load"):
+        res, text = extract(model, data, out)
+    assert res.num_samples == 0 and res.num_committed_before == NUM_GOOD
+    assert "loaded target" not in caplog.text, caplog.text
+    assert "nothing to extract: all" in text
