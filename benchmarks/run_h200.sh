@@ -10,6 +10,11 @@
 #   bash benchmarks/run_h200.sh quality GGUF_PART... [--resume]   # bench_quality, 2000 prompts, 400 steps, 3 seeds
 #       (SmolLM2 target from scripts/split_gguf.sh parts; a call cut short at 10 minutes is continued by the
 #       same command with --resume on the still-warm machine)
+#   bash benchmarks/run_h200.sh reference --gguf-parts PART... [--train-data FILE] [--resume]   # bench_reference:
+#       regenerated whole conversations (--train-data, carried in; else regenerated in the first calls), eval
+#       caches, 6 trainings with held-out tau every 500 steps (~2.3 device-hours at ~57K tok/s: ~15 calls; every
+#       call after the first adds --resume; a training cut at the limit continues from its last checkpoint)
+#   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
 #   bash benchmarks/run_h200.sh pair2 GGUF_PART...   # quality on GPU 0 || sweep on GPU 1, then the GPU tests
@@ -33,10 +38,22 @@ quality() { local t=$1; shift
             timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --seeds 3 --workdir /tmp/bq \
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
 
+reference() { local t=$1; shift; mkdir -p /tmp/bref
+              timeout "$t" python3 benchmarks/bench_reference.py --workdir /tmp/bref \
+                --json /tmp/bref/quality_reference_h200.json "$@"; }  # outside the synced tree: --resume reads it
+evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
+                   --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
+
 gpu_tests() { timeout "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
   tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py; }  # named files: no hypothesis there
 block_mask() { timeout "${1:-200}" python3 benchmarks/bench_block_mask.py; }
-sweep_then_gpu_tests() { sweep "$1"; gpu_tests 120; }
+sweep_then_reference() { local t=$1; shift; mkdir -p /tmp/bref
+              timeout "$t" python3 benchmarks/bench_reference.py --workdir /tmp/bref \
+                --json /tmp/bref/quality_reference_h200.json "$@"; }  # outside the synced tree: --resume reads it
+evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
+                   --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
+
+gpu_tests() { sweep "$1"; gpu_tests 120; }
 quality_parts() { quality "$1" "${QPARTS[@]}"; }
 # both NAME0 "CMD0 ARGS" NAME1 "CMD1 ARGS": two stages at once, GPU 0 and GPU 1, logs in $LOGS/NAME.log
 both() {
@@ -57,12 +74,15 @@ case "$stage" in
   sweep) sweep || rc=$? ;;
   check) gpu_tests || rc=$?; block_mask || rc=$? ;;
   quality) quality 560 "$@" || rc=$? ;;
+  reference) reference 570 "$@" || rc=$? ;;
+  evaloverhead) evaloverhead || rc=$? ;;
   pair1) cache; both extract "extract 410" train "train 410" ;;
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
-[ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json /tmp/bq/quality_smollm2.json "$OUT"/ 2>/dev/null
+[ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json /tmp/bq/quality_smollm2.json /tmp/bref/quality_reference_h200.json \
+  benchmarks/results/quality_reference_*.png "$OUT"/ 2>/dev/null
 exit $rc

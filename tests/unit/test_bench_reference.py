@@ -1,0 +1,89 @@
+"""bench_reference.py / bench_eval_overhead.py pieces on CPU: a real training (`train_once`, the library `dflash
+train`) with held-out eval on a real target-greedy cache gives held-out curves in metrics.jsonl; the curve, the
+summary numbers of issue 14, the data-scaling subsets, the plot and the evaluator comparison work on them."""
+
+import dataclasses
+import json
+import pathlib
+import sys
+import types
+
+import numpy as np
+import torch
+
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+import bench_reference as br  # noqa: E402
+from train_helpers import fingerprint_for, tiny_cache, tiny_target  # noqa: E402
+
+
+def greedy_eval_cache(path, target, sources):
+    """A target_greedy-marked cache of 4 sequences from two sources (2 each), written with CacheWriter."""
+    from dflash.cache import CacheWriter
+
+    fp = dataclasses.replace(fingerprint_for(target, taps=(0, 1, 2)), target_greedy=True,
+                             sources=tuple({"path": str(s), "sha256": "-"} for s in sources))
+    g = torch.Generator().manual_seed(5)
+    lengths = np.array([30, 25, 40, 22])
+    T = int(lengths.sum())
+    mask = np.zeros(T, np.uint8)
+    off = 0
+    for n in lengths:
+        mask[off + 8: off + n] = 1
+        off += n
+    with CacheWriter(path, fp) as w:
+        w.append(sample_ids=np.arange(4), lengths=lengths, input_ids=torch.randint(0, 256, (T,), generator=g).numpy()
+                 .astype(np.int32), loss_mask=mask, hidden=torch.randn(T, 3, 64, generator=g))
+    return path
+
+
+def test_train_once_with_heldout_curve_summary_and_plot(tmp_path):
+    target = tiny_target(tmp_path / "target")
+    cache = tiny_cache(tmp_path / "cache", target, num_samples=12)
+    srcs = []
+    for name in br.EVAL_SETS.values():  # the eval sets' file names: per-source tau is keyed by them
+        (tmp_path / name).write_text("{}\n{}\n")
+        srcs.append(tmp_path / name)
+    ev = greedy_eval_cache(tmp_path / "eval", target, srcs)
+    args = types.SimpleNamespace(layers=1, block_size=4, num_anchors=8, lr=3e-3, batch_tokens=200, log_every=2,
+                                 save_every=4, intermediate_size=64)
+    r = br.train_once(args, model=str(target), cache=cache, out=tmp_path / "run", device="cpu", steps=6,
+                      eval_cache=str(ev), eval_every=2, log_every=None)
+    c = br.curve(r["metrics"])
+    assert c["step"] == [2, 4, 6] and len(c["heldout_tau"]) == 3
+    assert all(1.0 <= t <= 4.0 for t in c["heldout_tau"])
+    mt, he = br.set_tau(c, "mtbench"), br.set_tau(c, "humaneval")
+    assert mt is not None and he is not None and abs(np.mean([mt, he]) - c["heldout_tau"][-1]) < 1e-12
+    # the evaluator comparison on the run's exported drafter: both taus equal (fp32 CPU)
+    cmp = br.compare_evaluators(r["drafter"], ev, str(target), "cpu")
+    assert cmp["tau_equal"] and cmp["sequences"] == 4 and cmp["dflash_eval_seconds"] > 0
+    # summary numbers from runs shaped as main() records them
+    base = {"samples": 12, "tokens": 600, "steps": 6, "final_train_accept_len": 2.0, "tokens_per_s": 1.0}
+    result = {"runs": {"all_bf16": base | {"tau_mtbench": 2.0, "tau_humaneval": 1.6},
+                       "all_fp8": base | {"tau_mtbench": 2.01, "tau_humaneval": 1.6},
+                       "n4": base | {"samples": 4, "tau_mtbench": 1.2, "tau_humaneval": 1.1}}}
+    br.summarise(result)
+    assert result["tau_mtbench"] == 2.0 and result["train_acceptance_over_heldout"] == 2.0 / 1.8
+    assert abs(result["fp8_rel_diff_mtbench"] - 0.005) < 1e-12 and result["fp8_rel_diff_humaneval"] == 0.0
+    assert [row["run"] for row in result["data_scaling"]] == ["n4", "all_bf16"]
+    assert result["checks"] == {"tau_at_least_2_3": False, "train_over_heldout_at_most_1_6": True,
+                                "fp8_within_1pct": True}
+    png = br.plot_curve("run", c, tmp_path / "curve.png")
+    assert pathlib.Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "all_bf16" in br.format_table(result)
+
+
+def test_first_records_and_runs_plan(tmp_path):
+    src = tmp_path / "data.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": str(i)}]}) + "\n" for i in range(10)))
+    out = br.first_records(str(src), 4, tmp_path / "first4.jsonl")
+    assert [json.loads(x)["messages"][0]["content"] for x in pathlib.Path(out).read_text().splitlines()] == \
+        ["0", "1", "2", "3"]
+    args = br.parse_args(["--tiny", "--skip", "all_seed1"])
+    plan = br.runs_plan(args)
+    assert [p[0] for p in plan] == ["all_bf16", "all_fp8", "all_noise", "n4", "n8"]
+    assert dict((p[0], p[2]) for p in plan)["all_noise"] == {"noise_start": 0.1}
+    gpu = br.parse_args([])
+    assert gpu.eval_every == 500 and gpu.epochs == 6 and gpu.steps is None and gpu.max_length == 2048
+    assert gpu.scaling == "2000,8000" and gpu.block_size == 16 and gpu.num_anchors == 512
