@@ -115,6 +115,11 @@ class ExtractResult:
     """Last append to the end (rank 0): the writer's queue drain, last shard commit, final reduction."""
     eta_seconds: float | None = None
     """The calibrated estimate of loop_seconds printed before the loop (None: plan too small to calibrate)."""
+    planned_samples: int = 0
+    """What the plan (the same in a dry run) said this run extracts: samples, tokens, padded tokens, batches."""
+    planned_tokens: int = 0
+    planned_padded_tokens: int = 0
+    planned_batches: int = 0
 
 
 def resolve_device(cfg: ExtractConfig, *, local_rank: int) -> torch.device:
@@ -307,7 +312,9 @@ def _result(cfg, pre, totals: torch.Tensor, t0: float, world_size: int, *, dry_r
         bytes_written=int(totals[BYTES]), wait_s=float(totals[WAIT_S]) / max(world_size, 1),
         seconds=time.perf_counter() - t0, num_committed_before=pre.plan.num_committed,
         skip_counts=dict(pre.skips.counts), dry_run=dry_run, loop_seconds=loop_s, setup_seconds=setup_s,
-        drain_seconds=drain_s, eta_seconds=eta_s)
+        drain_seconds=drain_s, eta_seconds=eta_s, planned_samples=pre.plan.num_todo,
+        planned_tokens=pre.plan.num_tokens_todo, planned_padded_tokens=pre.plan.num_padded_tokens,
+        planned_batches=sum(len(b) for b in pre.plan.rank_batches))
 
 
 def format_summary(result: ExtractResult, *, skips_text: str) -> str:

@@ -362,3 +362,21 @@ def test_rerun_of_a_complete_cache_does_not_load_the_target(tiny, ref_cache, tmp
     assert res.num_samples == 0 and res.num_committed_before == NUM_GOOD
     assert "loaded target" not in caplog.text, caplog.text
     assert "nothing to extract: all" in text
+
+
+def test_dry_run_plans_the_job_the_real_run_does(tiny, tmp_path):
+    model, data = tiny
+    out = tmp_path / "cache"
+    dry, dry_text = extract(model, data, out, dry_run=True)
+    assert not out.exists()  # a dry run into a new folder writes nothing
+    real, real_text = extract(model, data, out)
+
+    def plan_lines(text):
+        return [ln for ln in text.splitlines() if ln.startswith(("samples:", "tokens:", "bytes on disk:", "ranks:"))]
+
+    assert plan_lines(dry_text) == plan_lines(real_text) and len(plan_lines(dry_text)) == 4
+    assert (dry.planned_samples, dry.planned_tokens, dry.planned_padded_tokens, dry.planned_batches) == \
+        (real.planned_samples, real.planned_tokens, real.planned_padded_tokens, real.planned_batches)
+    assert real.num_samples == real.planned_samples == NUM_GOOD
+    assert (real.num_tokens, real.num_padded_tokens) == (real.planned_tokens, real.planned_padded_tokens)
+    assert dry.planned_batches > 1
