@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-GDN_CHUNK = 64  # transformers' and FLA's chunk size for chunk_gated_delta_rule
+from dflash.target.registry import GDN_CHUNK, find_decoder, layer_kinds, text_config  # noqa: F401 (GDN_CHUNK)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,32 +49,21 @@ class TargetFlops:
         return self.forward_flops([seq_len], include_gdn=include_gdn) / seq_len
 
 
-def _text_config(config):
-    sub = getattr(config, "text_config", None)
-    return sub if sub is not None else config
-
-
 def target_flops(config, *, num_layers_run: int) -> TargetFlops:
     """FLOPs model for a transformers config (text or multimodal) running its first `num_layers_run` layers."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _text_config(config)
+    cfg = text_config(config)
     num_layers = cfg.num_hidden_layers
     if not 1 <= num_layers_run <= num_layers:
         raise ValueError(f"num_layers_run must be in 1..{num_layers}, got {num_layers_run}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    layers = model.model.layers[:num_layers_run]
+    layers = find_decoder(model).layers[:num_layers_run]
     linear_weights = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, nn.Linear))
-    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * num_layers
-    attention = 0.0
-    gdn = 0.0
-    for t in layer_types[:num_layers_run]:
-        if t == "linear_attention":
-            dk, dv, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
-            gdn += hv * (6 * dk * dv + 2 * GDN_CHUNK * (dk + dv))
-        else:  # full_attention (sliding windows would need the window: none of our targets use one)
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            attention += 4 * cfg.num_attention_heads * head_dim
+    # per-layer sequence terms from the target registry's layer kinds (attention pairs, GDN recurrence)
+    kinds = layer_kinds(cfg)[:num_layers_run]
+    attention = sum(k.flops_per_pair(cfg) for k in kinds)
+    gdn = sum(k.flops_per_token(cfg) for k in kinds)
     return TargetFlops(num_layers_run=num_layers_run, linear_per_token=2.0 * linear_weights,
                        attention_per_pair=attention, gdn_per_token=gdn)

@@ -22,19 +22,17 @@ import torch
 from torch import nn
 
 from dflash.errors import ConfigError
+from dflash.target.registry import find_decoder
 from dflash.target.taps import validate_tap_layer_ids
 
 
 def text_decoder(model: nn.Module) -> nn.Module:
-    """The decoder stack (has embed_tokens, layers, norm) inside a causal LM or a multimodal model."""
-    candidates = [model, getattr(model, "model", None)]
-    for c in list(candidates):
-        if c is not None:
-            candidates.append(getattr(c, "language_model", None))
-    for c in candidates:
-        if c is not None and all(hasattr(c, a) for a in ("embed_tokens", "layers", "norm")):
-            return c
-    raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} (expected .model.layers)")
+    """The decoder stack (has embed_tokens, layers, norm) inside a causal LM or a multimodal model, where the
+    target's registry entry (dflash.target.registry) says it sits."""
+    dec = find_decoder(model)
+    if dec is None:
+        raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} (expected .model.layers)")
+    return dec
 
 
 class TappedForward:

@@ -28,11 +28,12 @@ from types import ModuleType
 
 import torch
 
+from dflash.target.registry import LAYER_KINDS
+
 log = logging.getLogger(__name__)
 
-# The GDN ops transformers binds at import time; present in qwen3_5, qwen3_5_moe and qwen3_next.
-GDN_OPS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-           "causal_conv1d_update")
+# The GDN ops transformers binds at import time: the registry's linear_attention layer kind names them.
+GDN_OPS = LAYER_KINDS["linear_attention"].kernel_ops
 
 # (module name, op name) -> what transformers bound originally, so a later choice can restore it.
 _ORIGINALS: dict[tuple[str, str], Callable] = {}

@@ -17,6 +17,7 @@ import torch
 
 from dflash.errors import ModelNotFoundError
 from dflash.target.kernels import KernelChoice, select_kernels
+from dflash.target.registry import text_config  # noqa: F401  (one definition; callers import it from here)
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,6 @@ def check_model_path(path: str | os.PathLike) -> str:
     if is_hub_name(s):
         return s
     raise ModelNotFoundError(f"target model not found: {s} (give a local HF model folder or a hub name org/name)")
-
-
-def text_config(config):
-    """The text decoder's config (the config itself for plain causal LMs)."""
-    sub = getattr(config, "text_config", None)
-    return sub if sub is not None else config
 
 
 def load_target(
