@@ -55,11 +55,12 @@ class LiveResult:
 
 def check_attention_only(target) -> None:
     """Refuse targets whose layers keep a recurrent state (cropping the KV cache cannot roll those back)."""
-    cfg = getattr(target.config, "text_config", None) or target.config
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if kinds - {"full_attention", "sliding_attention"}:
+    from dflash.target.registry import live_decoding_supported
+
+    supported, kinds = live_decoding_supported(target.config)   # the target registry's layer kinds
+    if not supported:
         raise ConfigError(f"live speculative decoding supports attention-only targets (Llama, Qwen3); "
-                          f"this target has layer types {sorted(kinds)}: use the offline evaluator (dflash eval)")
+                          f"this target has layer types {kinds}: use the offline evaluator (dflash eval)")
 
 
 def _crop_to(cache, length: int) -> None:
