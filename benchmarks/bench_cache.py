@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 
 from common import drop_page_cache  # noqa: E402
 from dflash.cache import CacheReader, CacheWriter, Fingerprint, PackedBuffers  # noqa: E402
+from dflash.cache.format import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=8, help="reader threads (I/O bound: more than cores helps)")
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per read_many call")
     p.add_argument("--shard-tokens", type=int, default=1 << 16)
-    p.add_argument("--chunk-bytes", type=int, default=1 << 19)
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     p.add_argument("--fp8-fraction", type=float, default=0.25, help="fp8 cache size relative to bf16 (bytes/token only)")
     p.add_argument("--result-name", default="cpu")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")

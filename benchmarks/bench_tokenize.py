@@ -31,6 +31,8 @@ def _cpu_s() -> float:
 
 
 def main() -> None:
+    from dflash.cache.commit import TOKENIZED
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=4000)
     ap.add_argument("--workers", type=int, default=2)
@@ -61,7 +63,7 @@ def main() -> None:
         ref, ref_skips = load_samples([data], tokenizer, max_length=args.max_length)
         before_s, before_cpu = time.perf_counter() - t, _cpu_s() - c
         kw = dict(paths=[data], tokenizer=tokenizer, max_length=args.max_length, template_kwargs={},
-                  folder=os.path.join(tmp, "_tokenized", "key"), num_workers=args.workers, show_progress=True)
+                  folder=os.path.join(tmp, TOKENIZED, "key"), num_workers=args.workers, show_progress=True)
         c = _cpu_s()
         after = tokenize_or_load(**kw)
         after_cpu = _cpu_s() - c  # this process + its (joined) worker processes

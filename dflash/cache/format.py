@@ -25,6 +25,18 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # numpy dtype of the stored hidden bits per storage dtype
 STORED_NUMPY_DTYPE = {"bf16": "uint16", "fp8": "uint8"}
 STORED_TORCH_DTYPE = {"bf16": torch.uint16, "fp8": torch.uint8}
+STORED_ITEMSIZE = {"bf16": 2, "fp8": 1}
+"""Bytes per stored hidden element."""
+SCALE_ITEMSIZE = 4
+"""fp8 scales are float32, one per token and tap."""
+TOKEN_BYTES = 4 + 1
+"""Per token outside hidden/scales: input_ids int32 + loss_mask uint8."""
+SAMPLE_ROW_BYTES = 4 * 8
+"""One row of a shard's `samples` array: (sample id, offset, length, loss tokens) as int64."""
+DEFAULT_CHUNK_BYTES = 1 << 19
+"""CacheWriter's target bytes of one (tokens, 1 tap, D) hidden chunk (512 KB: benchmarks/results/cache_*.json)."""
+DEFAULT_BLOCK_BYTES = 1 << 23
+"""CacheWriter's per-tap bytes of one streamed block."""
 
 # Quantize in row blocks so a large CPU batch does not need a full float32 copy at once.
 _QUANT_BLOCK_TOKENS = 4096
@@ -162,3 +174,8 @@ def choose_chunk_tokens(*, hidden_size: int, itemsize: int, chunk_bytes: int, ma
     while t * 2 * per_token <= chunk_bytes and t * 2 <= max_tokens:
         t *= 2
     return t
+
+
+def hidden_chunk_tokens(*, hidden_size: int, storage: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per hidden chunk as CacheWriter chooses them for this hidden size and storage dtype."""
+    return choose_chunk_tokens(hidden_size=hidden_size, itemsize=STORED_ITEMSIZE[storage], chunk_bytes=chunk_bytes)

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from dflash.cache import commit as cm
-from dflash.cache.format import (FORMAT_NAME, FORMAT_VERSION, STORED_NUMPY_DTYPE, STORED_TORCH_DTYPE,
-                                 Fingerprint, choose_chunk_tokens, encode_hidden)
+from dflash.cache.format import (DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION,
+                                 STORED_NUMPY_DTYPE, STORED_TORCH_DTYPE, Fingerprint, choose_chunk_tokens,
+                                 encode_hidden)
 from dflash.cache.shardfile import ArrayWriter, write_array, write_json_file
 from dflash.durable import fsync_dir
 from dflash.errors import CacheFormatError, ConfigError, DflashError
@@ -118,7 +119,8 @@ class _BlockPipe:
 
 class CacheWriter:
     def __init__(self, path, fingerprint: Fingerprint, *, rank: int = 0, shard_tokens: int = 1 << 16,
-                 queue_depth: int = 4, chunk_bytes: int = 1 << 19, block_bytes: int = 1 << 23) -> None:
+                 queue_depth: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
         """Create the cache at `path` or check an existing one's fingerprint; clean this rank's leftovers.
 
         chunk_bytes: target size of one (tokens, 1 tap, D) hidden chunk, the read and checksum unit

@@ -110,6 +110,9 @@ def batch_views(buf: torch.Tensor, *, bits_shape: tuple[int, ...], bits_dtype: t
 
 def batch_nbytes(*, tokens: int, num_taps: int, hidden: int, storage: str) -> int:
     """Bytes of one batch's encoded hidden states (+ fp8 scales) for `tokens` real tokens."""
+    from dflash.cache.format import SCALE_ITEMSIZE, STORED_ITEMSIZE
+
+    bits = tokens * num_taps * hidden * STORED_ITEMSIZE[storage]
     if storage == "fp8":
-        return _aligned(tokens * num_taps * hidden) + tokens * num_taps * 4
-    return tokens * num_taps * hidden * 2
+        return _aligned(bits) + tokens * num_taps * SCALE_ITEMSIZE
+    return bits

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.cache.format import Fingerprint
+from dflash.cache.format import Fingerprint, hidden_chunk_tokens
 from dflash.errors import CacheFormatError, ConfigError, DataError
 from dflash.extract.plan import ExtractPlan, extraction_batches, make_plan
 from dflash.extract.space import CacheBytes, estimate_cache_bytes
@@ -187,7 +187,8 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     cache_bytes = estimate_cache_bytes(num_tokens=plan.num_tokens_todo, num_samples=int(todo.sum()),
                                        num_taps=len(taps), hidden_size=int(config.hidden_size),
                                        storage=cfg.storage, shard_tokens=cfg.shard_tokens,
-                                       chunk_tokens=_hidden_chunk_tokens(int(config.hidden_size), cfg.storage))
+                                       chunk_tokens=hidden_chunk_tokens(hidden_size=int(config.hidden_size),
+                                                                       storage=cfg.storage))
     return Preflight(config=config, tokenizer=tokenizer, fingerprint=fingerprint, samples=samples, skips=skips,
                      plan=plan, cache_bytes=cache_bytes, target_greedy_reason=greedy_reason,
                      tokenize_seconds=tok.seconds, tokenize_text=_tokenize_text(tok, len(samples)),
@@ -231,18 +232,6 @@ def _tokenize_text(tok, num_samples: int) -> str:
     workers = f"{tok.num_workers} worker processes" if tok.num_workers else "in-process"
     return (f"tokenization: {num_samples:,} samples in {tok.seconds:.1f}s ({rate:,.0f} samples/s, {workers} per "
             f"rank), {where}")
-
-
-def _hidden_chunk_tokens(hidden_size: int, storage: str) -> int:
-    """Tokens per hidden chunk as CacheWriter chooses them (its default chunk_bytes)."""
-    import inspect
-
-    from dflash.cache import CacheWriter
-    from dflash.cache.format import STORED_NUMPY_DTYPE, choose_chunk_tokens
-
-    chunk_bytes = inspect.signature(CacheWriter.__init__).parameters["chunk_bytes"].default
-    return choose_chunk_tokens(hidden_size=hidden_size, itemsize=np.dtype(STORED_NUMPY_DTYPE[storage]).itemsize,
-                               chunk_bytes=chunk_bytes)
 
 
 def check_output(path: str) -> None:

@@ -12,9 +12,10 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from dflash.cache.format import SAMPLE_ROW_BYTES, SCALE_ITEMSIZE, STORED_ITEMSIZE, TOKEN_BYTES
 from dflash.errors import ConfigError, OutOfSpaceError
 
-BYTES_PER_ELEMENT = {"bf16": 2, "fp8": 1}
+BYTES_PER_ELEMENT = STORED_ITEMSIZE  # the cache's own widths, never re-derived here
 # Per shard: zarr.json files, a crc32c per chunk, a commit-log line; generous so the margin stays honest.
 SHARD_OVERHEAD_BYTES = 64 * 1024
 SPACE_MARGIN = 1.02
@@ -50,9 +51,9 @@ def estimate_cache_bytes(*, num_tokens: int, num_samples: int, num_taps: int, hi
     stored_tokens = max(stored_tokens, num_tokens)
     return CacheBytes(
         hidden=stored_tokens * num_taps * hidden_size * BYTES_PER_ELEMENT[storage],
-        scales=stored_tokens * num_taps * 4 if storage == "fp8" else 0,
-        tokens=num_tokens * (4 + 1),
-        index=num_samples * 4 * 8 + num_shards * SHARD_OVERHEAD_BYTES,
+        scales=stored_tokens * num_taps * SCALE_ITEMSIZE if storage == "fp8" else 0,
+        tokens=num_tokens * TOKEN_BYTES,
+        index=num_samples * SAMPLE_ROW_BYTES + num_shards * SHARD_OVERHEAD_BYTES,
     )
 
 
