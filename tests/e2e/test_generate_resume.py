@@ -1,5 +1,6 @@
 """kill -9 a real `dflash generate` process mid-run, rerun it, and compare with an uninterrupted run: the same
-records in the same order, none lost or duplicated (SmolLM2-135M on CPU, whole conversations)."""
+records in the same order, none lost or duplicated (SmolLM2-135M on CPU, whole conversations); then
+`dflash extract` of the output holds exactly its ids and loss masks and is marked target-greedy."""
 
 import gzip
 import json
@@ -70,3 +71,18 @@ def test_kill_9_then_resume_equals_uninterrupted(smollm2_dir, tmp_path):
     assert [r["id"] for r in got] == [r["id"] for r in ref]  # order kept, nothing lost, nothing twice
     assert got == ref  # and the records themselves are the uninterrupted run's
     assert out.read_bytes() == ref_out.read_bytes()
+
+    # dflash extract reads the merged output: whole conversations, exact ids, marked target-greedy (fp32 both)
+    from dflash.cache import CacheReader
+
+    cache = tmp_path / "cache"
+    res = subprocess.run([sys.executable, "-m", "cli.main", "extract", "--model", str(smollm2_dir), "--data", str(out),
+                          "--output", str(cache), "--dtype", "float32", "--max-length", "1024"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    with CacheReader(cache) as reader:
+        assert reader.manifest["fingerprint"]["target_greedy"] is True
+        assert len(reader) == len(ref)
+        packed = reader.read_many(list(range(len(reader))), taps=())
+        assert packed.input_ids.tolist() == [t for r in ref for t in r["input_ids"]]
+        assert packed.loss_mask.tolist() == [m for r in ref for m in r["loss_mask"]]
