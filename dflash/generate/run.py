@@ -298,6 +298,7 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
 
     from dflash.generate.decode import (DecodeConfig, GreedyDecoder, bucket_width, chat_end_token_id, resolve_backend,
                                         stop_token_ids)
+    from dflash.dtypes import default_dtype
     from dflash.generate.output import ShardedOutput
     from dflash.target.load import check_model_path
 
@@ -306,8 +307,7 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
     read_skips = SkipCounter()
     convs = load_conversations(data=cfg.data, prompts=cfg.prompts, limit=cfg.limit, skips=read_skips)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # bf16 is what serving runs on GPU; fp32 on CPU keeps tests exact and CPU bf16 matmuls are slow anyway
-    dtype = cfg.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = cfg.dtype or default_dtype(device)   # the one CPU-vs-CUDA rule of every command (dflash.dtypes)
     backend = resolve_backend(cfg.backend, torch.device(device).type)
     mfp = model_fingerprint(model_dir)
     job = job_of(cfg, model=mfp, extra={"batch_size": cfg.batch_size, "dtype": dtype, "backend": backend})
