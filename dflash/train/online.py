@@ -23,18 +23,14 @@ import logging
 import numpy as np
 import torch
 
+from dflash.dtypes import DTYPES, default_dtype, dtype_of
 from dflash.train.loader import MicroBatch
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
 def online_target_dtype(cache_target_dtype: str, device: torch.device) -> torch.dtype:
     """The dtype the cache was extracted in (the faithful baseline); bf16 on CUDA / fp32 on CPU if unknown."""
-    if cache_target_dtype in _DTYPES:
-        return _DTYPES[cache_target_dtype]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return dtype_of(cache_target_dtype if cache_target_dtype in DTYPES else default_dtype(device))
 
 
 def forward_batches(lengths_N: np.ndarray, *, batch_tokens: int) -> list[np.ndarray]:
