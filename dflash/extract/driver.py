@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from dflash.cache.format import STORAGE_DTYPES
+from dflash.dtypes import DTYPES, dtype_of
 from dflash.errors import ConfigError, DflashError
 from dflash.extract.plan import PlannedBatch
 from dflash.extract.progress import BYTES, PADDED, SAMPLES, TOKENS, WAIT_S, ProgressReporter, RankCounters
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +173,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
     if rank == 0:
         shapes = [(len(b.members), b.padded_len) for bs in plan.rank_batches for b in bs]
         eta = estimate_eta(config=pre.config, deepest_tap=max(pre.fingerprint.tap_layer_ids), batch_shapes=shapes,
-                           world_size=world_size, device=device, dtype=DTYPES[cfg.dtype]) if shapes else None
+                           world_size=world_size, device=device, dtype=dtype_of(cfg.dtype)) if shapes else None
         echo(format_plan(num_samples=len(pre.samples), num_committed=plan.num_committed, num_todo=plan.num_todo,
                          num_tokens=plan.num_tokens_todo, padded_tokens=plan.num_padded_tokens,
                          cache_bytes=pre.cache_bytes, eta=eta, world_size=world_size, device=str(device),
@@ -208,7 +208,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
         pool = PinnedPool(count=cfg.queue_depth + 2, prefill=True, nbytes=batch_nbytes(
             tokens=most, num_taps=len(pre.fingerprint.tap_layer_ids), hidden=pre.fingerprint.hidden_size,
             storage=cfg.storage))
-    model, _ = load_target(cfg.model, device=device, dtype=DTYPES[cfg.dtype], fla_conv=cfg.fla_conv)
+    model, _ = load_target(cfg.model, device=device, dtype=dtype_of(cfg.dtype), fla_conv=cfg.fla_conv)
     tapped = TappedForward(model, pre.fingerprint.tap_layer_ids)
     pad_id = pre.tokenizer.pad_token_id if pre.tokenizer.pad_token_id is not None else 0
     counters = RankCounters()
