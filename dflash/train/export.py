@@ -22,7 +22,7 @@ class ExportResult:
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
-                      dtype: str = "bfloat16") -> ExportResult:
+                      dtype: str = "bfloat16", overwrite: bool = False) -> ExportResult:
     from dflash.drafter.config import DrafterConfig
     from dflash.drafter.export import export_drafter
     from dflash.drafter.model import DFlashDrafter
@@ -36,5 +36,5 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
     cfg = DrafterConfig(**d)
     model = DFlashDrafter(cfg)
     model.load_state_dict(state["model"])
-    out = export_drafter(model, cfg, output, dtype=getattr(torch, dtype))
+    out = export_drafter(model, cfg, output, dtype=getattr(torch, dtype), overwrite=overwrite)
     return ExportResult(path=out, checkpoint=src, step=int(state["position"]["global_step"]))
