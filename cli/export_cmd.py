@@ -9,12 +9,14 @@ import click
 @click.argument("checkpoint", type=click.Path())
 @click.option("--output", required=True, type=click.Path(),
               help="Destination folder for config.json + model.safetensors (must be empty or absent).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a non-empty --output folder (the old one is removed only once the new one is complete).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
               help="Dtype of the exported weights.")
-def command(checkpoint, output, dtype) -> None:
+def command(checkpoint, output, dtype, overwrite) -> None:
     """Export CHECKPOINT (a step-*.pt file, or a run folder: its newest checkpoint) as a DFlash drafter
     that SGLang / vLLM / z-lab code and `dflash eval` load."""
     from dflash.train.export import export_checkpoint
 
-    res = export_checkpoint(checkpoint, output, dtype=dtype)
+    res = export_checkpoint(checkpoint, output, dtype=dtype, overwrite=overwrite)
     click.echo(f"exported step {res.step} ({res.checkpoint}) to {res.path}")

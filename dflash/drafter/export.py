@@ -37,7 +37,8 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.P
     """
     out = Path(out_dir)
     if not overwrite:
-        refuse_nonempty(out, what="export directory", remedy="choose another --output folder, or remove this one first")
+        refuse_nonempty(out, what="export directory",
+                        remedy="choose another --output folder, or pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     hf = cfg.to_hf_config()
     hf["dtype"] = dtype_name(dtype)

@@ -122,10 +122,27 @@ def test_exported_files_respect_the_umask(tmp_path, umask):
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
 
 
-def test_refusal_names_what_the_cli_offers(tmp_path):
-    """The refusal used to suggest overwrite=True, which `dflash export` has no flag for."""
+def test_cli_export_refuses_a_non_empty_folder_then_overwrites(tmp_path):
+    """The refusal used to suggest overwrite=True, which `dflash export` had no flag for."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from dflash.train.checkpoint import DataPosition, save_checkpoint
+
+    model, cfg = tiny()
+    ckpt = save_checkpoint(tmp_path / "run", model_state=model.state_dict(), optimizer_state={}, scheduler_state={},
+                           position=DataPosition(epoch=0, step_in_epoch=7, global_step=7), world_size=1,
+                           train_config={}, drafter_config=cfg.to_json())
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.txt").write_text("keep me")
-    with pytest.raises(ConfigError) as e:
-        export_drafter(*tiny(), tmp_path / "d")
-    assert "overwrite=True" not in str(e.value) and "choose another --output folder" in str(e.value)
+    res = CliRunner().invoke(cli, ["export", str(ckpt), "--output", str(tmp_path / "d")])
+    assert res.exit_code == 1 and "overwrite=True" not in res.output
+    assert "is not empty (notes.txt): choose another --output folder, or pass --overwrite" in res.output
+    assert (tmp_path / "d" / "notes.txt").exists()
+    res = CliRunner().invoke(cli, ["export", str(ckpt), "--output", str(tmp_path / "d"), "--overwrite",
+                                   "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    assert "exported step 7" in res.output
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    loaded, _ = load_drafter(tmp_path / "d")
+    torch.testing.assert_close(run(loaded, torch.float32), run(model, torch.float32))
