@@ -40,6 +40,9 @@ class GenerateConfig:
     """Use only the first `limit` usable prompts of the file."""
     backend: str = "auto"
     """dflash.generate.decode backend: "eager", "static" or "auto" (static, compiled, on CUDA; eager elsewhere)."""
+    max_length: int = 4096
+    """Most tokens of prompt + response (generate_file): a longer prompt is skipped, counted prompt_over_length.
+    It also sizes the static cache of the compiled CUDA path (one shape per job), so keep it near the prompts."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -133,8 +136,7 @@ def generate_file(*, model_path: str, prompts_path, output_path, cfg: GenerateCo
     st = regenerate(RegenerateConfig(model=model_path, output=str(output_path), prompts=str(prompts_path),
                                      turns="first", max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                                      backend=cfg.backend, template_kwargs=dict(cfg.template_kwargs), limit=cfg.limit,
-                                     device=device, dtype=dtype, overwrite=overwrite,
-                                     max_length=1 << 20),  # prompt files: no conversation length limit
+                                     device=device, dtype=dtype, overwrite=overwrite, max_length=cfg.max_length),
                     progress=progress)
     skipped = ", ".join(f"{n} {r}" for r, n in sorted(st.skipped.items()))
     return GenerateStats(prompts=st.records, stopped_at_eos=st.stopped_at_eos, hit_max_tokens=st.hit_max_tokens,
