@@ -43,6 +43,11 @@ class DecodeConfig:
     """"eager" (HF dynamic cache), "static" (static cache, compiled on CUDA) or "auto" (static on CUDA)."""
     compile: bool = True
     """static backend on CUDA: let transformers compile the decode step (off: static cache, eager kernels)."""
+    compile_dynamic: bool | None = False
+    """torch.compile's `dynamic` for that step. False: one static graph per (rows, cache length) shape, so a
+    repeated call replays the same kernels and gives the same tokens. None (torch's default) turns a second
+    shape into a dynamic-shape graph that the first shape then also runs: on the H200 the bench's second call
+    differed from its first (generate_h200.json of f996fed, second_call_identical_to_first false)."""
     cache_len: int | None = None
     """static backend: one cache length for every call, and every batch padded to batch_size rows, so the
     compiled decode step meets ONE shape (batch_size, cache_len) instead of one per (rows, width) bucket; each
@@ -163,6 +168,12 @@ class GreedyDecoder:
             dyn = torch._dynamo.config
             name = "recompile_limit" if hasattr(dyn, "recompile_limit") else "cache_size_limit"
             setattr(dyn, name, max(getattr(dyn, name), 64))
+            from transformers import CompileConfig
+
+            # one instance for every call: transformers rebuilds its compiled wrapper when the config changes
+            self.compile_config = CompileConfig(dynamic=cfg.compile_dynamic)
+        else:
+            self.compile_config = None
 
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -172,6 +183,8 @@ class GreedyDecoder:
         if self.backend == "static":
             kw["cache_implementation"] = "static"
             kw["disable_compile"] = not (self.cfg.compile and self.device.type == "cuda")
+            if self.compile_config is not None:
+                kw["compile_config"] = self.compile_config
             if self.cfg.cache_len is not None:
                 kw["max_cache_len"] = self.cfg.cache_len  # transformers >= 5.2x sizes the cache to it
         return GenerationConfig(**kw)
