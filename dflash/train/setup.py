@@ -36,11 +36,11 @@ log = logging.getLogger(__name__)
 def refuse_nonempty(folder: pathlib.Path, *, what: str) -> None:
     """ConfigError when `folder` holds anything but its lock file: a new run (train or sweep) never writes
     into an old one's folder without --resume."""
+    from dflash.durable import refuse_nonempty as refuse
     from dflash.locks import LOCK_FILE
 
-    if folder.exists() and any(p.name != LOCK_FILE for p in folder.iterdir()):
-        raise ConfigError(f"{what} {str(folder)!r} is not empty: pass --resume to continue that run, "
-                          "or choose a new --output")
+    refuse(folder, what=what, remedy="pass --resume to continue that run, or choose a new --output",
+           ignore=lambda name: name == LOCK_FILE)
 
 
 def prepare_run_dir(run_dir: pathlib.Path, *, resume: bool, require_run: bool = True) -> dict | None:
