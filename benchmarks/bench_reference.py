@@ -18,9 +18,12 @@ Top-level numbers: tau_mtbench, tau_humaneval (held-out, final drafter of all/bf
 (trainer's last-window batch acceptance over the mean held-out tau), fp8_rel_diff_mtbench/_humaneval
 ((tau_fp8 - tau_bf16) / tau_bf16 at the final point), train_samples; plus `curves` and `data_scaling`.
 
-Sizing (H200, ~57K training tok/s): 40K whole conversations of ~400 tokens = 16M tokens x 6 epochs = 96M tokens,
-~28 min per full-data run; 4 full-data runs + 2K/8K runs + regeneration and extraction ~ 2.3 device-hours, i.e.
-about 15 calls of 10 minutes (run_h200.sh `reference`, repeated with --resume).
+Sizing (H200, estimates, not measured): ShareGPT holds ~17.6K conversations with ~61K user turns; regenerated whole
+at <= 512 new tokens per turn that is ~25M tokens (prompt + response). Regeneration ~8 min at the compiled decoder's
+~38K tok/s (~45 min at HF eager's 7K); extraction ~3 min per storage at ~150K tok/s; training 25M x 6 epochs =
+150M tokens, ~44 min per full-data run at ~57K tok/s, x 4 (bf16, fp8, noise, seed 1) ~ 3 h, plus the 2K/8K runs
+(~7 min). About 3.5 device-hours, ~21 calls of 10 minutes (run_h200.sh `reference`, repeated with --resume); --skip
+all_noise,all_seed1 halves the training part.
 CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps)
 """
 
@@ -74,6 +77,19 @@ def default_train_data(args, model: str, work: pathlib.Path, device: str, dtype:
         bq.generate_all(args, model, {"train": prompts["train"]}, work, device, dtype)
         return str(work / "train_greedy.jsonl")
     return regenerate_train_data(args, model, work, device, dtype)
+
+
+def eval_prompt_files(args) -> dict[str, pathlib.Path]:
+    """MT-Bench and HumanEval prompt files: the flag, else .assets/, else the asset package (bench_quality's order)."""
+    from dflash.data.assets import humaneval_path, mtbench_questions_path
+
+    def pick(given, asset, fallback):
+        if given:
+            return pathlib.Path(given)
+        return bq.ASSETS / asset if (bq.ASSETS / asset).is_file() else pathlib.Path(fallback())
+
+    return {"mtbench": pick(args.mtbench_file, "mtbench_question.jsonl", mtbench_questions_path),
+            "humaneval": pick(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
 
 
 def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: str, device: str, dtype: str,
@@ -248,7 +264,7 @@ def parse_args(argv=None):
     if args.tiny and "--train-prompts" not in rest:
         args.train_prompts = 12
     mine = (dict(train_conversations=12, scaling="4,8", steps=8, eval_every=4) if args.tiny else
-            dict(train_conversations=45000, scaling="2000,8000", eval_every=500))
+            dict(train_conversations=100000, scaling="2000,8000", eval_every=500))  # > the package: all
     for k, v in mine.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -300,7 +316,9 @@ def main(argv=None) -> dict:
     kw = dict(device=device, dtype=dtype, max_length=args.max_length, batch_tokens=args.extract_batch_tokens)
     try:
         model = st.run("a_target", lambda: bq.target_folder(args, work))
-        prompts = bq.prompt_files(args, work)
+        # the eval prompts (and, --tiny, the first-turn training prompts); the GPU machine has no asset packages:
+        # .assets/ (scripts/make_quality_assets.py) or --mtbench-file/--humaneval-file, and --train-data
+        prompts = bq.prompt_files(args, work) if args.tiny else eval_prompt_files(args)
         train_data = st.run("b_train_data", lambda: args.train_data or default_train_data(args, model, work, device,
                                                                                           dtype, prompts))
         result["train_data_file"] = train_data

@@ -12,7 +12,7 @@
 #       same command with --resume on the still-warm machine)
 #   bash benchmarks/run_h200.sh reference --gguf-parts PART... [--train-data FILE] [--resume]   # bench_reference:
 #       regenerated whole conversations (--train-data, carried in; else regenerated in the first calls), eval
-#       caches, 6 trainings with held-out tau every 500 steps (~2.3 device-hours at ~57K tok/s: ~15 calls; every
+#       caches, 6 trainings with held-out tau every 500 steps (~3.5 device-hours estimated: ~21 calls; every
 #       call after the first adds --resume; a training cut at the limit continues from its last checkpoint)
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
