@@ -105,7 +105,9 @@ def visible_context_bound(layout: BlockLayout, j0: int, j1: int) -> torch.Tensor
     that sequence's largest anchor among them. Exactly the union of the rows' visible context (a query of
     sequence s sees positions < its anchor), so a chunk attends to O(C_seq) context keys, not all C."""
     seq_j, anchor_j = layout.block_seq_J[j0:j1], layout.anchor_J[j0:j1]
-    num_seq = int(torch.maximum(layout.ctx_seq_C.max(), seq_j.max())) + 1 if layout.num_ctx else 0
+    num_seq = int(seq_j.max()) + 1
+    if layout.num_ctx:   # a chunk of blocks anchored at 0 may come with no context at all (tau.py)
+        num_seq = max(num_seq, int(layout.ctx_seq_C.max()) + 1)
     bound_S = torch.zeros(num_seq, dtype=torch.int64, device=seq_j.device)
     bound_S.scatter_reduce_(0, seq_j, anchor_j.to(torch.int64), reduce="amax")
     return layout.ctx_pos_C < bound_S[layout.ctx_seq_C]

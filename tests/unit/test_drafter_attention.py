@@ -71,3 +71,18 @@ def test_each_chunk_attends_only_to_the_context_its_sequences_see(monkeypatch):
         expected.append((rows.shape[0], int(visible_C.sum()), rows.shape[0]))
     assert seen == expected
     assert max(c for _, c, _ in seen) < C // 2   # the batch's whole context is C keys per chunk
+
+
+def test_blocks_without_any_context():
+    """tau.py's first anchor chunk may start at position 0: a layout with no context keys at all."""
+    from dflash.drafter.attention import BlockLayout
+
+    lay = BlockLayout(ctx_seq_C=torch.zeros(0, dtype=torch.long), ctx_pos_C=torch.zeros(0, dtype=torch.long),
+                      block_seq_J=torch.zeros(1, dtype=torch.long), anchor_J=torch.zeros(1, dtype=torch.long),
+                      block_size=B)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(HEADS, B, HEAD_DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(KV_HEADS, B, HEAD_DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(KV_HEADS, B, HEAD_DIM, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(dense_block_attention(q, k, v, lay), whole_mask_attention(q, k, v, lay),
+                               rtol=1e-12, atol=1e-12)
