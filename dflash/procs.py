@@ -119,15 +119,20 @@ def spawn(fn: Callable, nprocs: int, *, args: tuple = (), on_message: Callable[[
             try:
                 kind, rank, payload, tb = out.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                # exited without a report: killed, os._exit, or a result that did not pickle (exit code 0)
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
                 if dead:
                     time.sleep(0.5)   # its report may still be on the way
                     try:
                         kind, rank, payload, tb = out.get(timeout=0.5)
                     except queue.Empty:
                         code = procs[dead[0]].exitcode
-                        why = f"signal {-code}" if code < 0 else f"exit code {code}"
-                        failure = RankFailedError(f"rank {dead[0]} died with {why} before reporting")
+                        if code == 0:
+                            failure = RankFailedError(f"rank {dead[0]} exited without sending its result "
+                                                      "(a result must pickle; see its stderr)")
+                        else:
+                            why = f"signal {-code}" if code < 0 else f"exit code {code}"
+                            failure = RankFailedError(f"rank {dead[0]} died with {why} before reporting")
                         continue
                 else:
                     continue

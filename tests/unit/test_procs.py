@@ -62,6 +62,15 @@ def test_a_silent_death_names_the_exit_code():
         spawn(_silent_death, 2)
 
 
+def _unpicklable_result(rank, emit):
+    return lambda: None   # a lambda does not pickle: the child cannot send it
+
+
+def test_a_result_that_cannot_be_sent_is_a_failure_not_a_hang():
+    with pytest.raises(RankFailedError, match="rank 0 exited without sending its result"):
+        spawn(_unpicklable_result, 1)
+
+
 def test_free_port_is_bindable():
     import socket
 
