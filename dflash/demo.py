@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dflash.durable import replace_text
+from dflash.durable import refuse_nonempty, replace_text
 from dflash.errors import ConfigError
 
 # SmolLM2's tokenizer has no mask token and pads with eos: 16 = <empty_output>, a special token the chat model
@@ -166,9 +166,9 @@ def prepare_output(cfg: DemoConfig, *, fresh: bool) -> pathlib.Path:
                 raise ConfigError(f"{out} holds a demo run with {name}={saved.get(name)!r}, this run has {value!r}: "
                                   "rerun with the same settings to reuse its finished steps, pass --fresh to "
                                   "wipe it, or choose another --output")
-    elif out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} is not empty and holds no {CONFIG_FILE}: it is not a demo folder; pass --fresh "
-                          "to wipe it, or choose another --output")
+    else:
+        refuse_nonempty(out, what="--output", remedy=f"it holds no {CONFIG_FILE}, so it is not a demo folder; "
+                                                     "pass --fresh to wipe it, or choose another --output")
     out.mkdir(parents=True, exist_ok=True)
     replace_text(saved_path, json.dumps(cfg.settings(), indent=2) + "\n")
     return out
