@@ -274,7 +274,7 @@ def _remove_created_output(path: str) -> None:
 
 
 CALIBRATE_MIN_BATCHES = 6
-"""Plans with fewer batches (of rank 0) skip the calibration: its 3 forwards would be a large part of the run."""
+"""Plans with fewer batches (of rank 0) skip the calibration: its 4 forwards would be a large part of the run."""
 
 
 def _calibrated_eta(loop, batches, pre, *, device: torch.device, echo) -> float | None:
@@ -298,9 +298,8 @@ def _calibrated_eta(loop, batches, pre, *, device: torch.device, echo) -> float 
     cal = calibrate(run, batch_flops=batch_flops)
     eta = cal.estimate(batch_flops)
     rate = sum(f for f, _ in cal.timed) / max(sum(t for _, t in cal.timed), 1e-9)
-    echo(f"ETA: ~{format_seconds(eta)} for the extraction loop (calibrated on {device.type}: 2 timed forwards of "
-         f"planned batches after a warm-up, {rate / 1e12:.3g} TFLOP/s, {cal.seconds_per_batch * 1e3:.0f} ms fixed "
-         "per batch)")
+    echo(f"ETA: ~{format_seconds(eta)} for the extraction loop (calibrated on {device.type}: 2 planned batches timed "
+         f"after a warm-up, {rate / 1e12:.3g} TFLOP/s, {cal.seconds_per_batch * 1e3:.0f} ms fixed per batch)")
     return eta
 
 

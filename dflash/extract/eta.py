@@ -79,15 +79,16 @@ class Calibration:
 
 def calibrate(run_batch, *, batch_flops: list[float], timer=time.perf_counter) -> Calibration:
     """Time run_batch(i) (the real forward + pack + encode of planned batch i, result discarded) on the batch of
-    median FLOPs and on the smallest one, after one untimed warm-up call (allocator, lazy init, kernel
-    compilation), and fit a line through the two points.
+    median FLOPs and on the smallest one, each after an untimed warm-up call of the same shape (allocator, lazy
+    init, and on CUDA FLA's compile per batch size), and fit a line through the two points.
 
     Why not the matmul guess: a square matmul on CPU says little about a model forward (bf16 matmuls without
     AMX are slow, a forward is also attention, norms and copies): the demo printed ETA ~10m29s for a 1m15s run
-    (issue 19). Costs 3 batches of work; the caller skips it for plans that small."""
+    (issue 19). Costs 2 median and 2 small batches of work; the caller skips it for small plans."""
     order = np.argsort(batch_flops, kind="stable")
     mid, small = int(order[len(order) // 2]), int(order[0])
-    run_batch(mid)  # warm-up
+    for i in dict.fromkeys((mid, small)):  # warm-up
+        run_batch(i)
     points = []
     for i in (mid, small):
         t0 = timer()

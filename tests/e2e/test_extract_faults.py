@@ -347,8 +347,10 @@ def test_calibrated_eta_is_close_to_the_loop_time(tiny, tmp_path):
     assert res.eta_seconds is not None, text
     ratio = res.eta_seconds / res.loop_seconds
     print(f"calibrated ETA {res.eta_seconds:.2f}s, loop {res.loop_seconds:.2f}s, ratio {ratio:.2f}")
-    # The FLOPs guess was 3-8x off on CPU (issue 19); a shared CI machine still jitters, hence the wide band.
-    assert 0.4 < ratio < 2.5, text
+    # The FLOPs guess was 3-8x off on CPU (issue 19). With SmolLM2 the calibrated ETA came within 1.1-1.25x of
+    # the loop; this toy target's forwards are so short that the writer's share of the loop (not calibrated:
+    # ~25 shard commits here) pulls the ratio to ~0.55, and a shared CI machine jitters: hence the wide band.
+    assert 0.3 < ratio < 3, text
     assert "extraction loop:" in text and "estimated ~" in text
 
 
