@@ -23,6 +23,8 @@ def committed_files(output: pathlib.Path) -> list[pathlib.Path]:
     if output.is_file():
         return [output]
     parts = output.parent / (output.name + ".parts")
+    if not (parts / "commits.jsonl").is_file():
+        return []  # no chunk committed yet
     lines = [json.loads(s) for s in (parts / "commits.jsonl").read_text().splitlines() if s.strip()]
     lines.sort(key=lambda c: c["chunk"])
     return [parts / "shards" / c["file"] for c in lines]

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Regeneration on the H200 (issue 14): bench_generate (HF eager generate vs the compiled static-cache path) and
-# the whole-conversation regeneration of the ShareGPT package with the real SmolLM2 target, spread over
-# device calls of at most 10 minutes on one warm machine. Inputs travel in .assets/ (git-ignored):
-# smollm2.gguf.part-a / part-b (scripts/split_gguf.sh) and sharegpt_users.jsonl.gz (the package's 17,392
-# conversations, user turns kept, assistant turns blanked to ".": they are regenerated). Stages:
-#   bash benchmarks/run_h200_generate.sh stash      # call 1 (.whl + part-a): install wheels, keep part-a, GPU tests
-#   bash benchmarks/run_h200_generate.sh bench      # call 2 (part-b + data): model, bench_generate, regeneration
-#   bash benchmarks/run_h200_generate.sh regen      # call 3..: continue the regeneration
-# bench and regen copy the packed regenerated conversations (benchmarks/pack_regen.py) and the results to $OUT.
+# Regeneration and the second-wave GPU checks on the H200, spread over device calls of at most 10 minutes on one
+# warm machine. Inputs travel in .assets/ (git-ignored): smollm2.gguf.part-a / part-b (scripts/split_gguf.sh),
+# sharegpt_users.jsonl.gz (the package's 17,392 conversations, user turns kept, assistant turns blanked to ".":
+# they are regenerated), and the prompt files of scripts/make_quality_assets.py. Stages:
+#   stash       (carry .whl + part-a) install wheels, keep part-a; quant4 GPU tests and timing; bench_train
+#               (27B drafter shape through the one training driver) as train_h200_driver.json
+#   firstturns  (carry part-b + data) the SmolLM2 folder; the GPU generate test; bench_eval_overhead; the first
+#               user turn of every ShareGPT conversation regenerated (--turns first)
+#   bench       (carry part-b + data) the SmolLM2 folder, bench_generate, whole-conversation regeneration
+#   regen       continue the whole-conversation regeneration
+# Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 ASSETS=$HOME/dflash_assets
-MODEL=$ASSETS/smollm2-hf
+export DFLASH_HOME=$ASSETS           # the smollm2_dir test fixture finds the converted folder there
+MODEL=$ASSETS/smollm2-135m-instruct
 REGEN=$ASSETS/regen/sharegpt_regen.jsonl.gz
+FIRST=$ASSETS/regen/sharegpt_first.jsonl.gz
 LOGS=${OUT:-/tmp}
 T0=$(date +%s)
 left() { echo $(( ${1:-590} - ($(date +%s) - T0) )); }
@@ -20,14 +24,16 @@ left() { echo $(( ${1:-590} - ($(date +%s) - T0) )); }
 model() {
   [ -f "$MODEL/dflash-asset.json" ] && return 0
   cat "$ASSETS/smollm2.gguf.part-a" .assets/smollm2.gguf.part-b > "$ASSETS/smollm2.gguf" || return 1
-  python3 -c "from dflash.target.assets import convert_gguf_to_hf as c; print(c('$ASSETS/smollm2.gguf', '$MODEL'))"
+  python3 -c "from dflash.target.assets import convert_gguf_to_hf as c; print(c('$ASSETS/smollm2.gguf', '$MODEL'))" \
+    2>&1 | tail -n 1
 }
-regen() {  # $1: seconds this stage may take
+generate() {  # $1: seconds, $2: output, rest: options
+  local t=$1 out=$2; shift 2
   cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
-  timeout "$1" python3 -m cli.main generate --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
-    --output "$REGEN" --turns all --max-new-tokens 256 --max-length 2048 --batch-size 512 \
-    --chunk-conversations 2048 --stop-after $(( $1 - 25 )) 2>&1 | tr '\r' '\n' | grep -v "^generate: .*it/s\]$" | tail -n 40
-  python3 benchmarks/pack_regen.py "$REGEN" "$LOGS"
+  timeout "$t" python3 -m cli.main generate --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
+    --output "$out" --batch-size 512 --stop-after $(( t - 25 )) "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
+    | grep -v "^generate: " | tail -n 20
+  python3 benchmarks/pack_regen.py "$out" "$LOGS" --prefix "$(basename "$out" .jsonl.gz)"
 }
 
 stage=${1:-}
@@ -37,15 +43,33 @@ case "$stage" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl || exit 1
     mkdir -p "$ASSETS" && cp .assets/smollm2.gguf.part-a "$ASSETS/" || exit 1
-    timeout "$(left 540)" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
-      tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py 2>&1 | tail -n 30 || rc=$? ;;
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/unit/test_quant4.py 2>&1 \
+      | tail -n 5
+    timeout 90 python3 benchmarks/bench_quant_probe.py --device cuda --time-only --time-tokens 16384 \
+      --out "$LOGS/quant_timing_h200.json" 2>&1 | tail -n 12
+    timeout "$(left 585)" python3 benchmarks/bench_train.py --profile-steps 0 --result-name h200_driver 2>&1 \
+      | tail -n 25 || rc=$?
+    cp benchmarks/results/train_h200_driver.json "$LOGS/" 2>/dev/null ;;
+  firstturns)
+    model || exit 1
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
+      2>&1 | tail -n 5
+    if [ -f benchmarks/bench_eval_overhead.py ]; then
+      timeout 300 python3 benchmarks/bench_eval_overhead.py --gguf-parts "$ASSETS/smollm2.gguf.part-a" \
+        .assets/smollm2.gguf.part-b --workdir "$ASSETS/eo" --json "$LOGS/eval_overhead_h200.json" 2>&1 \
+        | tr '\r' '\n' | grep -v "it/s\]$" | tail -n 25 || rc=$?
+    fi
+    generate "$(left 585)" "$FIRST" --turns first --max-new-tokens 256 --max-length 1024 \
+      --chunk-conversations 2048 || rc=$? ;;
   bench)
     model || exit 1
     timeout 300 python3 benchmarks/bench_generate.py --model "$MODEL" --data .assets/sharegpt_users.jsonl.gz \
       2>&1 | tail -n 30 || rc=$?
     cp benchmarks/results/generate_h200.json "$LOGS/" 2>/dev/null
-    regen "$(left 585)" || rc=$? ;;
-  regen) regen "$(left 585)" || rc=$? ;;
-  *) echo "usage: $0 stash|bench|regen" >&2; exit 2 ;;
+    generate "$(left 585)" "$REGEN" --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 512 \
+      || rc=$? ;;
+  regen) generate "$(left 585)" "$REGEN" --turns all --max-new-tokens 256 --max-length 2048 \
+           --chunk-conversations 512 || rc=$? ;;
+  *) echo "usage: $0 stash|firstturns|bench|regen" >&2; exit 2 ;;
 esac
 exit $rc
