@@ -266,7 +266,8 @@ def main() -> None:
 
     def cfg_for(src, storage, out):
         return ExtractConfig(model=str(model_dir), data=(str(src),), output=str(out), storage=storage,
-                             max_length=4096, batch_tokens=args.batch_tokens, show_progress=False)
+                             max_length=4096, batch_tokens=args.batch_tokens, show_progress=False,
+                             dtype="bfloat16")  # the forward-only floor runs bf16 (also on CPU)
 
     quiet = lambda *_: None  # noqa: E731
     # Warm-up: Triton autotuning, cuBLAS heuristics, allocator growth (not timed).

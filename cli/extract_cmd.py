@@ -41,8 +41,8 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
               help="Tokens per committed shard: smaller loses less work on a crash, larger makes fewer files.")
 @click.option("--no-thinking", is_flag=True, default=False,
               help="Render the chat template with enable_thinking=False (Qwen3-style templates).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
-              show_default=True, help="Dtype the target runs in.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="Dtype the target runs in (default: bfloat16 on CUDA, float32 elsewhere, as every command).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: one GPU per process when CUDA is available, else CPU.")
 @click.option("--fla-conv/--no-fla-conv", default=True, show_default=True,

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.cache.format import STORAGE_DTYPES
-from dflash.dtypes import DTYPES, dtype_of
+from dflash.dtypes import DTYPES, default_dtype, dtype_of
 from dflash.errors import ConfigError, DflashError
 from dflash.extract.plan import PlannedBatch
 from dflash.extract.progress import BYTES, PADDED, SAMPLES, TOKENS, WAIT_S, ProgressReporter, RankCounters
@@ -52,8 +52,9 @@ class ExtractConfig:
     """Tokens per committed shard: the unit of atomic commit and of work lost on a crash."""
     template_kwargs: dict = field(default_factory=dict)
     """Chat-template kwargs, e.g. {"enable_thinking": False} for --no-thinking."""
-    dtype: str = "bfloat16"
-    """Target compute dtype."""
+    dtype: str | None = None
+    """Target compute dtype; None = the rule of every command (dflash.dtypes.default_dtype): bfloat16 on CUDA,
+    float32 elsewhere. The resolved name is the fingerprint's target_dtype (compute_dtype())."""
     device: str = "auto"
     """"auto" (cuda:LOCAL_RANK when CUDA is available, else cpu), "cpu" or "cuda"."""
     fla_conv: bool = True
@@ -78,7 +79,7 @@ class ExtractConfig:
             raise ConfigError("data: give at least one --data source")
         if self.storage not in STORAGE_DTYPES:
             raise ConfigError(f"storage={self.storage!r}: use one of {', '.join(STORAGE_DTYPES)}")
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.max_length < 1:
             raise ConfigError(f"max_length={self.max_length}: must be >= 1")
@@ -89,6 +90,14 @@ class ExtractConfig:
             raise ConfigError(f"shard_tokens={self.shard_tokens}: must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device={self.device!r}: use auto, cpu or cuda")
+
+
+    def compute_dtype(self) -> str:
+        """The dtype name the target runs in: `dtype`, or default_dtype of the device this config resolves to."""
+        if self.dtype is not None:
+            return self.dtype
+        cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        return default_dtype("cuda" if cuda else "cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +182,8 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
     if rank == 0:
         shapes = [(len(b.members), b.padded_len) for bs in plan.rank_batches for b in bs]
         eta = estimate_eta(config=pre.config, deepest_tap=max(pre.fingerprint.tap_layer_ids), batch_shapes=shapes,
-                           world_size=world_size, device=device, dtype=dtype_of(cfg.dtype)) if shapes else None
+                           world_size=world_size, device=device,
+                           dtype=dtype_of(cfg.compute_dtype())) if shapes else None
         echo(format_plan(num_samples=len(pre.samples), num_committed=plan.num_committed, num_todo=plan.num_todo,
                          num_tokens=plan.num_tokens_todo, padded_tokens=plan.num_padded_tokens,
                          cache_bytes=pre.cache_bytes, eta=eta, world_size=world_size, device=str(device),
@@ -208,7 +218,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
         pool = PinnedPool(count=cfg.queue_depth + 2, prefill=True, nbytes=batch_nbytes(
             tokens=most, num_taps=len(pre.fingerprint.tap_layer_ids), hidden=pre.fingerprint.hidden_size,
             storage=cfg.storage))
-    model, _ = load_target(cfg.model, device=device, dtype=dtype_of(cfg.dtype), fla_conv=cfg.fla_conv)
+    model, _ = load_target(cfg.model, device=device, dtype=dtype_of(cfg.compute_dtype()), fla_conv=cfg.fla_conv)
     tapped = TappedForward(model, pre.fingerprint.tap_layer_ids)
     pad_id = pre.tokenizer.pad_token_id if pre.tokenizer.pad_token_id is not None else 0
     counters = RankCounters()

@@ -130,13 +130,14 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     taps = (validate_tap_layer_ids(cfg.taps, num_layers=num_layers) if cfg.taps
             else default_tap_layer_ids(num_layers))
     cfg_hash = config_hash(model_dir)
-    greedy, greedy_reason = target_greedy_of(list(cfg.data), target_config_hash=cfg_hash, target_dtype=cfg.dtype)
+    greedy, greedy_reason = target_greedy_of(list(cfg.data), target_config_hash=cfg_hash,
+                                             target_dtype=cfg.compute_dtype())
     fingerprint = Fingerprint(
         target=os.path.abspath(model_dir) if os.path.exists(model_dir) else model_dir,
         target_config_hash=cfg_hash,
         num_target_layers=num_layers,
         hidden_size=int(config.hidden_size),
-        target_dtype=cfg.dtype,
+        target_dtype=cfg.compute_dtype(),
         tokenizer_hash=tokenizer_hash(tokenizer),
         chat_template_hash=chat_template_hash(tokenizer),
         tap_layer_ids=taps,

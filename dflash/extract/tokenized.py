@@ -341,8 +341,8 @@ def write_part(folder: str, part: Part, *, rank: int, world_size: int) -> str:
 
         free = shutil.disk_usage(folder if os.path.isdir(folder) else os.path.dirname(folder)).free
         raise OutOfSpaceError(f"no space left on device while storing the tokenization {dest} "
-                              f"(needs about {format_bytes(part.ids.nbytes + part.masks.nbytes)}, {format_bytes(free)} free): free "
-                              "space and rerun the same command") from e
+                              f"(needs about {format_bytes(part.ids.nbytes + part.masks.nbytes)}, "
+                              f"{format_bytes(free)} free): free space and rerun the same command") from e
     return dest
 
 

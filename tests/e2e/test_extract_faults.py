@@ -382,3 +382,10 @@ def test_dry_run_plans_the_job_the_real_run_does(tiny, tmp_path):
     assert real.num_samples == real.planned_samples == NUM_GOOD
     assert (real.num_tokens, real.num_padded_tokens) == (real.planned_tokens, real.planned_padded_tokens)
     assert dry.planned_batches > 1
+
+
+def test_cpu_default_dtype_is_the_rule_of_every_command(ref_cache):
+    from dflash.dtypes import default_dtype
+
+    m = json.loads((ref_cache / "manifest.json").read_text())
+    assert m["fingerprint"]["target_dtype"] == default_dtype("cpu") == "float32"  # was bfloat16 in extract only
