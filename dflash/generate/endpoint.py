@@ -254,6 +254,15 @@ def regenerate_endpoint(cfg: EndpointConfig, *, progress: bool = True, echo: Cal
     served = {"endpoint": cfg.completions_url, "served_model": cfg.served_model,
               "local": model_fingerprint(cfg.model) if cfg.model else None}
     out = ShardedOutput(cfg.output, job=job_of(cfg, model=served, extra={"endpoint": True}), overwrite=cfg.overwrite)
+    try:
+        return _run_open(cfg, out=out, convs=convs, read_skips=read_skips, progress=progress, echo=echo,
+                         stop_after=stop_after, t0=t0)
+    finally:
+        out.close()
+
+
+def _run_open(cfg: EndpointConfig, *, out, convs, read_skips, progress, echo, stop_after, t0) -> RegenerateStats:
+    """regenerate_endpoint() once its output is open (and locked)."""
     if out.complete is not None:
         return _stats(cfg, out.complete["totals"], resumed_chunks=out.complete["chunks"], complete=True, t0=t0)
     if not convs:

@@ -32,6 +32,7 @@ from typing import Iterable
 
 from dflash.durable import fsync_dir
 from dflash.errors import ConfigError
+from dflash.locks import FolderLock
 
 PARTS_SUFFIX = ".parts"
 JOB_FORMAT = "dflash-generate-job"
@@ -82,6 +83,21 @@ class ShardedOutput:
         self.output = pathlib.Path(output)
         if not (self.output.name.endswith(".jsonl") or self.output.name.endswith(".jsonl.gz")):
             raise ConfigError(f"--output {self.output}: must end in .jsonl or .jsonl.gz")
+        # one writer per output: a second run into it fails at once (LockedError names the holder); a killed
+        # holder's flock goes with it, so a rerun after kill -9 takes the lock over
+        self._lock = FolderLock(self.output.parent, name=f".{self.output.name}.lock", purpose="dflash generate")
+        self._lock.acquire()
+        try:
+            self._open(job=job, overwrite=overwrite)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def close(self) -> None:
+        """Release the output's lock (the committed shards stay)."""
+        self._lock.release()
+
+    def _open(self, *, job: dict, overwrite: bool) -> None:
         self.parts = parts_dir(self.output)
         self.job = {"format": JOB_FORMAT, "version": JOB_VERSION, **job}
         self.complete: dict | None = None

@@ -296,9 +296,8 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
     """Run (or resume) one job in-process on the target; returns the totals. stop_after: see run_chunks."""
     import torch
 
-    from dflash.generate.decode import (DecodeConfig, GreedyDecoder, bucket_width, chat_end_token_id, resolve_backend,
-                                        stop_token_ids)
     from dflash.dtypes import default_dtype
+    from dflash.generate.decode import resolve_backend
     from dflash.generate.output import ShardedOutput
     from dflash.target.load import check_model_path
 
@@ -312,6 +311,21 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
     mfp = model_fingerprint(model_dir)
     job = job_of(cfg, model=mfp, extra={"batch_size": cfg.batch_size, "dtype": dtype, "backend": backend})
     out = ShardedOutput(cfg.output, job=job, overwrite=cfg.overwrite)
+    try:
+        return _regenerate_open(cfg, out=out, convs=convs, read_skips=read_skips, model_dir=model_dir, mfp=mfp,
+                                device=device, dtype=dtype, backend=backend, progress=progress, echo=echo,
+                                stop_after=stop_after, t0=t0)
+    finally:
+        out.close()
+
+
+def _regenerate_open(cfg: RegenerateConfig, *, out, convs, read_skips, model_dir, mfp, device, dtype, backend,
+                     progress, echo, stop_after, t0) -> RegenerateStats:
+    """regenerate() once its output is open (and locked)."""
+    import torch
+
+    from dflash.generate.decode import DecodeConfig, GreedyDecoder, bucket_width, chat_end_token_id, stop_token_ids
+
     if out.complete is not None:
         return _stats(cfg, out.complete["totals"], resumed_chunks=out.complete["chunks"], complete=True, t0=t0)
     if not convs:

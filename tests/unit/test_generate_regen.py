@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash.data.skips import Skip, SkipCounter
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, LockedError
 from dflash.generate.conversations import conversation_of, load_conversations, prompt_record_messages
 from dflash.generate.decode import bucket_rows, bucket_width, length_sorted_batches
 from dflash.generate.output import ShardedOutput, parts_dir
@@ -65,6 +65,9 @@ def test_sharded_output_commit_resume_and_job_check(tmp_path):
     o = ShardedOutput(out, job=job)
     o.commit(0, [{"r": 0}, {"r": 1}], {"n": 2})
     o.commit(1, [{"r": 2}], {"n": 1})
+    with pytest.raises(LockedError, match="dflash generate"):  # a second writer of the same output, while open
+        ShardedOutput(out, job=job)
+    o.close()
     log = parts_dir(out) / "commits.jsonl"
     with open(log, "a") as f:
         f.write('{"chunk": 2, "file": "chunk-0000')  # a line torn by a kill -9 mid-append
@@ -72,20 +75,27 @@ def test_sharded_output_commit_resume_and_job_check(tmp_path):
     o2 = ShardedOutput(out, job=job)  # resume: the torn line is cut, staging cleared
     assert sorted(o2.committed) == [0, 1] and log.read_text().endswith("\n")
     assert not any((parts_dir(out) / "_staging").iterdir())
+    o2.close()
     with pytest.raises(ConfigError, match="options.a"):
         ShardedOutput(out, job={"model": "m", "options": {"a": 2}})
+    o2 = ShardedOutput(out, job=job)
     o2.commit(2, [{"r": 3}], {"n": 1})
     o2.finish(num_chunks=3, summary={}, keep_shards=True)
     with gzip.open(out, "rt") as f:  # the shards' gzip members concatenated, read as one file
         assert [json.loads(x)["r"] for x in f] == [0, 1, 2, 3]
     shards = sorted((parts_dir(out) / "shards").iterdir())
     assert b"".join(p.read_bytes() for p in shards) == out.read_bytes()
-    assert ShardedOutput(out, job=job).complete is not None
+    o2.close()
+    o3 = ShardedOutput(out, job=job)
+    assert o3.complete is not None
+    o3.close()
     plain = tmp_path / "p.jsonl"
     plain.write_text("{}\n")
     with pytest.raises(ConfigError, match="--overwrite"):
-        ShardedOutput(plain, job=job)
-    assert ShardedOutput(plain, job=job, overwrite=True).committed == {}
+        ShardedOutput(plain, job=job)  # refused: the lock is released again (next line takes it)
+    o4 = ShardedOutput(plain, job=job, overwrite=True)
+    assert o4.committed == {}
+    o4.close()
 
 
 # ----------------------------------------------------------------------------------------- real regeneration
