@@ -5,8 +5,8 @@ A group of runs is one stream of the training driver (train.driver.run_stream): 
 the cache (the union of the group's taps; or computed by one live target when the group is `online`) and
 copied to the device once; every drafter then runs its forward/backward on it with its own taps, anchors,
 optimizer, schedule and checkpoints. Resume: each run resumes from its newest checkpoint.
-Groups are spread over GPUs by spawned processes (one per GPU, groups of a GPU one after another); on CPU one
-process runs every group.
+Groups are spread over GPUs by processes of the one launcher, dflash.procs.spawn (one per GPU, groups of a GPU
+one after another); on CPU one process runs every group.
 Tradeoff: runs of a group step in lock-step, so the group's step time is the sum of its drafters' step times;
 the win is one cache read and one H2D copy instead of K, and no idle GPU between runs.
 """
@@ -95,11 +95,7 @@ def _run_sweep(spec: SweepSpec, *, out: pathlib.Path, gpus: int, eval_cache: str
     jobs = [(i, [r.name for r in g]) for i, g in enumerate(groups)]
     opts = dict(eval_cache=eval_cache, approximate=approximate, resume=resume, eval_limit=eval_limit)
     if use_cuda and gpus > 1 and len(groups) > 1:
-        import torch.multiprocessing as mp
-
-        mp.start_processes(_device_worker, args=(gpus, [r.config.to_json() for r in spec.runs],
-                                                 [r.name for r in spec.runs], jobs, str(out), opts),
-                           nprocs=min(gpus, len(groups)), join=True, start_method="spawn")
+        run_groups_spawned(spec, jobs, output=out, nprocs=min(gpus, len(groups)), device_type="cuda", opts=opts)
     else:
         dev = "cuda" if use_cuda else "cpu"
         for i, names in jobs:
@@ -111,16 +107,34 @@ def _run_sweep(spec: SweepSpec, *, out: pathlib.Path, gpus: int, eval_cache: str
                        groups=[[r.name for r in g] for g in groups], seconds=time.perf_counter() - t0)
 
 
-def _device_worker(index: int, gpus: int, cfgs: list[dict], names: list[str], jobs: list, out: str,
-                   opts: dict) -> None:
+def run_groups_spawned(spec: SweepSpec, jobs: list[tuple[int, list[str]]], *, output: pathlib.Path, nprocs: int,
+                       device_type: str, opts: dict) -> list[int]:
+    """Run the groups `jobs` ((group index, run names)) in `nprocs` processes started by the one launcher
+    (dflash.procs.spawn): process P runs the groups i with i % nprocs == P, one after another, on cuda:P
+    (device_type "cuda") or on the CPU ("cpu", which is how the tests run this path). The first failing
+    process stops the others; a DflashError is raised here as itself, so the CLI prints one line. Returns the
+    cache bytes each process read."""
+    from dflash.procs import spawn
+
+    cfgs = [r.config.to_json() for r in spec.runs]   # configs travel as JSON: TrainConfig is rebuilt per process
+    return spawn(_device_worker, nprocs, args=(nprocs, device_type, cfgs, [r.name for r in spec.runs], jobs,
+                                               str(output), opts), name="dflash-sweep")
+
+
+def _device_worker(index: int, emit, nprocs: int, device_type: str, cfgs: list[dict], names: list[str],
+                   jobs: list, out: str, opts: dict) -> int:
     from dflash.train.config import config_from_dict
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s gpu{index} %(name)s: %(message)s",
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {device_type}{index} %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    device = f"cuda:{index}" if device_type == "cuda" else device_type
     runs = {n: RunSpec(name=n, config=config_from_dict(c), overrides={}) for n, c in zip(names, cfgs)}
+    bytes_read = 0
     for i, group_names in jobs:
-        if i % gpus == index:
-            run_group(i, [runs[n] for n in group_names], output=pathlib.Path(out), device=f"cuda:{index}", **opts)
+        if i % nprocs == index:
+            bytes_read += run_group(i, [runs[n] for n in group_names], output=pathlib.Path(out), device=device,
+                                    **opts)
+    return bytes_read
 
 
 def _union_taps(cache_taps: Sequence[int], run_taps: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -201,4 +215,4 @@ def _evaluate(runs: Sequence[RunSpec], *, eval_cache: str, device: str, approxim
         log.info("%s: tau %.3f on %s", r.name, res.overall.tau, eval_cache)
 
 
-__all__ = ["SweepResult", "run_sweep", "run_group", "prepare_output"]
+__all__ = ["SweepResult", "run_sweep", "run_group", "run_groups_spawned", "prepare_output"]

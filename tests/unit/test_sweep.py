@@ -119,6 +119,30 @@ def test_sigkill_then_resume_equals_uninterrupted(assets, tmp_path):
         assert _losses(run / "runs" / name) == _losses(ref / "runs" / name)
 
 
+def test_groups_in_spawned_processes_equal_one_process(assets, tmp_path):
+    """The multi-GPU branch of run_sweep (run_groups_spawned over dflash.procs.spawn) run on the CPU: 2 groups
+    in 2 processes give the losses of the same runs in one process (~20 s: each process imports torch; the
+    launcher's failure handling is tested in test_procs)."""
+    from dflash.sweep.runner import prepare_output, run_groups_spawned, run_sweep
+
+    root, model, cache = assets
+    data = {"base": {**BASE, "steps": 3}, "grid": {"seed": [0, 1]}}
+    ref = run_sweep(_spec(data, cache, model, tmp_path / "one"), output=tmp_path / "one", device="cpu")
+    out = tmp_path / "two"
+    spec = _spec(data, cache, model, out)
+    groups = plan_groups(spec.runs, gpus=2, max_runs_per_device=None, separate_streams=False)
+    assert [[r.name for r in g] for g in groups] == [["seed0"], ["seed1"]]
+    jobs = [(i, [r.name for r in g]) for i, g in enumerate(groups)]
+    opts = dict(eval_cache=None, approximate=False, resume=False, eval_limit=None)
+    prepare_output(out, spec, groups, resume=False)
+    per_proc = run_groups_spawned(spec, jobs, output=out, nprocs=2, device_type="cpu", opts=opts)
+    assert len(per_proc) == 2 and all(b > 0 for b in per_proc)
+    for name in ("seed0", "seed1"):
+        assert len(_losses(out / "runs" / name)) == 3
+        assert _losses(out / "runs" / name) == _losses(tmp_path / "one" / "runs" / name)
+    assert sum(per_proc) == 2 * ref.bytes_read   # two streams read the cache twice
+
+
 def test_expand_grid_and_runs(tmp_path):
     runs = expand_runs({"lr": 1e-3, "seed": 5}, grid={"lr": [1e-3, 3e-3], "num_layers": [1, 2]},
                        runs=[{"name": "custom", "taps": [1, 2]}], cache="c", model="m", output=str(tmp_path))
