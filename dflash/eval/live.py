@@ -33,6 +33,7 @@ from typing import Sequence
 
 import torch
 
+from dflash.drafter.blocks import block_input_ids
 from dflash.errors import ConfigError
 from dflash.eval.tau import draft_argmax, leading_matches
 
@@ -108,8 +109,7 @@ def speculative_generate(target, drafter, *, embed_VD: torch.Tensor, lm_head_VD:
         # 1. draft
         q_pos = pos + offs_B
         kv_pos = torch.cat([torch.arange(pos, device=device), q_pos])
-        block = torch.full((B,), cfg.mask_token_id, dtype=torch.long, device=device)
-        block[0] = bonus
+        block = block_input_ids(torch.tensor(bonus, device=device), block_size=B, mask_token_id=cfg.mask_token_id)
         hidden_BD = drafter(embed[block], ctx_TD, q_pos=q_pos, kv_pos=kv_pos, mask=None)
         draft_W = draft_argmax(hidden_BD[1:], lm_head_VD)                 # [B-1]
         # 2. verify [bonus, d_1..d_{B-1}] at positions pos..pos+B-1

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dflash.drafter.attention import BlockLayout
+from dflash.drafter.blocks import block_input_ids
 
 
 def walk_accept_chain(accept_len_by_pos: Sequence[int] | np.ndarray, start: int, end: int) -> list[int]:
@@ -107,8 +108,7 @@ def accept_lengths(drafter, *, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor,
                              ctx_pos_C=torch.arange(C, device=device),
                              block_seq_J=torch.zeros(J, dtype=torch.long, device=device),
                              anchor_J=anchors_J, block_size=B)
-        block_ids_JB = torch.full((J, B), mask_token_id, dtype=torch.long, device=device)
-        block_ids_JB[:, 0] = ids_T[anchors_J]
+        block_ids_JB = block_input_ids(ids_T[anchors_J], block_size=B, mask_token_id=mask_token_id)
         hidden_QD = drafter(embed[block_ids_JB.reshape(-1)], ctx_TD[:C], q_pos=layout.q_pos_Q,
                             kv_pos=layout.kv_pos_K, mask=layout)
         draft_JW = draft_argmax(hidden_QD.view(J, B, -1)[:, 1:].reshape(J * (B - 1), -1), lm_head_VD).view(J, B - 1)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash.drafter.attention import BlockLayout, block_attention_mask, dense_mask
+from dflash.drafter.blocks import block_input_ids
 from dflash.errors import ConfigError
 
 __all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "build_packed_blocks", "ce_metrics", "chunked_ce_loss",
@@ -122,7 +123,6 @@ def build_packed_blocks(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, an
     positions_JB are positions inside each sequence. lengths/blocks_per_sample are host ints (no sync)."""
     device = input_ids_T.device
     gamma = resolve_gamma(gamma, block_size=block_size)
-    J = int(sum(blocks_per_sample))
     # per block: where its sequence starts and ends in the packed tensors (host arithmetic, one copy each)
     starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
     reps = np.asarray(blocks_per_sample, dtype=np.int64)
@@ -136,8 +136,7 @@ def build_packed_blocks(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, an
     safe_JB = torch.minimum(at_JB, end_J[:, None] - 1)
     ids_T = input_ids_T.long()
     labels_JB = torch.where(inside_JB, ids_T[safe_JB], IGNORE_INDEX)
-    block_ids_JB = torch.full((J, block_size), mask_token_id, dtype=torch.int64, device=device)
-    block_ids_JB[:, 0] = ids_T[at_JB[:, 0]]
+    block_ids_JB = block_input_ids(ids_T[at_JB[:, 0]], block_size=block_size, mask_token_id=mask_token_id)
     # non_blocking: a blocking copy from pageable host memory synchronises the stream
     decay_B = decay_weights(block_size=block_size, gamma=gamma).to(device, non_blocking=True)
     weights_JB = decay_B[None] * inside_JB * loss_mask_T.to(torch.float32)[safe_JB]
