@@ -33,6 +33,8 @@ def info(cache: str, as_json: bool) -> None:
             ("storage", d["storage"]), ("shards", str(d["shards"])),
             ("bytes on disk", format_bytes(d["bytes_on_disk"])),
             ("bytes per token", "-" if bpt is None else f"{bpt:,.1f}")]
+    if d["being_written_by"]:
+        rows.append(("being written", f"by {d['being_written_by']}: totals still grow"))
     for k, v in rows:
         click.echo(f"{k:<16}{v}")
 

@@ -139,4 +139,17 @@ def cache_info(path) -> dict:
             "bytes_per_token": (t["bytes"] / t["tokens"]) if t["tokens"] else None,
             "target": fp.target, "target_greedy": fp.target_greedy, "target_dtype": fp.target_dtype,
             "max_length": fp.max_length, "num_target_layers": fp.num_target_layers,
-            "sources": [s.get("path") for s in fp.sources]}
+            "sources": [s.get("path") for s in fp.sources], "being_written_by": _live_writer(path)}
+
+
+def _live_writer(path: str) -> str | None:
+    """Who holds the cache's run lock (an extraction in progress: the totals still grow), else None. A lock
+    file of a dead process on this host is stale and ignored; another host's cannot be checked from here."""
+    import socket
+
+    from dflash.locks import pid_alive, read_lock_holder
+
+    holder = read_lock_holder(path, name=cm.RUN_LOCK)
+    if holder is None or (holder.host == socket.gethostname() and not pid_alive(holder.pid)):
+        return None
+    return holder.describe()

@@ -259,3 +259,16 @@ def test_info_shows_target_greedy_and_readable_bytes(tmp_path):
                 (line[:16].strip(), line[16:]) for line in text.strip().splitlines())
     assert rows["target"].strip() == "/models/qwen" and rows["target_greedy"].strip() == "yes"
     assert rows["bytes on disk"].strip().endswith("KB") and "," not in rows["bytes on disk"]
+
+
+def test_info_says_when_an_extraction_holds_the_cache(tmp_path):
+    from dflash.locks import FolderLock
+
+    write_small(tmp_path, [0, 1])
+    with FolderLock(tmp_path, purpose="dflash extract --output x"):
+        d = json.loads(CliRunner().invoke(cli, ["cache", "info", "--json", str(tmp_path)]).output)
+        assert f"PID {os.getpid()}" in d["being_written_by"] and "dflash extract" in d["being_written_by"]
+        text = CliRunner().invoke(cli, ["cache", "info", str(tmp_path)]).output
+        assert "being written" in text
+    d = json.loads(CliRunner().invoke(cli, ["cache", "info", "--json", str(tmp_path)]).output)
+    assert d["being_written_by"] is None
