@@ -41,7 +41,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import drop_page_cache, make_head_only_target, make_random_fp8_cache  # noqa: E402
+from common import (drop_page_cache, make_head_only_target, make_random_fp8_cache,  # noqa: E402
+                    package_version)
 
 
 def say(msg: str) -> None:
@@ -87,15 +88,6 @@ def timed_sweep(data: dict, *, cache: pathlib.Path, model: pathlib.Path, out: pa
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "bytes_read": res.bytes_read,
             "final_step_loss": {r["name"]: r["final_step_loss"] for r in res.rows}}
-
-
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
 
 
 def main() -> None:
@@ -176,8 +168,8 @@ def main() -> None:
         "hardware": {"device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
                      "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": _version("transformers"), "numpy": np.__version__,
-                     "dflash": _version("dflash")},
+                     "transformers": package_version("transformers"), "numpy": np.__version__,
+                     "dflash": package_version("dflash")},
     }
     res_dir = ROOT / "benchmarks" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
