@@ -69,11 +69,13 @@ def shapes(tiny: bool) -> dict:
 
 def patch_out_saving() -> None:
     """Checkpoints (~20 GB of fp32 weights and Adam states at this shape) and the export are no part of a step."""
+    import dflash.drafter.card as card
     import dflash.drafter.export as export
     import dflash.train.checkpoint as ckpt
 
     ckpt.save_checkpoint = lambda *a, **k: None
     export.export_drafter = lambda model, cfg, out_dir, **k: pathlib.Path(out_dir)
+    card.write_model_card = lambda *a, **k: None  # the card goes into the export's folder, which is not written
 
 
 def tail_metrics(path: pathlib.Path, stop: threading.Event, run: str = "A") -> None:

@@ -125,6 +125,15 @@ class HeldoutConfig:
             raise ConfigError(f"max_context_tokens={self.max_context_tokens}: must be >= 1")
 
 
+def _eager_stance():
+    """Run torch.compile'd modules eagerly: a training drafter's compiled elementwise modules
+    (compile_elementwise) would recompile for each active-sequence count of the accept-chain loop, since the batch
+    shrinks as chains end. Measured on the H200 (benchmarks/results/eval_overhead_h200.json, before this guard):
+    11.8 s per evaluation inside training vs 1.65 s for the uncompiled exported drafter on the same cache."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 class HeldoutEvaluator:
     """The eval cache resident on one device, and the batched accept-chain evaluation (module docstring)."""
 
@@ -200,7 +209,7 @@ class HeldoutEvaluator:
         t0 = time.perf_counter()
         drafter.eval()
         try:
-            with torch.no_grad(), amp:
+            with torch.no_grad(), amp, _eager_stance():
                 accept_T = self._accept_chains(drafter, embed_VD.to(self.device, dtype),
                                                lm_head_VD.to(self.device), dtype)
         finally:
