@@ -4,8 +4,9 @@ held-out evaluation apply before any work.
 A cache records its target (config hash, layer count, hidden size, tokenizer hash); a drafter records the
 target shape it was built for (num_target_layers, hidden_size, vocab_size, target_layer_ids). Each check raises
 CacheMismatchError naming the two objects and the first differing field ("the drafter's num_target_layers 6 !=
-the target's 8"). Tradeoff: the target's weights are not compared here (the cache fingerprint owns that), so a
-re-trained target with the same config and tokenizer passes these checks.
+the target's 8"). The target's weights are compared by target_weights_hash when the cache records one (a cache
+written before the field existed records '' and cannot tell a re-trained target with the same config and
+tokenizer); a drafter records no weights hash, so check_drafter_matches compares shapes only.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ def target_label(model: str | os.PathLike) -> str:
 def check_target_matches(fingerprint: Any, *, model_dir: str | os.PathLike, tokenizer: Any, embed_hidden: int,
                          num_target_layers: int) -> None:
     """Raise CacheMismatchError when the target at model_dir is not the one the cache (fingerprint) was made with:
-    hidden size, layer count, tokenizer (when given) and config.json hash, in that order."""
-    from dflash.target.identity import target_config_hash, tokenizer_hash
+    hidden size, layer count, tokenizer (when given), config.json hash and weights hash (when the cache records
+    one), in that order. The weights hash is cached by file identity, so after the first call it costs a stat
+    of each weight file (~1 ms); the first call on a new checkpoint reads every weight byte once."""
+    from dflash.target.identity import target_config_hash, target_weights_hash, tokenizer_hash
 
     mine = target_label(model_dir)
 
@@ -40,6 +43,9 @@ def check_target_matches(fingerprint: Any, *, model_dir: str | os.PathLike, toke
     if tokenizer is not None:
         differ("tokenizer_hash", tokenizer_hash(tokenizer), fingerprint.tokenizer_hash)
     differ("target_config_hash", target_config_hash(model_dir), fingerprint.target_config_hash)
+    cached_weights = fingerprint.target_weights_hash
+    if cached_weights:  # '' = a cache from before the field: its weights are unknown, nothing to compare
+        differ("target_weights_hash", target_weights_hash(model_dir), cached_weights)
 
 
 def check_drafter_matches(drafter_cfg: Any, *, num_target_layers: int, hidden_size: int, vocab_size: int) -> None:
