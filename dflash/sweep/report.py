@@ -1,7 +1,8 @@
 """Sweep results: one row per run (varied config values, steps, final loss, accuracy per block position,
 mean accepted length in training, tau when evaluated) as DIR/results.md and DIR/results.csv, plus PNG plots
 (loss curves of all runs; tau, or the final loss when nothing was evaluated, per run), and the best run:
-highest tau when every finished run was evaluated, else lowest final loss.
+highest tau when every finished run was evaluated, else lowest final loss. Runs that tie on that metric (equal
+to TIE_REL_TOL) are reported as tied, all named: no single best run is claimed that the numbers do not show.
 Tradeoff: "final loss" is the mean over the last log window of each run (log_every steps), not one step.
 """
 
@@ -12,6 +13,7 @@ import json
 import logging
 import math
 import pathlib
+from dataclasses import dataclass
 from typing import Any
 
 from dflash.sweep.spec import SweepSpec
@@ -62,15 +64,58 @@ def collect_rows(out: pathlib.Path, spec: SweepSpec) -> list[dict]:
     return rows
 
 
-def best_run(rows: list[dict]) -> tuple[str | None, str]:
-    """(name, criterion): by tau if every finished run has one, else by the final loss."""
+TIE_REL_TOL = 1e-4
+"""Runs whose ranking metric differs by at most this fraction tie: the report prints 4 significant digits, so a
+closer difference is one the reader cannot see (and tau or loss differences that small are noise)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ranking:
+    """How the runs of a sweep rank on one metric."""
+
+    criterion: str
+    """'tau' (every finished run evaluated), 'final_loss', or 'none' (no run has a result yet)."""
+    leaders: tuple[str, ...] = ()
+    """The names of the runs at the best value, in spec order: one name is a best run, several are a tie."""
+    value: float | None = None
+    """The leaders' metric value (the first leader's)."""
+
+    @property
+    def best(self) -> str | None:
+        """The single best run's name; None when nothing ranks or the leaders tie."""
+        return self.leaders[0] if len(self.leaders) == 1 else None
+
+    def describe(self) -> str:
+        """One sentence for results.md and the CLI."""
+        crit = self.criterion.replace("_", " ")
+        if not self.leaders:
+            return "No run has results yet."
+        if self.best is not None:
+            return f"Best run: {self.best} (by {crit})."
+        return (f"No single best run: {len(self.leaders)} runs tie on {crit} {self.value:.4g}: "
+                f"{', '.join(self.leaders)}.")
+
+
+def rank_runs(rows: list[dict]) -> Ranking:
+    """By tau if every finished run has one (higher is better), else by the final loss (lower is better);
+    every run within TIE_REL_TOL of the best value is a leader."""
     done = [r for r in rows if r["finished"]] or rows
     if done and all(r["tau"] is not None and not math.isnan(r["tau"]) for r in done):
-        return max(done, key=lambda r: r["tau"])["name"], "tau"
-    scored = [r for r in done if r["final_loss"] is not None]
+        key, scored, sign = "tau", done, -1.0
+    else:
+        key, sign = "final_loss", 1.0
+        scored = [r for r in done if r["final_loss"] is not None and not math.isnan(r["final_loss"])]
     if not scored:
-        return None, "none"
-    return min(scored, key=lambda r: r["final_loss"])["name"], "final_loss"
+        return Ranking(criterion="none")
+    top = min(sign * r[key] for r in scored) * sign
+    leaders = tuple(r["name"] for r in scored if math.isclose(r[key], top, rel_tol=TIE_REL_TOL, abs_tol=0.0))
+    return Ranking(criterion=key, leaders=leaders, value=top)
+
+
+def best_run(rows: list[dict]) -> tuple[str | None, str]:
+    """(name, criterion) of rank_runs: name None when nothing ranks or the leaders tie."""
+    r = rank_runs(rows)
+    return r.best, r.criterion
 
 
 def _table(rows: list[dict], varied: tuple[str, ...]) -> tuple[list[str], list[list[str]]]:
@@ -128,9 +173,10 @@ def _plots(out: pathlib.Path, rows: list[dict]) -> list[pathlib.Path]:
 
 
 def write_report(out: pathlib.Path, spec: SweepSpec) -> tuple[list[dict], str | None]:
-    """Write results.md, results.csv and the plots; return the rows and the best run's name."""
+    """Write results.md, results.csv and the plots; return the rows and the best run's name (None when the
+    leading runs tie: rank_runs(rows) lists them)."""
     rows = collect_rows(out, spec)
-    best, criterion = best_run(rows)
+    ranking = rank_runs(rows)
     head, body = _table(rows, spec.varied)
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -139,7 +185,7 @@ def write_report(out: pathlib.Path, spec: SweepSpec) -> tuple[list[dict], str | 
     plots = _plots(out, rows)
     lines = ["# Sweep results", "",
              f"{len(rows)} runs; varied: {', '.join(spec.varied) or '(nothing)'}.", "",
-             f"**Best run: {best}** (by {criterion.replace('_', ' ')})." if best else "No run has results yet.", "",
+             f"**{ranking.describe()}**", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     lines += ["", "acc_k: accuracy at block position k over the last log window; final_loss: mean loss of that "
@@ -147,4 +193,4 @@ def write_report(out: pathlib.Path, spec: SweepSpec) -> tuple[list[dict], str | 
               "the last held-out tau measured during training (eval_cache in the spec's base), at heldout_step.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    return rows, best
+    return rows, ranking.best
