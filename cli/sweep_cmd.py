@@ -47,4 +47,8 @@ def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limi
         if row["heldout_tau"] is not None:
             tau += f", held-out tau {row['heldout_tau']:.3f} (step {row['heldout_step']})"
         click.echo(f"{row['name']}: {row['steps']} steps, {describe_final_loss(row['final_record'])}{tau}")
-    click.echo(f"best run: {res.best}; cache bytes read {res.bytes_read}; results in {res.output / 'results.md'}")
+    from dflash.sweep.report import rank_runs
+
+    # a tie names every leader instead of one "best run" (rank_runs)
+    click.echo(f"{rank_runs(res.rows).describe()} Cache bytes read {res.bytes_read}; results in "
+               f"{res.output / 'results.md'}")
