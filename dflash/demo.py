@@ -205,8 +205,9 @@ def _train(cfg: DemoConfig, *, model: str, cache: pathlib.Path, run_dir: pathlib
                        block_size=cfg.block_size, num_anchors=cfg.num_anchors, intermediate_size=cfg.intermediate_size,
                        mask_token_id=SMOLLM2_MASK_TOKEN_ID, lr=cfg.lr, batch_tokens=cfg.batch_tokens, steps=cfg.steps,
                        seed=cfg.seed, log_every=max(1, cfg.steps // 20), save_every=max(1, cfg.steps // 4))
-    # resume=True starts from step 0 in an empty folder and continues an interrupted run otherwise
-    result = train(tcfg, resume=True, device=cfg.device)
+    # Continue an interrupted run (its config.json is written before the first step); a fresh folder starts
+    # without resume, which now refuses a folder that holds no run.
+    result = train(tcfg, resume=(run_dir / "config.json").is_file(), device=cfg.device)
     if not result.finished or result.drafter_dir is None:
         raise ConfigError(f"training stopped at step {result.global_step}/{result.total_steps}; rerun to continue")
     return pathlib.Path(result.drafter_dir)
