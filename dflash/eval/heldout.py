@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash.drafter.blocks import block_input_ids
 from dflash.errors import ConfigError
 from dflash.eval.evaluate import TauStats, check_greedy, check_target, source_of_sample_ids
 from dflash.eval.tau import draft_argmax, leading_matches, response_span, walk_accept_chain
@@ -278,8 +279,7 @@ class HeldoutEvaluator:
         end_A = torch.from_numpy(ends).to(dev)
         offs_B = torch.arange(B, device=dev)
         q_pos_AB = a_A[:, None] + offs_B
-        ids_AB = torch.full((A, B), mask_token_id, dtype=torch.long, device=dev)
-        ids_AB[:, 0] = self.input_ids_T[off_A + a_A]
+        ids_AB = block_input_ids(self.input_ids_T[off_A + a_A], block_size=B, mask_token_id=mask_token_id)
         # context rows of each block: its sequence's positions 0..anchor-1 (padded to W, masked off)
         j_W = torch.arange(W, device=dev)
         rows_AW = (off_A[:, None] + j_W).clamp(max=self.hidden_TKD.shape[0] - 1)
