@@ -10,15 +10,8 @@ A line that fits none, or has an empty prompt, is skipped and counted; a file th
 
 from __future__ import annotations
 
-import gzip
-import json
-import pathlib
 from dataclasses import dataclass, field
 from typing import Iterator
-
-from dflash.errors import DataError
-
-_ID_FIELDS = ("id", "question_id", "task_id")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,39 +60,21 @@ def prompt_messages(record: dict) -> list[dict] | str:
     return [dict(m) for m in conv.system] + [dict(m) for m in conv.turns[0].prompt]
 
 
-def _open_text(path: pathlib.Path):
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open("r", encoding="utf-8")
-
-
 def iter_prompts(path, *, skips: PromptSkips, limit: int | None = None) -> Iterator[Prompt]:
     """Yields the usable prompts of a jsonl(.gz) file in file order, at most `limit` of them."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise DataError(f"prompt file {path} does not exist")
-    if not (path.name.endswith(".jsonl") or path.name.endswith(".jsonl.gz")):
-        raise DataError(f"prompt file {path}: expected .jsonl or .jsonl.gz")
+    from dflash.data.skips import Skip
+    from dflash.generate.conversations import iter_prompt_lines
+
     n = 0
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and n >= limit:
-                return
-            if not line.strip():
-                continue
-            loc = f"{path.name}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                skips.add("bad_json", loc)
-                continue
-            if not isinstance(record, dict):
-                skips.add("not_an_object", loc)
-                continue
-            msgs = prompt_messages(record)
-            if isinstance(msgs, str):
-                skips.add(msgs, loc)
-                continue
-            rid = next((str(record[k]) for k in _ID_FIELDS if k in record), None)
-            yield Prompt(messages=tuple(msgs), location=loc, record_id=rid)
-            n += 1
+    for item in iter_prompt_lines(path):   # DataError here for a missing or misnamed file, as before
+        if limit is not None and n >= limit:
+            return
+        if isinstance(item, Skip):
+            skips.add(item.reason, item.location)
+            continue
+        msgs = prompt_messages(item.record)
+        if isinstance(msgs, str):
+            skips.add(msgs, item.location)
+            continue
+        yield Prompt(messages=tuple(msgs), location=item.location, record_id=item.record_id)
+        n += 1

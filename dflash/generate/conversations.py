@@ -136,15 +136,27 @@ def prompt_record_messages(record: dict) -> list[dict] | str:
     return out
 
 
-def iter_prompt_conversations(path, *, start_index: int = 0) -> Iterator[Conversation | Skip]:
-    """Conversations of a prompt file (jsonl or jsonl.gz), one item per non-empty line, in order."""
+@dataclass(frozen=True, kw_only=True)
+class PromptLine:
+    """One JSON object of a prompt file."""
+
+    record: dict
+    location: str
+    """`file:line` (1-based), for messages about this record."""
+    record_id: str | None
+    """The record's own id (`id`, `question_id` or `task_id`), kept in the output for joins."""
+
+
+def iter_prompt_lines(path) -> Iterator[PromptLine | Skip]:
+    """The records of a prompt file (jsonl or jsonl.gz), one item per non-empty line, in order: a line that is
+    not JSON or not an object is a Skip (bad_json, not_an_object); a missing or misnamed file raises DataError.
+    The one reader of prompt files (generation from prompts and dflash.eval.prompts)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise DataError(f"prompt file {path} does not exist")
     if not (path.name.endswith(".jsonl") or path.name.endswith(".jsonl.gz")):
         raise DataError(f"prompt file {path}: expected .jsonl or .jsonl.gz")
     opener = gzip.open if path.name.endswith(".gz") else open
-    index = start_index
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -154,14 +166,24 @@ def iter_prompt_conversations(path, *, start_index: int = 0) -> Iterator[Convers
                 record = json.loads(line)
             except json.JSONDecodeError:
                 yield Skip("bad_json", loc)
-            else:
-                if not isinstance(record, dict):
-                    yield Skip("not_an_object", loc)
-                else:
-                    msgs = prompt_record_messages(record)
-                    yield (Skip(msgs, loc) if isinstance(msgs, str)
-                           else conversation_of(msgs, index=index, location=loc, record_id=_record_id(record)))
-            index += 1
+                continue
+            if not isinstance(record, dict):
+                yield Skip("not_an_object", loc)
+                continue
+            yield PromptLine(record=record, location=loc, record_id=_record_id(record))
+
+
+def iter_prompt_conversations(path, *, start_index: int = 0) -> Iterator[Conversation | Skip]:
+    """Conversations of a prompt file (jsonl or jsonl.gz), one item per non-empty line, in order."""
+    index = start_index
+    for item in iter_prompt_lines(path):
+        if isinstance(item, Skip):
+            yield item
+        else:
+            msgs = prompt_record_messages(item.record)
+            yield (Skip(msgs, item.location) if isinstance(msgs, str)
+                   else conversation_of(msgs, index=index, location=item.location, record_id=item.record_id))
+        index += 1
 
 
 def load_conversations(*, data: Sequence[str] = (), prompts: str | None = None, limit: int | None = None,
