@@ -30,7 +30,8 @@ from typing import Callable, Sequence
 from dflash.data.skips import SkipCounter
 from dflash.errors import ConfigError, DflashError
 from dflash.generate.conversations import TURN_MODES, Conversation, load_conversations
-from dflash.generate.run import RegenerateStats, _add, _stats, first_messages, job_of, model_fingerprint, run_chunks
+from dflash.generate.run import (RegenerateStats, _add, finished_or_resuming, first_messages, job_of, model_fingerprint,
+                                 run_chunks)
 from dflash.generate.turns import GENERATE_FIELD
 
 _RETRY_STATUS = {408, 429}
@@ -263,12 +264,9 @@ def regenerate_endpoint(cfg: EndpointConfig, *, progress: bool = True, echo: Cal
 
 def _run_open(cfg: EndpointConfig, *, out, convs, read_skips, progress, echo, stop_after, t0) -> RegenerateStats:
     """regenerate_endpoint() once its output is open (and locked)."""
-    if out.complete is not None:
-        return _stats(cfg, out.complete["totals"], resumed_chunks=out.complete["chunks"], complete=True, t0=t0)
-    if not convs:
-        raise ConfigError(f"no usable conversations in the input ({read_skips.summary()})")
-    if out.committed:
-        echo(f"resuming: {len(out.committed)} chunks of {cfg.chunk_conversations} conversations already committed")
+    done = finished_or_resuming(cfg, out=out, convs=convs, read_skips=read_skips, echo=echo, t0=t0)
+    if done is not None:
+        return done
     client = EndpointClient(cfg)
     meta = {"endpoint": cfg.completions_url, "served_model": cfg.served_model, "target": cfg.model,
             "greedy": False, "temperature": 0.0, "max_new_tokens": cfg.max_new_tokens, "turn_mode": cfg.turn_mode,

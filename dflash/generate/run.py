@@ -319,6 +319,20 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
         out.close()
 
 
+def finished_or_resuming(cfg, *, out, convs, read_skips: SkipCounter, echo: Callable[[str], None],
+                         t0: float) -> RegenerateStats | None:
+    """The start of a job (in-process or endpoint) once its output is open: the stats of an output already
+    complete (nothing to do), a ConfigError when the input has no usable conversation, a "resuming" line when
+    chunks are committed; None: go on and generate."""
+    if out.complete is not None:
+        return _stats(cfg, out.complete["totals"], resumed_chunks=out.complete["chunks"], complete=True, t0=t0)
+    if not convs:
+        raise ConfigError(f"no usable conversations in the input ({read_skips.summary()})")
+    if out.committed:
+        echo(f"resuming: {len(out.committed)} chunks of {cfg.chunk_conversations} conversations already committed")
+    return None
+
+
 def _regenerate_open(cfg: RegenerateConfig, *, out, convs, read_skips, model_dir, mfp, device, dtype, backend,
                      progress, echo, stop_after, t0) -> RegenerateStats:
     """regenerate() once its output is open (and locked)."""
@@ -326,12 +340,9 @@ def _regenerate_open(cfg: RegenerateConfig, *, out, convs, read_skips, model_dir
 
     from dflash.generate.decode import DecodeConfig, GreedyDecoder, bucket_width, chat_end_token_id, stop_token_ids
 
-    if out.complete is not None:
-        return _stats(cfg, out.complete["totals"], resumed_chunks=out.complete["chunks"], complete=True, t0=t0)
-    if not convs:
-        raise ConfigError(f"no usable conversations in the input ({read_skips.summary()})")
-    if out.committed:
-        echo(f"resuming: {len(out.committed)} chunks of {cfg.chunk_conversations} conversations already committed")
+    done = finished_or_resuming(cfg, out=out, convs=convs, read_skips=read_skips, echo=echo, t0=t0)
+    if done is not None:
+        return done
     from dflash.target.load import load_target
 
     model, tokenizer = load_target(model_dir, device=device, dtype=getattr(torch, dtype))
