@@ -21,11 +21,8 @@ Writes benchmarks/results/eval_overhead_<h200|tiny_cpu>.json; the last stdout li
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -97,15 +94,8 @@ def main(argv=None) -> dict:
     frac = ev_med / (ev_med + E * st_med)
     # the batched evaluator against dflash eval on the final drafter
     cmp = br.compare_evaluators(runs["with_eval"]["drafter"], eval_cache, model, device)
-    import transformers
-
     result = {
-        "bench": "eval_overhead", "tiny": args.tiny, "machine": machine,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else str(argv),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__,
-                     "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"},
+        "bench": "eval_overhead", "tiny": args.tiny, "machine": machine, **bq.run_identity(device=device, argv=argv),
         "eval_every": E, "measure_every": args.measure_every, "steps": args.steps,
         "eval_overhead_fraction": frac, "within_5pct": frac <= 0.05,
         "heldout_seconds_median": ev_med, "heldout_seconds": evals, "step_time_s_median": st_med,

@@ -108,15 +108,18 @@ def target_folder(args, work: pathlib.Path) -> str:
     return str(smollm2_hf_dir())
 
 
+def asset_file(given: str | None, asset: str, fallback):
+    """A prompt file: the flag's path, else .assets/ASSET (scripts/make_quality_assets.py), else fallback()."""
+    if given:
+        return pathlib.Path(given)
+    return ASSETS / asset if (ASSETS / asset).is_file() else fallback()
+
+
 def prompt_files(args, work: pathlib.Path) -> dict[str, pathlib.Path]:
     """name -> prompt file (train, mtbench, humaneval); the train file holds exactly --train-prompts prompts."""
     from dflash.data.assets import humaneval_path, mtbench_questions_path
 
-    def pick(given, asset, fallback):
-        if given:
-            return pathlib.Path(given)
-        return ASSETS / asset if (ASSETS / asset).is_file() else fallback()
-
+    pick = asset_file
     train_src = pick(args.prompts_file, "sharegpt_prompts.jsonl", lambda: None)
     train = work / "train_prompts.jsonl"
     if train_src is None:
@@ -318,7 +321,6 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
-    import transformers
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     target_dtype = "bfloat16" if device == "cuda" else "float32"
@@ -331,21 +333,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--workdir {work} holds an earlier run: pass --resume to continue it, or choose an empty "
                          "folder")
     work.mkdir(parents=True, exist_ok=True)
-    result: dict = {
-        "bench": "quality_smollm2", "tiny": args.tiny,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else str(argv),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__,
-                     "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"},
-        "device": device, "target_dtype": target_dtype,
-        "config": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
-    }
-    earlier = None
-    if args.resume:
-        if args.workdir is None or not out_json.is_file():
-            raise SystemExit("--resume needs the --workdir and the --json of the run it continues")
-        earlier = json.loads(out_json.read_text())
+    result = result_header(args, bench="quality_smollm2", device=device, argv=argv, target_dtype=target_dtype)
+    earlier = earlier_result(args, out_json)
+    if earlier is not None:
         result["resumed_from"] = {"date": earlier.get("date"), "stages_done": list(earlier.get("stage_out", {}))}
     result["calls"] = call_history(earlier, result["date"], result["command"])
     st = Stages(result, out_json, earlier=earlier)
@@ -395,12 +385,46 @@ def main(argv=None) -> dict:
             summarise(result)
             st.save()
     finally:
-        st.save()
-        if own_work:
-            shutil.rmtree(work, ignore_errors=True)
+        close_run(st, work=work, own_work=own_work)
     print(format_table(result), flush=True)
     log(f"written {out_json}")
     return result
+
+
+def run_identity(*, device: str, argv) -> dict:
+    """date, command and versions of this call, for every result JSON of the quality benchmarks."""
+    import torch
+    import transformers
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else str(argv),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__,
+                         "device": (torch.cuda.get_device_name(0) if device == "cuda"
+                                    else platform.processor() or "cpu")}}
+
+
+def result_header(args, *, bench: str, device: str, argv, **extra) -> dict:
+    """The head of a result JSON: bench, tiny, date, command, versions, device, `extra` (in that order), config
+    (the flags but --json and --workdir)."""
+    return {"bench": bench, "tiny": args.tiny, **run_identity(device=device, argv=argv), "device": device, **extra,
+            "config": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")}}
+
+
+def earlier_result(args, out_json: pathlib.Path) -> dict | None:
+    """With --resume, the result JSON of the run this call continues (it needs --workdir and --json)."""
+    if not args.resume:
+        return None
+    if args.workdir is None or not out_json.is_file():
+        raise SystemExit("--resume needs the --workdir and the --json of the run it continues")
+    return json.loads(out_json.read_text())
+
+
+def close_run(st: Stages, *, work: pathlib.Path, own_work: bool) -> None:
+    """The end of every call, finished or cut: the result JSON written, a temporary work folder removed."""
+    st.save()
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def call_history(earlier: dict | None, date: str, command: str) -> list[dict]:

@@ -30,11 +30,9 @@ CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer dra
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import shutil
 import statistics
 import sys
@@ -83,13 +81,8 @@ def eval_prompt_files(args) -> dict[str, pathlib.Path]:
     """MT-Bench and HumanEval prompt files: the flag, else .assets/, else the asset package (bench_quality's order)."""
     from dflash.data.assets import humaneval_path, mtbench_questions_path
 
-    def pick(given, asset, fallback):
-        if given:
-            return pathlib.Path(given)
-        return bq.ASSETS / asset if (bq.ASSETS / asset).is_file() else pathlib.Path(fallback())
-
-    return {"mtbench": pick(args.mtbench_file, "mtbench_question.jsonl", mtbench_questions_path),
-            "humaneval": pick(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
+    return {"mtbench": bq.asset_file(args.mtbench_file, "mtbench_question.jsonl", mtbench_questions_path),
+            "humaneval": bq.asset_file(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
 
 
 def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: str, device: str, dtype: str,
@@ -287,7 +280,6 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
-    import transformers
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -298,19 +290,8 @@ def main(argv=None) -> dict:
     if not args.resume and not own_work and work.is_dir() and any(work.iterdir()):
         raise SystemExit(f"--workdir {work} holds an earlier run: pass --resume to continue it")
     work.mkdir(parents=True, exist_ok=True)
-    result: dict = {
-        "bench": "quality_reference", "tiny": args.tiny,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else str(argv),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__,
-                     "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"},
-        "device": device, "config": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")}}
-    earlier = None
-    if args.resume:
-        if args.workdir is None or not out_json.is_file():
-            raise SystemExit("--resume needs the --workdir and the --json of the run it continues")
-        earlier = json.loads(out_json.read_text())
+    result = bq.result_header(args, bench="quality_reference", device=device, argv=argv)
+    earlier = bq.earlier_result(args, out_json)
     result["calls"] = bq.call_history(earlier, result["date"], result["command"])
     st = Stages(result, out_json, earlier=earlier)
     kw = dict(device=device, dtype=dtype, max_length=args.max_length, batch_tokens=args.extract_batch_tokens)
@@ -354,9 +335,7 @@ def main(argv=None) -> dict:
             summarise(result)
             st.save()
     finally:
-        st.save()
-        if own_work:
-            shutil.rmtree(work, ignore_errors=True)
+        bq.close_run(st, work=work, own_work=own_work)
     print(format_table(result), flush=True)
     log(f"written {out_json}")
     return result

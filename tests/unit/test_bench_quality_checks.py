@@ -54,3 +54,29 @@ def test_call_history_keeps_every_call(bq):
     # a JSON written before calls were recorded: its own date and command stand for the earlier calls
     old = bq.call_history({"date": "d0", "command": "c0"}, "d1", "c1 --resume")
     assert old == [{"date": "d0", "command": "c0"}, {"date": "d1", "command": "c1 --resume"}]
+
+
+def test_result_header_resume_and_close_shared_with_bench_reference(bq, tmp_path):
+    """The head of the result JSON, the --resume read and the end of a call, written once for bench_quality
+    and bench_reference (which calls these)."""
+    import argparse
+    import json
+
+    args = argparse.Namespace(tiny=True, resume=False, workdir=None, json="x.json", steps=3)
+    head = bq.result_header(args, bench="quality_smollm2", device="cpu", argv=["--tiny"], target_dtype="float32")
+    assert list(head) == ["bench", "tiny", "date", "command", "versions", "device", "target_dtype", "config"]
+    assert head["command"] == "['--tiny']" and head["config"] == {"tiny": True, "resume": False, "steps": 3}
+    assert set(head["versions"]) == {"python", "torch", "transformers", "device"}
+    out_json = tmp_path / "result.json"
+    assert bq.earlier_result(args, out_json) is None
+    with pytest.raises(SystemExit, match="--resume needs the --workdir and the --json"):
+        bq.earlier_result(argparse.Namespace(resume=True, workdir=str(tmp_path)), out_json)
+    out_json.write_text(json.dumps({"date": "d0"}))
+    assert bq.earlier_result(argparse.Namespace(resume=True, workdir=str(tmp_path)), out_json) == {"date": "d0"}
+    work = tmp_path / "work"
+    work.mkdir()
+    st = bq.Stages(head, tmp_path / "saved.json")
+    bq.close_run(st, work=work, own_work=False)
+    assert work.is_dir() and json.loads((tmp_path / "saved.json").read_text())["bench"] == "quality_smollm2"
+    bq.close_run(st, work=work, own_work=True)
+    assert not work.exists()
