@@ -117,6 +117,11 @@ def test_readme_usage_blocks_as_pasted(tmp_path, smollm2_dir, monkeypatch):
         assert len(hits) == 1, f"{len(hits)} Usage blocks contain {marker!r}"
         return hits[0]
 
+    def block_with(marker: str) -> str:
+        hits = [b for b in out if marker in b]
+        assert len(hits) == 1, f"{len(hits)} Usage blocks contain {marker!r}"
+        return hits[0]
+
     # extract: the dry run plans exactly the real run's job
     plans = plan_lines(output_of("--dry-run"))
     for prefix, (dry, real) in ((p, v) for p, v in plans.items() if len(v) == 2):
@@ -128,12 +133,15 @@ def test_readme_usage_blocks_as_pasted(tmp_path, smollm2_dir, monkeypatch):
     assert re.search(r"^target_greedy +no$", info, flags=re.M) and re.search(r"^ok: 1 shards", info, flags=re.M)
     assert (work / "runs" / "train" / "drafter" / "config.json").is_file()
     recs = [json.loads(x) for x in (work / "runs" / "train" / "metrics.jsonl").read_text().splitlines()]
-    assert recs[-1]["step"] == 20
+    train_steps = int(re.search(r"--output runs/train .*?--steps (\d+)", block_with("--output runs/train "),
+                                re.S).group(1))
+    assert recs[-1]["step"] == train_steps  # the README's own --steps: the run finished
     held = [json.loads(x) for x in (work / "runs" / "train_eval" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("heldout_tau") is not None for r in held)
     assert (work / "runs" / "train_eval" / "drafter" / "README.md").is_file()
     assert (work / "runs" / "drafter-export" / "config.json").is_file()
-    assert len((work / "runs" / "mtbench.jsonl").read_text().splitlines()) == 4
+    limit = int(re.search(r"--output runs/mtbench.jsonl --limit (\d+)", block_with("--output runs/mtbench.jsonl")).group(1))
+    assert len((work / "runs" / "mtbench.jsonl").read_text().splitlines()) == limit
     assert (work / "runs" / "regen.jsonl.gz").exists() or any((work / "runs").glob("regen.jsonl.gz*"))
     ev = next(stdout[b] for b in stdout if "--json" in b)
     result = json.loads(ev[ev.index('{\n  "tau"'):])  # the --json eval prints last in its block
