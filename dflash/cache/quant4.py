@@ -224,6 +224,14 @@ def _rotate(x_TKD: torch.Tensor, r: int) -> torch.Tensor:
     return (x_TKD.reshape(T, K, D // r, r) @ hadamard(r, device=x_TKD.device)).reshape(T, K, D)
 
 
+def _div(num: torch.Tensor, den: float) -> torch.Tensor:
+    """num / den rounded once (IEEE) on every device. CUDA replaces a division by a host scalar with a multiply
+    by the scalar's rounded reciprocal (ATen BinaryDivTrueKernel.cu, "may lose one bit of precision"); the CPU
+    divides. One ulp moves a rounded-up scale to the next step: that was 9 of the 22 CUDA-vs-CPU byte tests on
+    the H200 (int4 bf16, every e4m3). A 0-dim tensor on num's device (a fill kernel, no copy) is divided."""
+    return torch.div(num, num.new_full((), den))
+
+
 def _bf16_round_up(s: torch.Tensor) -> torch.Tensor:
     """float32 >= 0 -> the smallest bf16 >= s (as bf16). NaN stays NaN, inf stays inf."""
     bits = s.contiguous().view(torch.int32)
@@ -252,18 +260,18 @@ def _encode_scales(amax_TKG: torch.Tensor, fmt: Quant4Format):
     """Group absmax (float32) -> (stored group scales, row scales or None, decoded float32 group scales)."""
     qmax = fmt.qmax
     if fmt.scale == "bf16":
-        s = _bf16_round_up(amax_TKG / qmax)
+        s = _bf16_round_up(_div(amax_TKG, qmax))
         # absmax/qmax of a float32-subnormal group can underflow to 0: the smallest bf16 step covers it
         s = torch.where((amax_TKG > 0) & (s == 0), torch.tensor(1, dtype=torch.int16, device=s.device)
                         .view(torch.bfloat16), s)
         return s.view(torch.uint16), None, s.to(torch.float32)
     if fmt.scale == "e8m0":
-        e = _e8m0_round_up(amax_TKG / qmax)
+        e = _e8m0_round_up(_div(amax_TKG, qmax))
         e = torch.where(amax_TKG > 0, e, torch.full_like(e, -E8M0_BIAS))  # zero groups: byte 0
         stored = (e + E8M0_BIAS).to(torch.uint8)
         stored = torch.where(torch.isfinite(amax_TKG), stored, torch.full_like(stored, E8M0_NAN))
         return stored, None, _decode_e8m0(stored)
-    row_TK = amax_TKG.amax(dim=-1) / (qmax * E4M3_MAX)
+    row_TK = _div(amax_TKG.amax(dim=-1), qmax * E4M3_MAX)
     safe_row = torch.where(row_TK > 0, row_TK, torch.ones_like(row_TK))
     g = (amax_TKG / (qmax * safe_row.unsqueeze(-1))).clamp(max=E4M3_MAX)
     # a group 1e-45 times smaller than its row's largest makes g underflow to 0 in float32: give it the

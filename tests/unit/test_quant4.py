@@ -348,6 +348,7 @@ def test_cuda_matches_cpu(name):
         assert (cpu.codes != gpu.codes.cpu()).float().mean() < 1e-3
     else:
         assert torch.equal(cpu.codes, gpu.codes.cpu()) and torch.equal(cpu.group_scales, gpu.group_scales.cpu())
+        assert cpu.row_scales is None or torch.equal(cpu.row_scales, gpu.row_scales.cpu())
     out_cpu = decode(cpu.codes, cpu.group_scales, cpu.row_scales, fmt=fmt, dtype=torch.float32)
     out_gpu = decode(cpu.codes.cuda(), cpu.group_scales.cuda(), None if cpu.row_scales is None else
                      cpu.row_scales.cuda(), fmt=fmt, dtype=torch.float32).cpu()
