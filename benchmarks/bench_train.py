@@ -7,15 +7,16 @@
 The drafter: 5 layers, hidden 5120, 32/8 heads of 128, MLP 17408, vocab 248320, block 16, 512 anchors per
 sequence, 5 taps (1, 16, 31, 46, 61) of a 64-layer target. Measures, on the same micro-batches:
   (A) the real trainer (dflash.train.trainer.train) reading a cold fp8 disk cache: tokens/s (context tokens),
-      MFU (FLOPs of dflash.train.metrics.FlopModel over a bf16 8192^3 matmul peak measured here, and over the
-      nominal 790 TFLOP/s), peak memory, and the trainer's own loader-wait fraction;
+      MFU (FLOPs of dflash.train.metrics.FlopModel over a bf16 8192^3 matmul peak measured here: `mfu`; and
+      over the H200's dense bf16 spec of 989 TFLOP/s: `mfu_vs_spec_989`), peak memory, and the trainer's own
+      loader-wait fraction;
   (B) the same steps (the training driver itself, train.driver.run_stream, with its loader patched) fed from
       micro-batches resident on the GPU, no loader: loader_stall_fraction = 1 - A / B.
   (C) with --compare-loss-impl: run B again with the other TrainConfig.loss_impl (fused = LM-head logits once
       per supervised row, checkpoint = chunk-checkpointed CE over all rows): tok/s, MFU, memory of both, and
       the largest per-window loss difference between them (the same math up to fp32 summation order).
 Medians over the measured steps; the warm-up steps (flex attention compilation, allocator growth) are
-excluded from both.
+excluded from both. benchmarks/bench_train_real.py runs (A) and (B) on real ShareGPT lengths too.
 
 Setup (all under --work-dir on the local disk): a target folder with a Qwen3_5TextConfig of the 27B shape, the
 tiny byte tokenizer and a model.safetensors holding only the embedding and LM head (random bf16; the trainer
@@ -47,8 +48,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common import (drop_page_cache, machine_info, make_head_only_target, make_random_fp8_cache,  # noqa: E402
-                    matmul_peak, package_version, sync)
-NOMINAL_PEAK = 790e12
+                    matmul_peak, mfu_fields, package_version, sync)
 REFERENCE = {"plain_pytorch_tok_s": 7000, "plain_pytorch_mfu": 0.53, "target_mfu": 0.60,
              "target_loader_stall_fraction": 0.02}
 
@@ -94,6 +94,39 @@ def tail_metrics(path: pathlib.Path, stop: threading.Event, run: str = "A") -> N
             mfu = f"{r['mfu']:.3f}" if r.get("mfu") is not None else "-"
             say(f"  {run} step {r['step']:4d}  loss {r['loss']:.3f}  {r['tokens_per_s']:9,.0f} tok/s  mfu {mfu}  "
                 f"stall {r['stall_frac']:.3f}  mem {r['mem_gb']:.1f} GiB  {r['step_time_s']:.3f} s/step")
+
+
+def window_summary(recs: list[dict], *, warmup: int) -> dict:
+    """The log windows of a metrics.jsonl after the first `warmup` steps: medians (tok_s, mfu, step_time_s,
+    stall_frac) and whole-window rates (tok_s_aggregate, mfu_aggregate: all tokens and FLOPs over all time),
+    which real lengths need since their windows differ in cost. A window over 2x the median step time (a
+    recompile for a new shape) is left out of the whole-window rates and counted in slow_windows_left_out.
+    peak_mem_gib is over every window, the warm-up too."""
+    measured = [r for r in recs if r["first_step"] > warmup]
+    if not measured:
+        raise RuntimeError(f"no log window after the {warmup} warm-up steps (steps {[r['step'] for r in recs]})")
+    med_step = statistics.median(r["step_time_s"] for r in measured)
+    kept = [r for r in measured if r["step_time_s"] <= 2 * med_step]
+    secs = [r["step_time_s"] * (r["step"] - r["first_step"] + 1) for r in kept]
+    has_mfu = all(r.get("mfu") is not None for r in kept)
+    return {"tok_s": statistics.median(r["tokens_per_s"] for r in measured),
+            "mfu": statistics.median(r["mfu"] for r in measured) if has_mfu else None,
+            "step_time_s": med_step, "stall_frac": statistics.median(r["stall_frac"] for r in measured),
+            "tok_s_aggregate": sum(r["tokens_per_s"] * s for r, s in zip(kept, secs)) / sum(secs),
+            "mfu_aggregate": sum(r["mfu"] * s for r, s in zip(kept, secs)) / sum(secs) if has_mfu else None,
+            "peak_mem_gib": max(r["mem_gb"] for r in recs), "measured_windows": len(measured),
+            "slow_windows_left_out": len(measured) - len(kept)}
+
+
+def train_kwargs(sh: dict, *, cache: pathlib.Path, target: pathlib.Path, steps: int, batch_tokens: int,
+                 log_every: int, peak: float, seed: int, **extra) -> dict:
+    """TrainConfig fields of the benchmarked drafter (27B shape or tiny): 5 layers, block 16, the paper's
+    anchors, no checkpoints during the run; `extra` = further TrainConfig fields."""
+    return dict(cache=str(cache), model=str(target), num_layers=sh["layers"], num_attention_heads=sh["heads"],
+                num_key_value_heads=sh["kv_heads"], head_dim=sh["head_dim"], intermediate_size=sh["intermediate"],
+                block_size=16, rope_theta=1e7, mask_token_id=sh["mask_token_id"], num_anchors=sh["anchors"],
+                steps=steps, batch_tokens=batch_tokens, log_every=log_every, save_every=10**9, peak_flops=peak,
+                seed=seed, **extra)
 
 
 def run_trainer(cfg, device: torch.device) -> list[dict]:
@@ -234,13 +267,9 @@ def run_resident(cfg, device: torch.device, *, warmup: int, profile_steps: int =
             f"ms; by kind (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in profile["ms_per_step_by_kind"].items()))
     recs = read_metrics(run_dir)
     last_unprofiled = cfg.steps - (profile_steps if prof else 0)
-    measured = [r for r in recs if r["first_step"] > warmup and r["step"] <= last_unprofiled]
-    if not measured:
-        raise RuntimeError(f"no measured log windows in {run_dir}/metrics.jsonl")
-    return {"tok_s": statistics.median(r["tokens_per_s"] for r in measured),
-            "mfu": statistics.median(r["mfu"] for r in measured),
-            "step_time_s": statistics.median(r["step_time_s"] for r in measured),
-            "peak_mem_gib": max(r["mem_gb"] for r in recs), "records": recs, "profile": profile}
+    summ = window_summary([r for r in recs if r["step"] <= last_unprofiled], warmup=warmup)
+    return {**summ, **mfu_fields(summ["mfu"], peak=cfg.peak_flops), "peak_mem_gib": max(r["mem_gb"] for r in recs),
+            "records": recs, "profile": profile}
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -305,12 +334,9 @@ def main() -> None:
     peak = matmul_peak(device)
     say(f"matmul peak measured: {peak / 1e12:.0f} TFLOP/s")
 
-    kw = dict(cache=str(work / "cache"), model=str(work / "target"), num_layers=sh["layers"],
-              num_attention_heads=sh["heads"], num_key_value_heads=sh["kv_heads"], head_dim=sh["head_dim"],
-              intermediate_size=sh["intermediate"], block_size=16, rope_theta=1e7, mask_token_id=sh["mask_token_id"],
-              num_anchors=sh["anchors"], steps=total_steps, batch_tokens=batch_tokens, log_every=args.log_every,
-              save_every=10**9, num_readers=args.num_readers, prefetch=args.prefetch, peak_flops=peak, seed=args.seed,
-              loss_impl=args.loss_impl, compile_elementwise=args.compile_elementwise)
+    kw = train_kwargs(sh, cache=work / "cache", target=work / "target", steps=total_steps, batch_tokens=batch_tokens,
+                      log_every=args.log_every, peak=peak, seed=args.seed, num_readers=args.num_readers,
+                      prefetch=args.prefetch, loss_impl=args.loss_impl, compile_elementwise=args.compile_elementwise)
     cfg_a = TrainConfig(output=str(work / "run_a"), **kw)
     if not args.keep_checkpoints:
         patch_out_saving()
@@ -321,14 +347,8 @@ def main() -> None:
     t = time.perf_counter()
     recs = run_trainer(cfg_a, device)
     a_wall = time.perf_counter() - t
-    measured = [r for r in recs if r["first_step"] > args.warmup]
-    if not measured:
-        raise RuntimeError(f"no measured log windows in {cfg_a.output}/metrics.jsonl")
-    tok_s = statistics.median(r["tokens_per_s"] for r in measured)
-    mfu = statistics.median(r["mfu"] for r in measured)
-    wait = statistics.median(r["stall_frac"] for r in measured)
-    step_s = statistics.median(r["step_time_s"] for r in measured)
-    mem = max(r["mem_gb"] for r in recs)
+    summ = window_summary(recs, warmup=args.warmup)
+    tok_s, mfu, wait, step_s, mem = (summ[k] for k in ("tok_s", "mfu", "stall_frac", "step_time_s", "peak_mem_gib"))
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
 
     resident = None
@@ -363,11 +383,13 @@ def main() -> None:
             TrainConfig(output=str(work / "run_d"), **{**kw, "compile_elementwise": flipped}), device, args.warmup)},
             base="on" if compiled_now else "off", fast="on", slow="off", speedup_key="compiled_speedup")
 
-    rows = [("trainer, fp8 disk cache (A)", tok_s, f"MFU {mfu:.3f} (measured peak), "
-             f"{mfu * peak / NOMINAL_PEAK:.3f} (790T); wait {wait:.3f}; {step_s:.3f} s/step; {mem:.1f} GiB")]
+    mfus = mfu_fields(mfu, peak=peak)
+    rows = [("trainer, fp8 disk cache (A)", tok_s, f"MFU {mfu:.3f} of the measured {peak / 1e12:.3g}T, "
+             f"{mfus['mfu_vs_spec_989']:.3f} of the 989T spec; wait {wait:.3f}; {step_s:.3f} s/step; {mem:.1f} GiB")]
     if resident:
         rows.append(("same steps, GPU-resident batches (B)", resident["tok_s"],
-                     f"MFU {resident['mfu']:.3f}; {resident['step_time_s']:.3f} s/step"))
+                     f"MFU {resident['mfu']:.3f} (measured peak), {resident['mfu_vs_spec_989']:.3f} (989T spec); "
+                     f"{resident['step_time_s']:.3f} s/step"))
         rows.append(("loader stall 1 - A/B", None, f"{stall:.3f} (target <= {REFERENCE['target_loader_stall_fraction']})"))
     for label, cmp, names, ratio in (("loss_impl", compare, ("checkpoint", "fused"), "fused / checkpoint"),
                                      ("compile_elementwise", compile_cmp, ("off", "on"), "compiled / eager")):
@@ -390,10 +412,11 @@ def main() -> None:
                      "transformers": __import__("transformers").__version__, "triton": package_version("triton"),
                      "zarr": package_version("zarr")},
         "model": "tiny drafter" if args.tiny else "Qwen3.5-27B drafter shape, random weights and features",
-        "tok_s": tok_s, "mfu": mfu, "mfu_vs_nominal_790": mfu * peak / NOMINAL_PEAK,
+        "tok_s": tok_s, **mfus,
         "loader_stall_fraction": stall, "trainer_wait_fraction": wait,
         "resident_tok_s": resident["tok_s"] if resident else None,
         "resident_mfu": resident["mfu"] if resident else None,
+        "resident_mfu_vs_spec_989": resident["mfu_vs_spec_989"] if resident else None,
         "max_loss_diff_a_vs_b": loss_diff,  # same data, anchors and init: A and B must train the same way
         "step_time_s": step_s, "resident_step_time_s": resident["step_time_s"] if resident else None,
         "peak_mem_gib": mem, "peak_reserved_gib": reserved,
@@ -427,7 +450,8 @@ def compare_runs(runs: dict, *, base: str, fast: str, slow: str, speedup_key: st
     per-window loss difference (same data and init: only float rounding may differ) and the other's records."""
     (other,) = [k for k in runs if k != base]
     other_loss = {r["step"]: r["loss"] for r in runs[other]["records"]}
-    out: dict = {k: {m: r[m] for m in ("tok_s", "mfu", "step_time_s", "peak_mem_gib")} for k, r in runs.items()}
+    out: dict = {k: {m: r[m] for m in ("tok_s", "mfu", "mfu_vs_spec_989", "step_time_s", "peak_mem_gib")}
+                 for k, r in runs.items()}
     out[speedup_key] = runs[fast]["tok_s"] / runs[slow]["tok_s"]
     out["max_loss_diff"] = max((abs(r["loss"] - other_loss[r["step"]]) for r in runs[base]["records"]
                                 if r["step"] in other_loss), default=None)

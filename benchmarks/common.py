@@ -16,6 +16,11 @@ import time
 import numpy as np
 import torch
 
+# The H200's dense bf16 tensor-core spec (NVIDIA H200 SXM datasheet: 1,979 TFLOP/s is with 2:4 sparsity).
+# Benchmarks report MFU over the peak they measure (matmul_peak, ~710-790 TFLOP/s) and over this spec, each
+# with its denominator named (mfu_fields), so a figure is never read against the wrong one.
+H200_SPEC_BF16 = 989e12
+
 # Qwen3.5-27B text shape (DESIGN.md, "Performance method"): 26.9B parameters.
 QWEN35_27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
                   num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
@@ -43,6 +48,15 @@ def matmul_peak(device: torch.device) -> float:
         sync(device)
         times.append((time.perf_counter() - t) / 5)
     return 2 * n**3 / statistics.median(times[2:])
+
+
+def mfu_fields(mfu: float | None, *, peak: float) -> dict:
+    """MFU over the measured matmul `peak` and over the H200 spec, with both denominators named. `mfu` is
+    achieved FLOP/s over `peak` (what the trainer's metrics and the benchmarks compute)."""
+    return {"mfu": mfu, "mfu_vs_spec_989": None if mfu is None else mfu * peak / H200_SPEC_BF16,
+            "mfu_denominator": f"measured matmul peak (matmul_peak: bf16 on CUDA, fp32 on CPU) "
+                               f"{peak / 1e12:.3g} TFLOP/s",
+            "mfu_vs_spec_989_denominator": f"H200 dense bf16 spec {H200_SPEC_BF16 / 1e12:.0f} TFLOP/s"}
 
 
 def drop_page_cache(*paths: str | os.PathLike) -> str:
@@ -115,10 +129,14 @@ def machine_info(device: torch.device) -> dict:
 
 
 def make_random_fp8_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *, num_samples: int, seed: int = 0,
-                          device: torch.device | str = "cpu") -> dict:
+                          device: torch.device | str = "cpu", lengths: np.ndarray | None = None,
+                          loss_tokens: np.ndarray | None = None) -> dict:
     """A cache of `num_samples` random sequences of sh["seq_len"] tokens written through CacheWriter as fp8
     (quantised on `device`), with a fingerprint the trainer accepts for the head-only target at `target`.
-    sh holds hidden, taps, target_layers, vocab, seq_len. Returns samples, bytes on disk and write seconds."""
+    sh holds hidden, taps, target_layers, vocab, seq_len. With `lengths` (int [num_samples], e.g. real
+    ShareGPT lengths) and `loss_tokens`, sample i has lengths[i] tokens of which the last loss_tokens[i] carry
+    the loss; else every sample is seq_len long with a random 10-40% prompt without loss.
+    Returns samples, tokens, bytes on disk and write seconds."""
     from transformers import AutoTokenizer
 
     from dflash.cache import CacheWriter, Fingerprint
@@ -126,32 +144,41 @@ def make_random_fp8_cache(path: pathlib.Path, target: pathlib.Path, sh: dict, *,
     from dflash.target.identity import target_config_hash, tokenizer_hash
 
     tok = AutoTokenizer.from_pretrained(target)  # reloaded, as the trainer does: same class, same hash
+    S, K, D = sh["seq_len"], len(sh["taps"]), sh["hidden"]
+    lengths_N = np.full(num_samples, S, np.int64) if lengths is None else np.asarray(lengths, np.int64)
+    assert len(lengths_N) == num_samples and (loss_tokens is None) == (lengths is None), "lengths with loss_tokens"
     fp = Fingerprint(target=str(target), target_config_hash=target_config_hash(target),
                      num_target_layers=sh["target_layers"], hidden_size=sh["hidden"], target_dtype="bfloat16",
                      tokenizer_hash=tokenizer_hash(tok), chat_template_hash="", tap_layer_ids=sh["taps"],
-                     storage="fp8", max_length=sh["seq_len"])
-    S, K, D = sh["seq_len"], len(sh["taps"]), sh["hidden"]
+                     storage="fp8", max_length=max(S, int(lengths_N.max(initial=0))))
     device = torch.device(device)
     rng = np.random.default_rng(seed)
     g = torch.Generator(device=device).manual_seed(seed)
     outlier_channels = torch.randperm(D, generator=torch.Generator().manual_seed(seed))[:8].to(device)
-    per_append = max(1, (1 << 14) // S)
+    # appends of ~16K tokens: whole samples, so a group ends where the running token count passes a multiple
+    ends = np.cumsum(lengths_N)
+    group_N = (ends - 1) // (1 << 14) if lengths is not None else np.arange(num_samples) // max(1, (1 << 14) // S)
     t0 = time.perf_counter()
     with CacheWriter(path, fp) as w:
-        for start in range(0, num_samples, per_append):
-            n = min(per_append, num_samples - start)
-            T = n * S
+        for grp in np.unique(group_N):
+            members = np.flatnonzero(group_N == grp)
+            start, n, lens = int(members[0]), len(members), lengths_N[members]
+            T = int(lens.sum())
+            offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
             ids = rng.integers(0, sh["vocab"], size=T).astype(np.int32)
             mask = np.ones(T, np.uint8)
-            for i in range(n):  # loss on the response only: a prompt of 10-40% of the sequence first
-                mask[i * S: i * S + int(rng.uniform(0.1, 0.4) * S)] = 0
+            for i in range(n):  # loss on the response only: the prompt comes first
+                prompt = (int(rng.uniform(0.1, 0.4) * S) if loss_tokens is None
+                          else int(lens[i]) - min(int(loss_tokens[start + i]), int(lens[i])))
+                mask[offsets[i]: offsets[i] + prompt] = 0
             hidden = torch.randn(T, K, D, device=device, generator=g)
             hidden[:, :, outlier_channels] *= 20.0  # massive-activation channels, as real hidden states have
             spikes = torch.rand(T, K, D, device=device, generator=g) < 1e-4
             hidden = torch.where(spikes, hidden * 50.0, hidden)
             bits, scales = encode_hidden(hidden, "fp8")
-            w.append(sample_ids=np.arange(start, start + n, dtype=np.int64), lengths=np.full(n, S, np.int64),
+            w.append(sample_ids=np.arange(start, start + n, dtype=np.int64), lengths=lens,
                      input_ids=ids, loss_mask=mask, hidden=bits.cpu(), scales=scales.cpu())
     os.sync()
     nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return {"samples": num_samples, "bytes": nbytes, "write_s": time.perf_counter() - t0}
+    return {"samples": num_samples, "tokens": int(lengths_N.sum()), "bytes": nbytes,
+            "write_s": time.perf_counter() - t0}
