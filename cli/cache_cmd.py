@@ -30,9 +30,10 @@ def info(cache: str, as_json: bool) -> None:
             ("samples", f"{d['samples']:,}"), ("tokens", f"{d['tokens']:,}"),
             ("loss tokens", f"{d['loss_tokens']:,}"),
             ("taps", f"{d['num_taps']} {d['tap_layer_ids']}"), ("hidden size", str(d["hidden_size"])),
-            ("storage", d["storage"]), ("shards", str(d["shards"])),
+            ("storage", d["storage"]), ("format", d["storage_format"]), ("shards", str(d["shards"])),
             ("bytes on disk", format_bytes(d["bytes_on_disk"])),
-            ("bytes per token", "-" if bpt is None else f"{bpt:,.1f}")]
+            ("bytes per token", ("-" if bpt is None else f"{bpt:,.1f}")
+             + f" (hidden {d['hidden_bytes_per_token']:,} B/token in the format, + ids, mask, index, chunk padding)")]
     if d["being_written_by"]:
         rows.append(("being written", f"by {d['being_written_by']}: totals still grow"))
     for k, v in rows:

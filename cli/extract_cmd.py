@@ -26,9 +26,10 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--taps", callback=_parse_taps, default=None,
               help="Comma-separated decoder-layer ids to cache, ascending (tap k = HF hidden_states[k+1]). "
                    "Default: the 5 DFlash taps spread from layer 1 to L-3.")
-@click.option("--storage", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
+@click.option("--storage", default="bf16", show_default=True, metavar="bf16|fp8|int4|FORMAT",
               help="bf16 stores the exact bf16 values; fp8 stores e4m3 with a float32 scale per token and "
-                   "tap (about half the bytes).")
+                   "tap (about half the bytes); int4 stores 4-bit codes with group scales (int4-g32-e4m3-h32: "
+                   "0.27x bf16, docs/CACHE_FORMAT_4BIT.md). Another 4-bit layout by name, e.g. int4-g64-bf16-h64.")
 @click.option("--max-length", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Truncate samples to this many tokens (a sample left with no assistant token is skipped).")
 @click.option("--gpus", "--procs", "num_procs", type=click.IntRange(min=1), default=None,

@@ -2,31 +2,43 @@
 
 Shapes: T = packed tokens, K = taps, D = hidden size.
 
-Two storage dtypes. `bf16` stores the bf16 bits as uint16 so plain zarr (which has no bfloat16) reads them.
+Storage dtypes. `bf16` stores the bf16 bits as uint16 so plain zarr (which has no bfloat16) reads them.
 `fp8` stores float8_e4m3fn bits as uint8 plus one float32 scale per token and tap (amax/448): 4 bytes per
 D-vector (0.08% at D=5120) buys a per-row range, so outlier tokens do not crush the precision of the rest.
+4-bit formats (dflash.cache.quant4, docs/CACHE_FORMAT_4BIT.md) store two codes per byte in `hidden`
+[T, K, D/2], per-group scales in `group_scales` [T, K, G] and, for e4m3 group scales, a float32 row scale per
+token and tap in `scales` [T, K]. `--storage int4` names DEFAULT_QUANT4, the format bench_quant_probe chose
+(13,625 B/token on the 27B shape, 0.266x bf16); the manifest and fingerprint record the full format name.
+StoredLayout is the one description of a storage dtype's arrays that writer, reader, verify and space use.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from dflash.cache import quant4
 from dflash.errors import CacheMismatchError, ConfigError
 
 FORMAT_NAME = "dflash-hidden-cache"
 FORMAT_VERSION = 1
-STORAGE_DTYPES = ("bf16", "fp8")
+STORAGE_DTYPES = ("bf16", "fp8", "int4")
+"""The names `--storage` lists; "int4" is DEFAULT_QUANT4, and every quant4 format name is accepted too."""
+DEFAULT_QUANT4 = "int4-g32-e4m3-h32"
+"""The 4-bit layout of `--storage int4`: int4 codes, groups of 32 channels, e4m3 group scales x a float32 row
+scale, block Hadamard over 32 channels (bench_quant_probe: median relative L2 0.082 vs fp8's 0.022)."""
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# numpy dtype of the stored hidden bits per storage dtype
+# numpy dtype of the stored hidden bits per storage dtype (4-bit: StoredLayout)
 STORED_NUMPY_DTYPE = {"bf16": "uint16", "fp8": "uint8"}
 STORED_TORCH_DTYPE = {"bf16": torch.uint16, "fp8": torch.uint8}
 STORED_ITEMSIZE = {"bf16": 2, "fp8": 1}
-"""Bytes per stored hidden element."""
+"""Bytes per stored hidden element (4-bit: StoredLayout)."""
 SCALE_ITEMSIZE = 4
 """fp8 scales are float32, one per token and tap."""
 TOKEN_BYTES = 4 + 1
@@ -63,7 +75,7 @@ class Fingerprint:
     tap_layer_ids: tuple[int, ...]
     """Ascending decoder-layer ids whose outputs are cached (HF hidden_states[id+1])."""
     storage: str
-    """Storage dtype: "bf16" or "fp8"."""
+    """Storage dtype: "bf16", "fp8" or a 4-bit format name ("int4" is stored as DEFAULT_QUANT4's full name)."""
     sources: tuple[dict, ...] = ()
     """Data sources in order: [{"path": ..., "sha256": ...}, ...]."""
     max_length: int = 0
@@ -78,8 +90,7 @@ class Fingerprint:
     version 1 all the same: readers ignore it), or a target without local weight files."""
 
     def __post_init__(self) -> None:
-        if self.storage not in STORAGE_DTYPES:
-            raise ConfigError(f"storage={self.storage!r} is not one of {STORAGE_DTYPES}")
+        object.__setattr__(self, "storage", resolve_storage(self.storage))
         taps = tuple(int(t) for t in self.tap_layer_ids)
         if not taps or list(taps) != sorted(set(taps)):
             raise ConfigError(f"tap_layer_ids={taps!r} must be non-empty, ascending and unique")
@@ -87,6 +98,7 @@ class Fingerprint:
         object.__setattr__(self, "sources", tuple(dict(s) for s in self.sources))
         if self.hidden_size <= 0:
             raise ConfigError(f"hidden_size={self.hidden_size} must be positive")
+        stored_layout(self.storage, self.hidden_size)  # 4-bit: ConfigError unless D fits the format
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -146,13 +158,147 @@ def dequantize_fp8(bits_TKD: torch.Tensor, scales_TK: torch.Tensor, dtype: torch
     return (x * scales_TK.to(torch.float32).unsqueeze(-1)).to(dtype)
 
 
-def encode_hidden(hidden_TKD: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """bf16: (uint16 view of the bf16 bits, None); fp8: quantize_fp8. Works on any device."""
+def resolve_storage(storage: str) -> str:
+    """A `--storage` value -> the name the manifest records: "bf16", "fp8", or a 4-bit format's full name
+    ("int4" -> DEFAULT_QUANT4). ConfigError listing the choices otherwise."""
+    if storage in ("bf16", "fp8"):
+        return storage
+    if storage == "int4":
+        return DEFAULT_QUANT4
+    if isinstance(storage, str) and quant4.is_quant4(storage):
+        return quant4.parse_quant4(storage).name
+    raise ConfigError(f"storage={storage!r} is not one of {STORAGE_DTYPES} (int4 = {DEFAULT_QUANT4}) nor a 4-bit "
+                      "format name ELEMENT-gGROUP-SCALE[-hR] such as int4-g64-bf16-h64 (dflash.cache.quant4)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredLayout:
+    """The arrays one storage dtype keeps per shard besides input_ids/loss_mask/samples."""
+
+    storage: str
+    """Resolved storage name."""
+    hidden_size: int
+    """D of the features (not of the stored array)."""
+    hidden_dtype: str
+    """numpy dtype of `hidden`: uint16 (bf16 bits) or uint8 (fp8 bits, 4-bit code pairs)."""
+    hidden_width: int
+    """Last dim of `hidden` [T, K, W]: D, or D/2 for two 4-bit codes per byte."""
+    group_dtype: str | None
+    """numpy dtype of `group_scales` [T, K, G] (4-bit only), else None."""
+    group_width: int
+    """G, the groups per (token, tap); 0 = no group_scales array."""
+    has_scales: bool
+    """A float32 `scales` [T, K] array exists (fp8, and 4-bit with e4m3 group scales)."""
+
+    @property
+    def quant4(self) -> quant4.Quant4Format | None:
+        return quant4.parse_quant4(self.storage) if self.group_width else None
+
+    @property
+    def hidden_torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.hidden_dtype)
+
+    @property
+    def group_torch_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.group_dtype) if self.group_dtype else None
+
+    @property
+    def array_names(self) -> list[str]:
+        return (["hidden", "input_ids", "loss_mask", "samples"] + (["scales"] if self.has_scales else [])
+                + (["group_scales"] if self.group_width else []))
+
+    def hidden_bytes_per_token(self, num_taps: int) -> int:
+        """Bytes of hidden + scales + group_scales per token (the storage cost; TOKEN_BYTES come on top)."""
+        per_tap = (self.hidden_width * np.dtype(self.hidden_dtype).itemsize + (SCALE_ITEMSIZE if self.has_scales else 0)
+                   + (self.group_width * np.dtype(self.group_dtype).itemsize if self.group_width else 0))
+        return num_taps * per_tap
+
+
+@functools.lru_cache(maxsize=64)
+def stored_layout(storage: str, hidden_size: int) -> StoredLayout:
+    """The layout of `storage` for features of size D; ConfigError for an unknown storage or a D the 4-bit
+    format cannot pack (odd, or not divisible by its rotation block)."""
+    storage = resolve_storage(storage)
+    if storage in STORED_NUMPY_DTYPE:
+        return StoredLayout(storage=storage, hidden_size=hidden_size, hidden_dtype=STORED_NUMPY_DTYPE[storage],
+                            hidden_width=hidden_size, group_dtype=None, group_width=0, has_scales=storage == "fp8")
+    arrays = quant4.stored_arrays(quant4.parse_quant4(storage), num_taps=1, hidden_size=hidden_size)
+    (hdt, (_, width)), (gdt, (_, groups)) = arrays["hidden"], arrays["group_scales"]
+    return StoredLayout(storage=storage, hidden_size=hidden_size, hidden_dtype=hdt, hidden_width=width,
+                        group_dtype=gdt, group_width=groups, has_scales="scales" in arrays)
+
+
+def storage_description(storage: str) -> str:
+    """One line for `dflash cache info`: what the stored bytes are."""
+    storage = resolve_storage(storage)
     if storage == "bf16":
-        return hidden_TKD.to(torch.bfloat16).contiguous().view(torch.uint16), None
+        return "bfloat16 bits (exact)"
     if storage == "fp8":
-        return quantize_fp8(hidden_TKD)
-    raise ConfigError(f"storage={storage!r} is not one of {STORAGE_DTYPES}")
+        return "float8 e4m3 + a float32 scale per token and tap"
+    f = quant4.parse_quant4(storage)
+    element = {"int4": "int4 codes (-7..7)", "e2m1": "e2m1 (FP4) codes"}[f.element]
+    scale = {"bf16": "bf16 group scales", "e8m0": "e8m0 (power of two) group scales",
+             "e4m3": "e4m3 group scales x a float32 row scale"}[f.scale]
+    rot = f", Hadamard rotation over {f.rotate} channels" if f.rotate else ""
+    return f"4-bit {element}, groups of {f.group_size} channels, {scale}{rot}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodedHidden:
+    """The stored arrays of a batch (on the device of the input), as StoredLayout names them."""
+
+    hidden: torch.Tensor
+    """[T, K, W] uint16 bf16 bits, uint8 fp8 bits, or uint8 4-bit code pairs."""
+    scales: torch.Tensor | None = None
+    """float32 [T, K]: fp8 amax/448, or the 4-bit e4m3 row scale; else None."""
+    group_scales: torch.Tensor | None = None
+    """[T, K, G] 4-bit group scales; else None."""
+
+
+def encode_stored(hidden_TKD: torch.Tensor, storage: str, *, check_finite: bool = True) -> EncodedHidden:
+    """Float features [T, K, D], any device -> the arrays `storage` stores. check_finite (4-bit): raise
+    DataError on NaN/Inf here (a device sync); False leaves it to check_stored_finite on the host copy."""
+    storage = resolve_storage(storage)
+    if storage == "bf16":
+        return EncodedHidden(hidden=hidden_TKD.to(torch.bfloat16).contiguous().view(torch.uint16))
+    if storage == "fp8":
+        bits, scales = quantize_fp8(hidden_TKD)
+        return EncodedHidden(hidden=bits, scales=scales)
+    q = quant4.encode(hidden_TKD, fmt=quant4.parse_quant4(storage), check_finite=check_finite)
+    return EncodedHidden(hidden=q.codes, scales=q.row_scales, group_scales=q.group_scales)
+
+
+def check_stored_finite(enc: EncodedHidden, layout: StoredLayout) -> None:
+    """4-bit: DataError (one line, naming the first bad group) if the encoder marked NaN/Inf input. bf16/fp8
+    carry no marker and are not checked (their NaNs survive storage as NaNs)."""
+    fmt = layout.quant4
+    if fmt is not None:
+        quant4.raise_if_nonfinite(group_scales=enc.group_scales, row_scales=enc.scales, fmt=fmt)
+
+
+def encode_hidden(hidden_TKD: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """bf16: (uint16 view of the bf16 bits, None); fp8: quantize_fp8. Works on any device. A 4-bit format has
+    three arrays: use encode_stored."""
+    if resolve_storage(storage) not in ("bf16", "fp8"):
+        raise ConfigError(f"encode_hidden returns (bits, scales): storage {storage!r} has group scales too; "
+                          "use encode_stored")
+    enc = encode_stored(hidden_TKD, storage)
+    return enc.hidden, enc.scales
+
+
+def decode_stored(hidden: torch.Tensor, scales: torch.Tensor | None = None, group_scales: torch.Tensor | None = None,
+                  *, storage: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Stored arrays (any device: the loader calls it on the GPU) -> `dtype` features [T, K, D]."""
+    storage = resolve_storage(storage)
+    if storage == "bf16":
+        return hidden.view(torch.bfloat16).to(dtype)
+    if storage == "fp8":
+        if scales is None:
+            raise ConfigError("fp8 bits need their float32 scales")
+        return dequantize_fp8(hidden, scales, dtype=dtype)
+    if group_scales is None:
+        raise ConfigError(f"storage {storage}: 4-bit codes need their group scales")
+    return quant4.decode(hidden, group_scales, scales, fmt=quant4.parse_quant4(storage), dtype=dtype)
 
 
 def decode_bf16(bits_TKD: torch.Tensor) -> torch.Tensor:
@@ -178,4 +324,6 @@ def choose_chunk_tokens(*, hidden_size: int, itemsize: int, chunk_bytes: int, ma
 
 def hidden_chunk_tokens(*, hidden_size: int, storage: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """Tokens per hidden chunk as CacheWriter chooses them for this hidden size and storage dtype."""
-    return choose_chunk_tokens(hidden_size=hidden_size, itemsize=STORED_ITEMSIZE[storage], chunk_bytes=chunk_bytes)
+    layout = stored_layout(storage, hidden_size)
+    return choose_chunk_tokens(hidden_size=layout.hidden_width, itemsize=np.dtype(layout.hidden_dtype).itemsize,
+                               chunk_bytes=chunk_bytes)

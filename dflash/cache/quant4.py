@@ -29,15 +29,15 @@ NaN/Inf are refused at write (DataError). encode() also marks a non-finite group
 e8m0 0xFF, e4m3 0x7F), so with check_finite=False (the writer checking the small host copy of the scales
 later, with no device sync) a bad group can never decode to finite numbers.
 
-How a plain zarr-python reader decodes the 4-bit arrays (proposed array names in a shard group; tested by
-tests/unit/test_quant4.py with numpy only):
+How a plain zarr-python reader decodes the 4-bit arrays of a shard group (docs/CACHE_FORMAT_4BIT.md; tested by
+tests/unit/test_quant4.py and test_quant4_cache.py with numpy only):
     hidden        uint8   [T, K, D/2]  byte c of a (token, tap) row holds channel 2c in its LOW nibble
                                        (b & 0x0F) and channel 2c+1 in its HIGH nibble (b >> 4)
     group_scales  uint16  [T, K, G]    scale "bf16": bf16 bits (float32 bits = b << 16)
                   uint8   [T, K, G]    scale "e8m0": value 2^(b - 127); 255 = NaN
                   uint8   [T, K, G]    scale "e4m3": float8 e4m3fn bits (sign, 4 exponent bits with bias 7,
                                        3 mantissa bits; exponent 0 is subnormal m/8 * 2^-6; 0x7F/0xFF NaN)
-    row_scales    float32 [T, K]       scale "e4m3" only: group scale = e4m3 value * row_scales[t, k]
+    scales        float32 [T, K]       scale "e4m3" only (the row scale): group scale = e4m3 value * scales[t, k]
     value(nibble n)  int4: n if n < 8 else n - 16;  e2m1: (-1 if n & 8 else 1) * [0,.5,1,1.5,2,3,4,6][n & 7]
     channel d of group g = d // group_size (the last group may be shorter when group_size does not divide D)
     y[t, k, d] = value(nibble) * group_scale[t, k, d // group_size]
@@ -195,7 +195,7 @@ def stored_arrays(fmt: Quant4Format, *, num_taps: int, hidden_size: int) -> dict
     arrays = {"hidden": ("uint8", (K, hidden_size // 2)),
               "group_scales": ("uint16" if fmt.scale == "bf16" else "uint8", (K, G))}
     if fmt.scale == "e4m3":
-        arrays["row_scales"] = ("float32", (K,))
+        arrays["scales"] = ("float32", (K,))  # the row scales, named like fp8's per-row scales
     return arrays
 
 
@@ -361,7 +361,10 @@ def nonfinite_groups(*, group_scales: torch.Tensor, row_scales: torch.Tensor | N
     if fmt.scale == "e8m0":
         return group_scales == E8M0_NAN
     bad = torch.bitwise_and(group_scales, 0x7F) == E4M3_NAN
-    return bad | ~torch.isfinite(row_scales).unsqueeze(-1)
+    # encode() marks the bad group itself (its row scale is NaN too): name that group, not the row's first;
+    # a NaN row scale without a marked group (bytes not from encode) still counts, as all of its groups
+    row_only = ~torch.isfinite(row_scales).unsqueeze(-1) & ~bad.any(dim=-1, keepdim=True)
+    return bad | row_only
 
 
 def raise_if_nonfinite(*, group_scales: torch.Tensor, row_scales: torch.Tensor | None, fmt: Quant4Format) -> None:

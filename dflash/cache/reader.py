@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from dflash.cache import commit as cm
-from dflash.cache.format import STORED_TORCH_DTYPE, Fingerprint, decode_bf16, dequantize_fp8
+from dflash.cache.format import Fingerprint, decode_bf16, decode_stored, stored_layout
 from dflash.cache.shardfile import ArrayFile
 from dflash.errors import CacheFormatError, ConfigError
 
@@ -48,8 +48,9 @@ class Sample:
     sample_id: int
     input_ids: np.ndarray        # int32 [T]
     loss_mask: np.ndarray        # uint8 [T]
-    hidden: torch.Tensor         # [T,K',D] bf16, or uint8 fp8 bits
-    scales: torch.Tensor | None  # float32 [T,K'] for fp8 bits
+    hidden: torch.Tensor         # [T,K',D] bf16, or uint8 fp8 bits, or uint8 4-bit codes [T,K',D/2]
+    scales: torch.Tensor | None  # float32 [T,K'] for fp8 bits (4-bit e4m3: row scales)
+    group_scales: torch.Tensor | None = None  # [T,K',G] for 4-bit codes
 
 
 @dataclass
@@ -58,27 +59,31 @@ class PackedSamples:
     lengths: np.ndarray          # int64 [N]
     input_ids: np.ndarray        # int32 [T]
     loss_mask: np.ndarray        # uint8 [T]
-    hidden: torch.Tensor         # [T,K',D] bf16, or uint8 fp8 bits
-    scales: torch.Tensor | None  # float32 [T,K'] for fp8 bits
+    hidden: torch.Tensor         # [T,K',D] bf16, or uint8 fp8 bits, or uint8 4-bit codes [T,K',D/2]
+    scales: torch.Tensor | None  # float32 [T,K'] for fp8 bits (4-bit e4m3: row scales)
+    group_scales: torch.Tensor | None = None  # [T,K',G] for 4-bit codes
 
 
 @dataclass
 class PackedBuffers:
     """Destination buffers (e.g. pinned) for read_many; only the first T rows are used."""
 
-    hidden: torch.Tensor          # uint16 (bf16 storage) or uint8 (fp8) [>=T, K', D]
-    scales: torch.Tensor | None   # float32 [>=T, K'] (fp8)
+    hidden: torch.Tensor          # uint16 (bf16 storage) or uint8 (fp8) [>=T, K', D]; 4-bit uint8 [>=T, K', D/2]
+    scales: torch.Tensor | None   # float32 [>=T, K'] (fp8; 4-bit with e4m3 group scales)
     input_ids: torch.Tensor       # int32 [>=T]
     loss_mask: torch.Tensor       # uint8 [>=T]
+    group_scales: torch.Tensor | None = None  # [>=T, K', G] (4-bit)
 
     @classmethod
     def allocate(cls, *, tokens: int, num_taps: int, hidden_size: int, storage: str,
                  pin_memory: bool = False) -> PackedBuffers:
         def e(shape, dt):
             return torch.empty(shape, dtype=dt, pin_memory=pin_memory)
-        return cls(hidden=e((tokens, num_taps, hidden_size), STORED_TORCH_DTYPE[storage]),
-                   scales=e((tokens, num_taps), torch.float32) if storage == "fp8" else None,
-                   input_ids=e((tokens,), torch.int32), loss_mask=e((tokens,), torch.uint8))
+        L = stored_layout(storage, hidden_size)
+        return cls(hidden=e((tokens, num_taps, L.hidden_width), L.hidden_torch_dtype),
+                   scales=e((tokens, num_taps), torch.float32) if L.has_scales else None,
+                   input_ids=e((tokens,), torch.int32), loss_mask=e((tokens,), torch.uint8),
+                   group_scales=e((tokens, num_taps, L.group_width), L.group_torch_dtype) if L.group_width else None)
 
 
 class CacheReader:
@@ -92,6 +97,7 @@ class CacheReader:
         self.tap_layer_ids = self.fingerprint.tap_layer_ids
         self.storage = self.fingerprint.storage
         self.hidden_size = self.fingerprint.hidden_size
+        self.layout = stored_layout(self.storage, self.hidden_size)
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._arrays: OrderedDict[tuple[int, str], ArrayFile] = OrderedDict()
@@ -150,12 +156,13 @@ class CacheReader:
     def read(self, i: int, *, taps: Sequence[int] | None = None, dequantize: bool = False) -> Sample:
         p = self.read_many([i], taps=taps, dequantize=dequantize)
         return Sample(sample_id=int(p.sample_ids[0]), input_ids=p.input_ids, loss_mask=p.loss_mask,
-                      hidden=p.hidden, scales=p.scales)
+                      hidden=p.hidden, scales=p.scales, group_scales=p.group_scales)
 
     def read_many(self, indices: Sequence[int], *, taps: Sequence[int] | None = None,
                   out: PackedBuffers | None = None, dequantize: bool = False) -> PackedSamples:
         """Samples concatenated along tokens in the given order, into `out` (views of it are returned).
-        taps=() reads only input_ids and loss_mask (hidden is [T, 0, D]; bytes_read does not grow)."""
+        taps=() reads only input_ids and loss_mask (hidden is [T, 0, W]; bytes_read does not grow).
+        dequantize: decode fp8 / 4-bit storage to bf16 here, on the CPU (the loader decodes on the GPU)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if len(idx) and (idx.min() < -len(self) or idx.max() >= len(self)):
             raise IndexError(f"sample index out of range for a cache of {len(self)} samples")
@@ -168,7 +175,8 @@ class CacheReader:
             out = PackedBuffers.allocate(tokens=T, num_taps=Kp, hidden_size=D, storage=self.storage)
         self._check_out(out, T, Kp)
         hidden_np = out.hidden[:T].numpy()
-        scales_np = out.scales[:T].numpy() if self.storage == "fp8" else None
+        scales_np = out.scales[:T].numpy() if self.layout.has_scales else None
+        gscales_np = out.group_scales[:T].numpy() if self.layout.group_width else None
         ids_np, mask_np = out.input_ids[:T].numpy(), out.loss_mask[:T].numpy()
 
         # merge samples that follow each other in one shard (sequential reads), then cut into pieces of
@@ -177,7 +185,7 @@ class CacheReader:
         brk = np.flatnonzero((sh[1:] != sh[:-1]) | (off[1:] != off[:-1] + lengths[:-1])) + 1
         seg_first = np.concatenate([[0], brk]).astype(np.int64)
         seg_last = np.concatenate([brk, [len(idx)]]).astype(np.int64)
-        row_bytes = D * hidden_np.itemsize
+        row_bytes = self.layout.hidden_width * hidden_np.itemsize
         piece = max(1, _PIECE_BYTES // row_bytes)
         tasks = []
         for a, z in zip(seg_first.tolist(), seg_last.tolist()):
@@ -195,13 +203,18 @@ class CacheReader:
                                         None if scales_np is None or not pos else scales_np[p0:p1],
                                         ids_np[p0:p1], mask_np[p0:p1])
             kk, k = tap
-            h = self._array(s, "hidden")
-            fd = os.open(h.path, os.O_RDONLY)
-            try:
-                return h.read_rows(fd, o, o + p1 - p0, (k, 0), hidden_np[p0:p1, kk:kk + 1, :],
-                                   verify=self.verify, scratch=self._scratch())
-            finally:
-                os.close(fd)
+            n = 0
+            for name, dst in (("hidden", hidden_np), ("group_scales", gscales_np)):
+                if dst is None:
+                    continue
+                a = self._array(s, name)
+                fd = os.open(a.path, os.O_RDONLY)
+                try:
+                    n += a.read_rows(fd, o, o + p1 - p0, (k, 0), dst[p0:p1, kk:kk + 1, :],
+                                     verify=self.verify, scratch=self._scratch())
+                finally:
+                    os.close(fd)
+            return n
 
         if self.num_threads > 1 and len(tasks) > 1:
             if self._pool is None:
@@ -212,24 +225,32 @@ class CacheReader:
         with self._lock:
             self.bytes_read += nbytes
         hidden = out.hidden[:T]
-        scales = out.scales[:T] if self.storage == "fp8" else None
+        scales = out.scales[:T] if self.layout.has_scales else None
+        gscales = out.group_scales[:T] if self.layout.group_width else None
         if self.storage == "bf16":
             hidden = decode_bf16(hidden)
         elif dequantize:
-            hidden, scales = dequantize_fp8(hidden, scales), None
+            hidden = decode_stored(hidden, scales, gscales, storage=self.storage)
+            scales = gscales = None
         return PackedSamples(sample_ids=self.index.sample_id[idx], lengths=lengths, input_ids=ids_np,
-                             loss_mask=mask_np, hidden=hidden, scales=scales)
+                             loss_mask=mask_np, hidden=hidden, scales=scales, group_scales=gscales)
 
     def _check_out(self, out: PackedBuffers, T: int, Kp: int) -> None:
-        want = STORED_TORCH_DTYPE[self.storage]
+        L = self.layout
+        want, W = L.hidden_torch_dtype, L.hidden_width
         h = out.hidden
-        if h.dtype != want or h.dim() != 3 or h.shape[0] < T or tuple(h.shape[1:]) != (Kp, self.hidden_size) \
+        if h.dtype != want or h.dim() != 3 or h.shape[0] < T or tuple(h.shape[1:]) != (Kp, W) \
                 or not h.is_contiguous():
-            raise ConfigError(f"out.hidden must be contiguous {want} [>={T}, {Kp}, {self.hidden_size}], "
+            raise ConfigError(f"out.hidden must be contiguous {want} [>={T}, {Kp}, {W}], "
                               f"got {h.dtype} {tuple(h.shape)}")
-        if self.storage == "fp8" and (out.scales is None or out.scales.dtype != torch.float32
-                                      or out.scales.shape[0] < T or out.scales.shape[1] != Kp):
-            raise ConfigError(f"out.scales must be float32 [>={T}, {Kp}] for an fp8 cache")
+        if L.has_scales and (out.scales is None or out.scales.dtype != torch.float32
+                             or out.scales.shape[0] < T or out.scales.shape[1] != Kp):
+            raise ConfigError(f"out.scales must be float32 [>={T}, {Kp}] for a {self.storage} cache")
+        g = out.group_scales
+        if L.group_width and (g is None or g.dtype != L.group_torch_dtype or g.shape[0] < T
+                              or tuple(g.shape[1:]) != (Kp, L.group_width) or not g.is_contiguous()):
+            raise ConfigError(f"out.group_scales must be contiguous {L.group_dtype} [>={T}, {Kp}, {L.group_width}] "
+                              f"for a {self.storage} cache")
         if out.input_ids.dtype != torch.int32 or out.loss_mask.dtype != torch.uint8 \
                 or out.input_ids.shape[0] < T or out.loss_mask.shape[0] < T:
             raise ConfigError(f"out.input_ids must be int32 [>={T}] and out.loss_mask uint8 [>={T}]")

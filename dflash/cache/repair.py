@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass
 
 from dflash.cache import commit as cm
-from dflash.cache.format import Fingerprint
+from dflash.cache.format import Fingerprint, stored_layout
 from dflash.cache.shardfile import ArrayFile
 from dflash.durable import fsync_dir
 from dflash.errors import CacheFormatError
@@ -35,9 +35,9 @@ class ShardFault:
     """The first thing found wrong, naming the shard."""
 
 
-def array_names(storage: str) -> list[str]:
-    """The arrays of one shard for a storage dtype."""
-    return ["hidden", "input_ids", "loss_mask", "samples"] + (["scales"] if storage == "fp8" else [])
+def array_names(storage: str, hidden_size: int) -> list[str]:
+    """The arrays of one shard for a storage dtype (format.StoredLayout.array_names)."""
+    return stored_layout(storage, hidden_size).array_names
 
 
 def shard_bytes_on_disk(shard_dir: str) -> int:
@@ -69,7 +69,7 @@ def quick_problem(path: str, r: cm.CommitRecord, fp: Fingerprint) -> str | None:
     if problem:
         return problem
     try:
-        for name in array_names(fp.storage):
+        for name in array_names(fp.storage, fp.hidden_size):
             a = ArrayFile.open(os.path.join(d, name), f"shard {r.shard} array {name}")
             if name == "samples":
                 samples = a.read_all()

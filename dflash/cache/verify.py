@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash.cache import commit as cm
-from dflash.cache.format import Fingerprint
+from dflash.cache.format import Fingerprint, storage_description, stored_layout
 from dflash.cache.repair import REPAIR_HINT, array_names, check_group_json, shard_bytes_on_disk
 from dflash.cache.shardfile import ArrayFile
 from dflash.errors import CacheFormatError
@@ -87,7 +87,7 @@ def verify_shard(path: str, r: cm.CommitRecord, fp: Fingerprint, rep: VerifyRepo
     group_problem = check_group_json(d, r.shard)
     if group_problem:
         rep.problems.append(group_problem)
-    names = array_names(fp.storage)
+    names = array_names(fp.storage, fp.hidden_size)
     arrays: dict[str, ArrayFile] = {}
     corrupt: set[str] = set()
     for name in names:
@@ -104,11 +104,13 @@ def verify_shard(path: str, r: cm.CommitRecord, fp: Fingerprint, rep: VerifyRepo
             corrupt.add(name)
     if len(arrays) != len(names) or corrupt & {"samples", "loss_mask"}:
         return  # contents below would be garbage
-    T = r.num_tokens
-    h = arrays["hidden"]
-    if h.shape != (T, len(fp.tap_layer_ids), fp.hidden_size):
-        rep.problems.append(f"shard {r.shard}: hidden shape {h.shape} != "
-                            f"({T}, {len(fp.tap_layer_ids)}, {fp.hidden_size}) from log and manifest")
+    T, K = r.num_tokens, len(fp.tap_layer_ids)
+    layout = stored_layout(fp.storage, fp.hidden_size)
+    want = {"hidden": (T, K, layout.hidden_width), "scales": (T, K), "group_scales": (T, K, layout.group_width)}
+    for name, shape in want.items():
+        if name in arrays and arrays[name].shape != shape:
+            rep.problems.append(f"shard {r.shard}: {name} shape {arrays[name].shape} != {shape} from log and "
+                                f"manifest ({fp.storage})")
     samples = arrays["samples"].read_all()
     mask = arrays["loss_mask"].read_all()
     if tuple(samples[:, 0].tolist()) != r.sample_ids:
@@ -134,7 +136,10 @@ def cache_info(path) -> dict:
     on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(path) for f in fs)
     return {"path": path, "samples": t["samples"], "tokens": t["tokens"], "loss_tokens": t["loss_tokens"],
             "tap_layer_ids": list(fp.tap_layer_ids), "num_taps": len(fp.tap_layer_ids),
-            "hidden_size": fp.hidden_size, "storage": fp.storage, "shards": t["shards"],
+            "hidden_size": fp.hidden_size, "storage": fp.storage, "storage_format": storage_description(fp.storage),
+            "hidden_bytes_per_token": stored_layout(fp.storage, fp.hidden_size).hidden_bytes_per_token(
+                len(fp.tap_layer_ids)),
+            "shards": t["shards"],
             "bytes_on_disk": on_disk, "shard_bytes": t["bytes"],
             "bytes_per_token": (t["bytes"] / t["tokens"]) if t["tokens"] else None,
             "target": fp.target, "target_greedy": fp.target_greedy, "target_dtype": fp.target_dtype,

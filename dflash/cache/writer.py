@@ -28,8 +28,8 @@ import torch
 
 from dflash.cache import commit as cm
 from dflash.cache.format import (DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION,
-                                 STORED_NUMPY_DTYPE, STORED_TORCH_DTYPE, Fingerprint, choose_chunk_tokens,
-                                 encode_hidden)
+                                 EncodedHidden, Fingerprint, check_stored_finite, choose_chunk_tokens, encode_stored,
+                                 stored_layout)
 from dflash.cache.shardfile import ArrayWriter, write_array, write_json_file
 from dflash.durable import fsync_dir
 from dflash.errors import CacheFormatError, ConfigError, DflashError
@@ -131,10 +131,12 @@ class CacheWriter:
         self.shard_tokens = shard_tokens
         self.K, self.D = len(fingerprint.tap_layer_ids), fingerprint.hidden_size
         self.storage = fingerprint.storage
-        self.np_dtype = np.dtype(STORED_NUMPY_DTYPE[self.storage])
-        self.chunk_tokens = choose_chunk_tokens(hidden_size=self.D, itemsize=self.np_dtype.itemsize,
+        self.layout = stored_layout(self.storage, self.D)
+        self.np_dtype = np.dtype(self.layout.hidden_dtype)
+        self.W = self.layout.hidden_width  # stored hidden row: D, or D/2 bytes of 4-bit code pairs
+        self.chunk_tokens = choose_chunk_tokens(hidden_size=self.W, itemsize=self.np_dtype.itemsize,
                                                 chunk_bytes=chunk_bytes)
-        chunk = self.chunk_tokens * self.D * self.np_dtype.itemsize
+        chunk = self.chunk_tokens * self.W * self.np_dtype.itemsize
         self.block_tokens = self.chunk_tokens * max(1, 1 << max(0, (block_bytes // chunk).bit_length() - 1))
         self.block_tokens = min(self.block_tokens, -(-shard_tokens // self.chunk_tokens) * self.chunk_tokens)
         self.stats = WriteStats()
@@ -150,12 +152,13 @@ class CacheWriter:
             raise
         self._log_totals = cm.LogTotals(self.path)
         # shard being filled (owned by the thread)
-        self._pipe = _BlockPipe((self.K, self.block_tokens, self.D), self.np_dtype, name=f"dflash-cache-io-{rank}")
+        self._pipe = _BlockPipe((self.K, self.block_tokens, self.W), self.np_dtype, name=f"dflash-cache-io-{rank}")
         self._blk_KBD = self._pipe.acquire()
         self._blk_fill = 0       # tokens in the block buffer
         self._blk_start = 0      # shard token offset of the block buffer
         self._hidden_w = None    # ArrayWriter of the shard being filled
         self._scales_TK = np.empty((0, self.K), np.float32)
+        self._gscales_TKG = np.empty((0, self.K, self.layout.group_width), self.layout.group_dtype or np.uint8)
         self._ids_T = np.empty(0, np.int32)
         self._mask_T = np.empty(0, np.uint8)
         self._samples: list[tuple[int, int, int, int]] = []  # (id, offset, length, loss tokens)
@@ -214,8 +217,12 @@ class CacheWriter:
     # -- caller side ---------------------------------------------------------------------------------------
     def append(self, *, sample_ids: np.ndarray, lengths: np.ndarray, input_ids: np.ndarray,
                loss_mask: np.ndarray, hidden: torch.Tensor, scales: torch.Tensor | None = None,
-               on_consumed: Callable[[], None] | None = None) -> None:
+               group_scales: torch.Tensor | None = None, on_consumed: Callable[[], None] | None = None) -> None:
         """Queue a batch of samples (concatenated, no padding). Blocks while the queue is full.
+
+        hidden: float features [T, K, D] (encoded here), or the stored arrays already encoded (on the GPU, by
+        format.encode_stored): hidden bits with `scales` (fp8; 4-bit e4m3 row scales) and `group_scales`
+        (4-bit). 4-bit input marked non-finite by the encoder is refused here (DataError), before it is queued.
 
         The writer keeps references to the arrays until it has copied them: do not modify them afterwards.
         `on_consumed` is called from the writer thread once it has copied them, so the caller can recycle
@@ -230,26 +237,14 @@ class CacheWriter:
         loss_mask = np.asarray(loss_mask).reshape(-1)
         if input_ids.shape != (T,) or loss_mask.shape != (T,):
             raise ConfigError(f"input_ids {input_ids.shape} and loss_mask {loss_mask.shape} must be [{T}] = sum(lengths)")
-        if tuple(hidden.shape) != (T, self.K, self.D):
-            raise ConfigError(f"hidden has shape {tuple(hidden.shape)}, expected [T={T}, K={self.K}, D={self.D}]")
-        if hidden.device.type != "cpu":
-            raise ConfigError("hidden must be a CPU tensor (encode on the GPU with encode_hidden, then copy)")
-        if hidden.is_floating_point() and not (self.storage == "bf16" and hidden.dtype == torch.bfloat16):
-            if scales is not None:
-                raise ConfigError("scales are only given with already-encoded fp8 bits (uint8 hidden)")
-            hidden, scales = encode_hidden(hidden, self.storage)
-        elif hidden.dtype == torch.bfloat16:
-            hidden = hidden.view(torch.uint16)
-        if hidden.dtype != STORED_TORCH_DTYPE[self.storage]:
-            raise ConfigError(f"hidden dtype {hidden.dtype} does not match storage {self.storage!r}")
-        if self.storage == "fp8":
-            if scales is None or tuple(scales.shape) != (T, self.K):
-                raise ConfigError(f"fp8 bits need float32 scales [T={T}, K={self.K}]")
-            scales_np = scales.to(torch.float32).contiguous().numpy()
-        else:
-            scales_np = None
+        if any(t is not None and t.device.type != "cpu" for t in (hidden, scales, group_scales)):
+            raise ConfigError("hidden must be a CPU tensor (encode on the GPU with encode_stored, then copy)")
+        enc = self._encoded(hidden, scales, group_scales, T)
+        check_stored_finite(enc, self.layout)
+        scales_np = enc.scales.to(torch.float32).contiguous().numpy() if self.layout.has_scales else None
+        gscales_np = enc.group_scales.contiguous().numpy() if self.layout.group_width else None
         item = (sample_ids, lengths, input_ids.astype(np.int32, copy=False),
-                loss_mask.astype(np.uint8, copy=False), hidden.numpy(), scales_np, on_consumed)
+                loss_mask.astype(np.uint8, copy=False), enc.hidden.numpy(), scales_np, gscales_np, on_consumed)
         t0 = time.perf_counter()
         while True:
             try:
@@ -258,6 +253,30 @@ class CacheWriter:
             except queue.Full:
                 self._check_usable()
         self.stats.seconds_blocked += time.perf_counter() - t0
+
+    def _encoded(self, hidden: torch.Tensor, scales: torch.Tensor | None, group_scales: torch.Tensor | None,
+                 T: int) -> EncodedHidden:
+        """The batch as the arrays this storage stores (encoding float features here), shapes checked."""
+        L, K = self.layout, self.K
+        if hidden.is_floating_point():
+            if tuple(hidden.shape) != (T, K, self.D):
+                raise ConfigError(f"hidden has shape {tuple(hidden.shape)}, expected [T={T}, K={K}, D={self.D}]")
+            if hidden.dtype == torch.bfloat16 and self.storage == "bf16":
+                return EncodedHidden(hidden=hidden.view(torch.uint16))
+            if scales is not None or group_scales is not None:
+                raise ConfigError("scales / group_scales are only given with already-encoded bits")
+            return encode_stored(hidden, self.storage, check_finite=False)
+        if hidden.dtype != L.hidden_torch_dtype or tuple(hidden.shape) != (T, K, L.hidden_width):
+            raise ConfigError(f"hidden {hidden.dtype} {tuple(hidden.shape)} does not match storage {self.storage!r}: "
+                              f"expected {L.hidden_dtype} [T={T}, K={K}, {L.hidden_width}]")
+        if L.has_scales and (scales is None or tuple(scales.shape) != (T, K)):
+            raise ConfigError(f"{self.storage} bits need float32 scales [T={T}, K={K}]")
+        if L.group_width and (group_scales is None or group_scales.dtype != L.group_torch_dtype
+                              or tuple(group_scales.shape) != (T, K, L.group_width)):
+            raise ConfigError(f"{self.storage} codes need {L.group_dtype} group_scales [T={T}, K={K}, "
+                              f"G={L.group_width}]")
+        return EncodedHidden(hidden=hidden, scales=scales if L.has_scales else None,
+                             group_scales=group_scales if L.group_width else None)
 
     def close(self) -> WriteStats:
         """Commit the last (partial) shard, join the thread, re-raise its error."""
@@ -359,7 +378,7 @@ class CacheWriter:
             shutil.rmtree(os.path.join(self.path, cm.STAGING, cm.shard_name(rank=self.rank, seq=self._seq)),
                           ignore_errors=True)
 
-    def _add(self, ids_N, lengths_N, input_ids_T, loss_mask_T, hidden_TKD, scales_TK) -> None:
+    def _add(self, ids_N, lengths_N, input_ids_T, loss_mask_T, hidden_TKD, scales_TK, gscales_TKG) -> None:
         starts = np.concatenate([[0], np.cumsum(lengths_N)])
         s, N = 0, len(ids_N)
         while s < N:
@@ -374,6 +393,8 @@ class CacheWriter:
             self._add_hidden(hidden_TKD[a:b])
             if scales_TK is not None:
                 self._scales_TK[off:off + n] = scales_TK[a:b]
+            if gscales_TKG is not None:
+                self._gscales_TKG[off:off + n] = gscales_TKG[a:b]
             self._ids_T[off:off + n] = input_ids_T[a:b]
             self._mask_T[off:off + n] = loss_mask_T[a:b]
             for j in range(s, e):
@@ -385,14 +406,17 @@ class CacheWriter:
                 self._commit()
 
     def _reserve(self, tokens: int) -> None:
-        """Grow the small per-shard arrays (ids, mask, scales: <= 25 bytes per token)."""
+        """Grow the per-shard arrays kept in memory until the commit (ids, mask, scales: <= 25 bytes per token;
+        4-bit group scales K x G bytes: 800 at the 27B shape with groups of 32, 52 MB per 64K-token shard)."""
         have = len(self._ids_T)
         if have >= tokens:
             return
         need = max(tokens, min(self.shard_tokens, 2 * have), 1024)
         t = self._tokens
+        G = self.layout.group_width
         for name, shape, dt in (("_scales_TK", (need, self.K), np.float32), ("_ids_T", (need,), np.int32),
-                                ("_mask_T", (need,), np.uint8)):
+                                ("_mask_T", (need,), np.uint8),
+                                ("_gscales_TKG", (need if G else 0, self.K, G), self._gscales_TKG.dtype)):
             new = np.empty(shape, dt)
             new[:t] = getattr(self, name)[:t]
             setattr(self, name, new)
@@ -430,18 +454,20 @@ class CacheWriter:
         t_start = time.perf_counter()
         name = cm.shard_name(rank=self.rank, seq=self._seq)
         stage = os.path.join(self.path, cm.STAGING, name)
-        T, K, D, ct = self._tokens, self.K, self.D, self.chunk_tokens
+        T, K, W, ct = self._tokens, self.K, self.W, self.chunk_tokens
         if self._blk_fill:
             self._flush_block()
         self._pipe.drain()
-        nbytes = self._hidden_w.finish(shape=(T, K, D), dtype=self.np_dtype.name, chunk_shape=(ct, 1, D))
+        nbytes = self._hidden_w.finish(shape=(T, K, W), dtype=self.np_dtype.name, chunk_shape=(ct, 1, W))
         self._hidden_w, self._blk_start = None, 0
         attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "storage": self.storage,
                  "tap_layer_ids": list(self.fingerprint.tap_layer_ids), "rank": self.rank, "seq": self._seq}
         nbytes += write_json_file(os.path.join(stage, "zarr.json"),
                                   {"attributes": attrs, "zarr_format": 3, "node_type": "group"})
-        if self.storage == "fp8":
+        if self.layout.has_scales:
             nbytes += _write_small(os.path.join(stage, "scales"), self._scales_TK[:T], SCALE_CHUNK_TOKENS)
+        if self.layout.group_width:
+            nbytes += _write_per_tap(os.path.join(stage, "group_scales"), self._gscales_TKG[:T], ct)
         nbytes += _write_small(os.path.join(stage, "input_ids"), self._ids_T[:T], SMALL_CHUNK_TOKENS)
         nbytes += _write_small(os.path.join(stage, "loss_mask"), self._mask_T[:T], SMALL_CHUNK_TOKENS)
         samples = np.array(self._samples, dtype=np.int64).reshape(-1, 4)
@@ -473,6 +499,19 @@ class CacheWriter:
                 cm.write_manifest_atomic(self.path, manifest, tag=self._tag)
         finally:
             lock.close()
+
+
+def _write_per_tap(array_dir: str, data_TKX: np.ndarray, chunk_tokens: int) -> int:
+    """[T, K, X] in (chunk_tokens, 1, X) chunks, tap-major like `hidden`: the reader reads one tap's rows of a
+    sample with the same row ranges (and one pread) as its hidden rows."""
+    T, K, X = data_TKX.shape
+    n = max(1, -(-T // chunk_tokens))
+    padded = np.zeros((n * chunk_tokens, K, X), data_TKX.dtype)
+    padded[:T] = data_TKX
+    chunks = (((c, k, 0), np.ascontiguousarray(padded[c * chunk_tokens:(c + 1) * chunk_tokens, k:k + 1]))
+              for k in range(K) for c in range(n))
+    return write_array(array_dir, shape=data_TKX.shape, dtype=data_TKX.dtype.name,
+                       chunk_shape=(chunk_tokens, 1, X), chunks=chunks)
 
 
 def _write_small(array_dir: str, data: np.ndarray, chunk_rows: int) -> int:

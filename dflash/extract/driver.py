@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash.cache.format import STORAGE_DTYPES
+from dflash.cache.format import resolve_storage
 from dflash.dtypes import DTYPES, default_dtype, dtype_of
 from dflash.errors import ConfigError, DflashError
 from dflash.extract.plan import PlannedBatch
@@ -43,7 +43,8 @@ class ExtractConfig:
     taps: tuple[int, ...] | None = None
     """Decoder-layer ids to cache (HF hidden_states[id+1]); None = the 5 DFlash default taps."""
     storage: str = "bf16"
-    """"bf16" (exact) or "fp8" (e4m3 + a float32 scale per token and tap; half the bytes)."""
+    """"bf16" (exact), "fp8" (e4m3 + a float32 scale per token and tap; half the bytes), "int4" (the 4-bit
+    format DEFAULT_QUANT4, 0.27x bf16) or any 4-bit format name (dflash.cache.quant4); stored resolved."""
     max_length: int = 4096
     """Longer samples are truncated to this many tokens (skipped if no assistant token remains)."""
     batch_tokens: int = 16384
@@ -77,8 +78,7 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         if not self.data:
             raise ConfigError("data: give at least one --data source")
-        if self.storage not in STORAGE_DTYPES:
-            raise ConfigError(f"storage={self.storage!r}: use one of {', '.join(STORAGE_DTYPES)}")
+        object.__setattr__(self, "storage", resolve_storage(self.storage))  # "int4" -> its full format name
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.max_length < 1:
@@ -354,6 +354,8 @@ class _Pending:
     hidden: torch.Tensor
     scales: torch.Tensor | None
     padded_tokens: int
+    group_scales: torch.Tensor | None = None
+    """4-bit storage: [T, K, G] group scales (format.EncodedHidden)."""
     buffer: torch.Tensor | None = None
     """The pinned pool buffer holding hidden/scales, returned to the pool once the writer consumed it."""
 
@@ -386,7 +388,8 @@ class _BatchLoop:
             buf, pool = p.buffer, self.pool
             release = lambda: pool.release(buf)  # noqa: E731 - runs on the writer thread
         self.writer.append(sample_ids=p.sample_ids, lengths=p.lengths, input_ids=p.input_ids,
-                           loss_mask=p.loss_mask, hidden=p.hidden, scales=p.scales, on_consumed=release)
+                           loss_mask=p.loss_mask, hidden=p.hidden, scales=p.scales, group_scales=p.group_scales,
+                           on_consumed=release)
         self.counters.wait_s += time.perf_counter() - t  # append blocks only when the queue is full
         self.counters.samples += len(p.sample_ids)
         self.counters.tokens += int(p.lengths.sum())
@@ -413,43 +416,43 @@ class _BatchLoop:
         K, D = hidden_BSKD.shape[2], hidden_BSKD.shape[3]
         # Gather with a host-built index instead of boolean masking: no device sync to learn T.
         hidden_TKD = hidden_BSKD.reshape(B * S, K, D).index_select(0, index_T)
-        bits_TKD, scales_TK = _encode(hidden_TKD, self.storage)
+        enc = _encode(hidden_TKD, self.storage)
         event, buffer = None, None
         if self.cuda:
             # A recycled pinned buffer (dflash.extract.pinned: fresh pinning cost 45% of throughput). Waiting
             # for one is disk back-pressure, so it counts as waiting on disk.
-            from dflash.extract.pinned import batch_views
+            from dflash.extract.pinned import encoded_views
 
             t = time.perf_counter()
             buffer = self.pool.acquire(check=self.writer.raise_if_failed)
             self.counters.wait_s += time.perf_counter() - t
-            bits_host, scales_host = batch_views(
-                buffer, bits_shape=tuple(bits_TKD.shape), bits_dtype=bits_TKD.dtype,
-                scales_shape=tuple(scales_TK.shape) if scales_TK is not None else None)
+            host = encoded_views(buffer, enc)
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                bits_host.copy_(bits_TKD, non_blocking=True)
-                bits_TKD.record_stream(self.copy_stream)
-                if scales_TK is not None:
-                    scales_host.copy_(scales_TK, non_blocking=True)
-                    scales_TK.record_stream(self.copy_stream)
+                for dst, src in ((host.hidden, enc.hidden), (host.scales, enc.scales),
+                                 (host.group_scales, enc.group_scales)):
+                    if src is not None:
+                        dst.copy_(src, non_blocking=True)
+                        src.record_stream(self.copy_stream)
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
-            bits_TKD, scales_TK = bits_host, scales_host
+            enc = host
         return _Pending(
             event=event,
             sample_ids=np.array([s.sample_id for s in written], dtype=np.int64),
             lengths=np.array([len(s.input_ids) for s in written], dtype=np.int64),
             input_ids=np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in written]),
             loss_mask=np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in written]),
-            hidden=bits_TKD, scales=scales_TK, padded_tokens=B * S, buffer=buffer)
+            hidden=enc.hidden, scales=enc.scales, group_scales=enc.group_scales, padded_tokens=B * S, buffer=buffer)
 
 
-def _encode(hidden_TKD: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from dflash.cache.format import encode_hidden
+def _encode(hidden_TKD: torch.Tensor, storage: str):
+    """The stored arrays (format.EncodedHidden) on the target's device. 4-bit NaN/Inf checks wait for the host
+    copy (CacheWriter.append checks the encoder's NaN marks there): a check here would sync the GPU per batch."""
+    from dflash.cache.format import encode_stored
 
     with torch.inference_mode():
-        return encode_hidden(hidden_TKD, storage)
+        return encode_stored(hidden_TKD, storage, check_finite=False)
 
 
 def set_cpu_threads(world_size: int) -> None:

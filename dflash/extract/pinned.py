@@ -92,27 +92,40 @@ class PinnedPool:
 def batch_views(buf: torch.Tensor, *, bits_shape: tuple[int, ...], bits_dtype: torch.dtype,
                 scales_shape: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Carve the encoded hidden bits and (fp8) scales of one batch out of a pool buffer."""
-    elt = torch.empty((), dtype=bits_dtype).element_size()
-    nbits = elt
-    for d in bits_shape:
-        nbits *= d
-    bits = buf[:nbits].view(bits_dtype).view(bits_shape)
-    if scales_shape is None:
-        return bits, None
-    off = _aligned(nbits)
-    nscales = 4
-    for d in scales_shape:
-        nscales *= d
-    if off + nscales > buf.numel():
-        raise ValueError(f"pool buffer of {buf.numel()} bytes is too small for {off + nscales}")
-    return bits, buf[off:off + nscales].view(torch.float32).view(scales_shape)
+    bits, scales = _carve(buf, [(bits_shape, bits_dtype), (scales_shape, torch.float32)])
+    return bits, scales
+
+
+def encoded_views(buf: torch.Tensor, like):
+    """Host views in a pool buffer for every array of a device batch (format.EncodedHidden): same shapes and
+    dtypes, each 64-byte aligned, for the non_blocking copies."""
+    from dflash.cache.format import EncodedHidden
+
+    arrays = [like.hidden, like.scales, like.group_scales]
+    views = _carve(buf, [(None, None) if a is None else (tuple(a.shape), a.dtype) for a in arrays])
+    return EncodedHidden(hidden=views[0], scales=views[1], group_scales=views[2])
+
+
+def _carve(buf: torch.Tensor, specs: list) -> list:
+    """[(shape | None, dtype)] -> consecutive aligned views of buf (None where shape is None)."""
+    out, off = [], 0
+    for shape, dtype in specs:
+        if shape is None:
+            out.append(None)
+            continue
+        n = torch.empty((), dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        if off + n > buf.numel():
+            raise ValueError(f"pool buffer of {buf.numel()} bytes is too small for {off + n}")
+        out.append(buf[off:off + n].view(dtype).view(shape))
+        off = _aligned(off + n)
+    return out
 
 
 def batch_nbytes(*, tokens: int, num_taps: int, hidden: int, storage: str) -> int:
-    """Bytes of one batch's encoded hidden states (+ fp8 scales) for `tokens` real tokens."""
-    from dflash.cache.format import SCALE_ITEMSIZE, STORED_ITEMSIZE
+    """Bytes of one batch's encoded arrays (hidden bits, scales, 4-bit group scales, each 64-byte aligned)
+    for `tokens` real tokens."""
+    from dflash.cache.format import stored_layout
 
-    bits = tokens * num_taps * hidden * STORED_ITEMSIZE[storage]
-    if storage == "fp8":
-        return _aligned(bits) + tokens * num_taps * SCALE_ITEMSIZE
-    return bits
+    return tokens * stored_layout(storage, hidden).hidden_bytes_per_token(num_taps) + 2 * ALIGN

@@ -12,10 +12,9 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from dflash.cache.format import SAMPLE_ROW_BYTES, SCALE_ITEMSIZE, STORED_ITEMSIZE, TOKEN_BYTES
-from dflash.errors import ConfigError, OutOfSpaceError
+from dflash.cache.format import SAMPLE_ROW_BYTES, SCALE_ITEMSIZE, TOKEN_BYTES, stored_layout
+from dflash.errors import OutOfSpaceError
 
-BYTES_PER_ELEMENT = STORED_ITEMSIZE  # the cache's own widths, never re-derived here
 # Per shard: zarr.json files, a crc32c per chunk, a commit-log line; generous so the margin stays honest.
 SHARD_OVERHEAD_BYTES = 64 * 1024
 SPACE_MARGIN = 1.02
@@ -39,19 +38,20 @@ class CacheBytes:
 
 def estimate_cache_bytes(*, num_tokens: int, num_samples: int, num_taps: int, hidden_size: int,
                          storage: str, shard_tokens: int, chunk_tokens: int = 1) -> CacheBytes:
-    """tokens x taps x hidden x bytes per element, + fp8 scales (float32 per token and tap) + ids/mask.
+    """tokens x the storage layout's hidden bytes per token (bits, + float32 scales per token and tap for fp8
+    and 4-bit e4m3, + 4-bit group scales) + ids/mask.
 
     chunk_tokens: tokens per hidden chunk; zarr stores a shard's last chunk whole, so each shard is
     rounded up to it (negligible at D=5120: 32-token chunks; large for toy models with tiny shards)."""
-    if storage not in BYTES_PER_ELEMENT:
-        raise ConfigError(f"storage={storage!r} is not one of {sorted(BYTES_PER_ELEMENT)}")
+    layout = stored_layout(storage, hidden_size)  # ConfigError for an unknown storage
+    scale_bytes = num_taps * SCALE_ITEMSIZE if layout.has_scales else 0
     num_shards = -(-num_tokens // max(shard_tokens, 1)) if num_tokens else 0
     per_shard = min(shard_tokens, num_tokens)
     stored_tokens = num_shards * (-(-per_shard // chunk_tokens) * chunk_tokens) if num_tokens else 0
     stored_tokens = max(stored_tokens, num_tokens)
     return CacheBytes(
-        hidden=stored_tokens * num_taps * hidden_size * BYTES_PER_ELEMENT[storage],
-        scales=stored_tokens * num_taps * SCALE_ITEMSIZE if storage == "fp8" else 0,
+        hidden=stored_tokens * (layout.hidden_bytes_per_token(num_taps) - scale_bytes),
+        scales=stored_tokens * scale_bytes,
         tokens=num_tokens * TOKEN_BYTES,
         index=num_samples * SAMPLE_ROW_BYTES + num_shards * SHARD_OVERHEAD_BYTES,
     )
@@ -76,7 +76,7 @@ def check_free_space(path: str, *, needed_bytes: int) -> int:
         raise OutOfSpaceError(
             f"not enough space for the cache at {path}: needs about {format_bytes(want)} "
             f"(estimate + 2%), {format_bytes(free)} free. Free space, choose another --output, "
-            f"use --storage fp8 (half the bytes) or fewer --taps.")
+            f"use --storage fp8 (half the bytes) or int4 (0.27x) or fewer --taps.")
     return free
 
 

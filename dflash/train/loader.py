@@ -230,8 +230,8 @@ class StreamingLoader:
     Reader threads call `reader.read_many` into pinned host buffers (pinned only when CUDA is available; on CPU
     each read allocates and the tensors are used in place). The main thread copies a finished host batch to the
     device with one non_blocking copy per array on a side stream, makes the compute stream wait for it,
-    `record_stream`s the device tensors and hands the buffer back once the copy's event has fired. fp8 bits are
-    dequantised on the device. Nothing here synchronises the host with the GPU.
+    `record_stream`s the device tensors and hands the buffer back once the copy's event has fired. fp8 bits and
+    4-bit codes are decoded on the device (format.decode_stored). Nothing here synchronises the host with the GPU.
 
     read_hidden=False (`dflash train --online`): the same micro-batches, sample order, ids, loss masks and
     host_fn results, but no hidden or scale bytes are read; hidden_TKD is [T, 0, D] for the caller to fill.
@@ -320,9 +320,11 @@ class StreamingLoader:
             arrays = {"input_ids": _as_tensor(p.input_ids), "loss_mask": _as_tensor(p.loss_mask), "hidden": p.hidden}
         if p.scales is not None:
             arrays["scales"] = p.scales
+        if p.group_scales is not None:
+            arrays["group_scales"] = p.group_scales
         if not self.read_hidden:  # nothing to copy: the caller computes the taps (online training)
-            arrays.pop("hidden")
-            arrays.pop("scales", None)
+            for name in ("hidden", "scales", "group_scales"):
+                arrays.pop(name, None)
         if self._cuda:
             main = torch.cuda.current_stream(d)
             with torch.cuda.stream(self._side):
@@ -336,7 +338,11 @@ class StreamingLoader:
         else:
             dev = arrays
         if self.read_hidden:
-            hidden = _decode_hidden(dev["hidden"], dev.get("scales"), self.dtype)
+            from dflash.cache.format import decode_stored
+
+            # on the compute device: 4-bit decode (incl. the Hadamard matmul) and fp8 dequantization run there
+            hidden = decode_stored(dev["hidden"], dev.get("scales"), dev.get("group_scales"),
+                                   storage=self.reader.storage, dtype=self.dtype)
         else:
             T = int(np.asarray(p.lengths).sum())
             hidden = torch.zeros(T, 0, int(self.reader.hidden_size), dtype=self.dtype, device=d)
@@ -360,18 +366,6 @@ class StreamingLoader:
 
 def _as_tensor(a: Any) -> torch.Tensor:
     return a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
-
-
-def _decode_hidden(hidden: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Storage bits -> compute dtype, on whatever device `hidden` is (the GPU in training)."""
-    if scales is not None or hidden.dtype == torch.uint8:
-        from dflash.cache.format import dequantize_fp8
-
-        assert scales is not None, "fp8 bits without scales"
-        return dequantize_fp8(hidden, scales, dtype=dtype)
-    if hidden.dtype in (torch.uint16, torch.int16):
-        hidden = hidden.view(torch.bfloat16)
-    return hidden.to(dtype)
 
 
 def _alloc_pinned(reader: "CacheReader", max_tokens: int, num_taps: int) -> "PackedBuffers":

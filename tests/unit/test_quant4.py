@@ -280,7 +280,7 @@ def test_plain_zarr_read_back_and_numpy_decode_equal_decode(tmp_path, name):
     q = encode(x, fmt=fmt)
     arrays = {"hidden": q.codes.numpy(), "group_scales": q.group_scales.numpy()}
     if q.row_scales is not None:
-        arrays["row_scales"] = q.row_scales.numpy()
+        arrays["scales"] = q.row_scales.numpy()
     layout = stored_arrays(fmt, num_taps=3, hidden_size=x.shape[2])  # what a writer would create
     assert {k: (str(a.dtype), a.shape[1:]) for k, a in arrays.items()} == layout
     write_shard_group(tmp_path / "shard", arrays)
@@ -290,7 +290,7 @@ def test_plain_zarr_read_back_and_numpy_decode_equal_decode(tmp_path, name):
     assert read["group_scales"].dtype == (np.uint16 if fmt.scale == "bf16" else np.uint8)
     for k in arrays:
         assert np.array_equal(read[k], arrays[k])
-    mine = np_decode(read["hidden"], read["group_scales"], read.get("row_scales"), fmt)
+    mine = np_decode(read["hidden"], read["group_scales"], read.get("scales"), fmt)
     ref = decode(q.codes, q.group_scales, q.row_scales, fmt=fmt, dtype=torch.float32).numpy()
     if fmt.rotate:  # matmul summation order differs between numpy and torch
         np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
