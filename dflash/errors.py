@@ -81,3 +81,8 @@ class OutOfSpaceError(DflashError, OSError):
 
 class LockedError(DflashError):
     """A folder (cache, training run) is locked by another live process; the message names its PID and host."""
+
+
+class StoreError(DflashError):
+    """An object store (s3://...) cannot be used: unreachable endpoint, rejected credentials, missing bucket,
+    a URL scheme without its client; the message is one line naming the URL and what to fix."""
