@@ -19,11 +19,18 @@ import click
 @click.option("--max-new-tokens", default=512, show_default=True, type=int, help="Most tokens per response.")
 @click.option("--max-length", default=4096, show_default=True, type=int,
               help="Most tokens of a regenerated conversation; later turns that do not fit are dropped.")
-@click.option("--batch-size", default=64, show_default=True, type=int, help="Prompts per decode batch.")
+@click.option("--batch-size", default=64, show_default=True, type=int,
+              help="Prompts per decode batch (continuous: most sequences per forward step).")
 @click.option("--chunk-conversations", default=1024, show_default=True, type=int,
               help="Conversations per committed shard (the unit a rerun resumes from).")
-@click.option("--backend", type=click.Choice(["auto", "eager", "static"]), default="auto", show_default=True,
-              help="auto: compiled static-cache decode on CUDA, HF eager generate elsewhere.")
+@click.option("--backend", type=click.Choice(["auto", "eager", "static", "continuous"]), default="auto",
+              show_default=True,
+              help="eager: HF generate; static: compiled static-cache decode in length-sorted batches, round by "
+                   "round; continuous: transformers' continuous batching, one request per turn, the next turn "
+                   "queued as soon as its previous one ends (for whole conversations); auto: static on CUDA, "
+                   "eager elsewhere.")
+@click.option("--window", default=2048, show_default=True, type=int,
+              help="--backend continuous: most conversations in flight (chunks are admitted in order).")
 @click.option("--no-thinking", is_flag=True, help="Render the chat template with enable_thinking=False.")
 @click.option("--limit", default=None, type=int, help="Use only the first N usable conversations.")
 @click.option("--device", default=None, help="cuda / cpu (default: cuda when available).")
@@ -44,7 +51,7 @@ import click
 @click.option("--keep-shards", is_flag=True,
               help="Keep OUTPUT.parts/shards/*.jsonl.gz after the merge (each readable by dflash extract --data).")
 def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, max_length, batch_size,
-            chunk_conversations, backend, no_thinking, limit, device, dtype, stop_after, endpoint, served_model,
+            chunk_conversations, backend, window, no_thinking, limit, device, dtype, stop_after, endpoint, served_model,
             concurrency, request_timeout, retries, max_consecutive_errors, overwrite, keep_shards) -> None:
     """Regenerate assistant turns greedily (do_sample=False) with the target, or through a served endpoint."""
     common = dict(data=tuple(data), prompts=prompts_path, output=output_path, turns=turns,
@@ -65,7 +72,8 @@ def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, 
 
         if model_path is None:
             raise click.UsageError("--model is required (or --endpoint with --served-model)")
-        cfg = RegenerateConfig(model=model_path, batch_size=batch_size, backend=backend, device=device, dtype=dtype,
+        cfg = RegenerateConfig(model=model_path, batch_size=batch_size, backend=backend, window=window, device=device,
+                               dtype=dtype,
                                **common)
         stats = regenerate(cfg, echo=click.echo, stop_after=stop_after)
     click.echo(stats.summary())

@@ -30,8 +30,8 @@ from typing import Callable, Sequence
 from dflash.data.skips import SkipCounter
 from dflash.errors import ConfigError, DflashError
 from dflash.generate.conversations import TURN_MODES, Conversation, load_conversations
-from dflash.generate.run import (RegenerateStats, _add, finished_or_resuming, first_messages, job_of, model_fingerprint,
-                                 run_chunks)
+from dflash.generate.dialog import count, first_messages, new_chunk_stats
+from dflash.generate.run import RegenerateStats, finished_or_resuming, in_order, job_of, model_fingerprint, run_chunks
 from dflash.generate.turns import GENERATE_FIELD
 
 _RETRY_STATUS = {408, 429}
@@ -199,8 +199,7 @@ def endpoint_chunk(convs: Sequence[Conversation], *, client: EndpointClient, mod
                    meta: dict, on_batch: Callable[[int, int], None]) -> tuple[list[dict], dict]:
     """Records of one chunk (input order) and its stats, like dflash.generate.run.regenerate_chunk (tokens:
     the server's completion_tokens, or words when it reports no usage)."""
-    stats: dict = {"records": 0, "turns": 0, "eos": 0, "length": 0, "response_tokens": 0, "skipped": {},
-                   "truncated": {}}
+    stats = new_chunk_stats()
     history: list[list[dict] | None] = [None] * len(convs)
     turns: list[list[dict]] = [[] for _ in convs]
     ended = [False] * len(convs)
@@ -222,14 +221,14 @@ def endpoint_chunk(convs: Sequence[Conversation], *, client: EndpointClient, mod
                                    on_done=done)
         for (k, new), res in zip(rows, results):
             if isinstance(res, Failed):
-                _add(stats["skipped" if r == 0 else "truncated"], res.reason)
+                count(stats["skipped" if r == 0 else "truncated"], res.reason)
                 ended[k] = True
                 continue
             text, finish, tokens = res
             reason = {"stop": "eos", "length": "length"}.get(finish, finish)
             history[k] = (history[k] or []) + new + [{"role": "assistant", "content": text}]
             turns[k].append({"stop_reason": reason})
-            _add(stats, reason if reason in ("eos", "length") else "eos")
+            count(stats, reason if reason in ("eos", "length") else "eos")
             stats["turns"] += 1
             stats["response_tokens"] += tokens
     records = []
@@ -276,5 +275,5 @@ def _run_open(cfg: EndpointConfig, *, out, convs, read_skips, progress, echo, st
         return endpoint_chunk(chunk, client=client, mode=cfg.turn_mode, max_new_tokens=cfg.max_new_tokens,
                               meta=meta, on_batch=on_batch)
 
-    return run_chunks(cfg=cfg, convs=convs, out=out, process_chunk=process, read_skips=read_skips,
+    return run_chunks(cfg=cfg, convs=convs, out=out, process_chunks=in_order(process), read_skips=read_skips,
                       progress=progress, t0=t0, stop_after=stop_after)

@@ -18,14 +18,16 @@ import os
 import pathlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from dflash.data.skips import SkipCounter
 from dflash.errors import ConfigError
 from dflash.generate.conversations import TURN_MODES, Conversation, load_conversations
-from dflash.generate.turns import TurnState, conversation_record, render_prompt_ids, transition_ids
+from dflash.generate.dialog import ConversationRun, DialogRules, chunk_records, count, new_chunk_stats
 
 log = logging.getLogger(__name__)
+
+JOB_BACKENDS = ("auto", "eager", "static", "continuous")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +53,10 @@ class RegenerateConfig:
     chunk_conversations: int = 1024
     """Conversations per committed shard (the unit of resume)."""
     backend: str = "auto"
-    """Decode backend (dflash.generate.decode): "eager", "static" or "auto" (static on CUDA)."""
+    """"eager" / "static" (round-by-round batches, dflash.generate.decode), "continuous" (transformers'
+    continuous batching, dflash.generate.continuous) or "auto" (static on CUDA, eager elsewhere)."""
+    window: int = 2048
+    """continuous backend: most conversations in flight (chunks are admitted in order while fewer are)."""
     template_kwargs: dict = field(default_factory=dict)
     """Extra chat-template arguments, e.g. {"enable_thinking": False}."""
     limit: int | None = None
@@ -69,6 +74,10 @@ class RegenerateConfig:
         for name in ("max_new_tokens", "max_length", "batch_size", "chunk_conversations"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.backend not in JOB_BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}: choose one of {', '.join(JOB_BACKENDS)}")
+        if self.window < 1:
+            raise ConfigError(f"window={self.window}: must be >= 1")
         if self.turns is not None and self.turns not in TURN_MODES:
             raise ConfigError(f"turns={self.turns!r}: choose one of {', '.join(TURN_MODES)}")
         if self.limit is not None and self.limit < 1:
@@ -111,95 +120,24 @@ class RegenerateStats:
                 f"{self.output}; skipped: {sk}; truncated: {tr}")
 
 
-def _add(acc: dict, key: str, n: int = 1) -> None:
-    acc[key] = acc.get(key, 0) + n
-
-
-def first_messages(conv: Conversation, mode: str) -> list[dict]:
-    """The chat before the first regenerated reply: the first turn's prompt, or (last) the source history."""
-    msgs = [dict(m) for m in conv.system]
-    if mode == "last":
-        for t in conv.turns[:-1]:
-            msgs.extend(dict(m) for m in t.prompt)
-            if t.reply is not None:
-                msgs.append({"role": "assistant", "content": t.reply})
-        msgs.extend(dict(m) for m in conv.turns[-1].prompt)
-    else:
-        msgs.extend(dict(m) for m in conv.turns[0].prompt)
-    return msgs
-
-
 DecodeFn = Callable[[list[list[int]], list[int]], list]
 """(prompt ids per row, token budget per row) -> dflash.generate.decode.Decoded per row, in order."""
 
 
-def regenerate_chunk(convs: Sequence[Conversation], *, decode: DecodeFn, tokenizer, mode: str, max_new_tokens: int,
-                     max_length: int, template_kwargs: dict, end_id: int | None, meta: dict
+def regenerate_chunk(convs: Sequence[Conversation], *, decode: DecodeFn, rules: DialogRules, meta: dict
                      ) -> tuple[list[dict], dict]:
-    """Records of one chunk (input order) and its stats {records, turns, eos, length, response_tokens,
-    skipped, truncated}. Round r decodes turn r of every conversation still going."""
-    stats: dict = {"records": 0, "turns": 0, "eos": 0, "length": 0, "response_tokens": 0, "skipped": {},
-                   "truncated": {}}
-    end_token = tokenizer.convert_ids_to_tokens(end_id) if end_id is not None else None
-    states: list[TurnState | None] = [None] * len(convs)
-    ended = [False] * len(convs)
-    for r in range(max(c.num_generated(mode) for c in convs)):
-        rows: list[tuple[int, list[int], list[dict], int]] = []  # conversation, new ids, new messages, budget
-        for k, conv in enumerate(convs):
-            if ended[k] or r >= conv.num_generated(mode):
-                continue
-            st = states[k]
-            if r == 0:
-                msgs = first_messages(conv, mode)
-                try:
-                    new_ids = render_prompt_ids(tokenizer, msgs, template_kwargs)
-                except Exception as e:  # a template that rejects this chat (roles, missing system turn)
-                    log.debug("%s: template error %s", conv.location, e)
-                    _add(stats["skipped"], "template_error")
-                    ended[k] = True
-                    continue
-                st = states[k] = TurnState(messages=[])
-            else:
-                msgs = [dict(m) for m in conv.turns[r].prompt]
-                try:
-                    new_ids = transition_ids(tokenizer, history=st.messages, next_messages=msgs,
-                                             end_token=end_token, template_kwargs=template_kwargs)
-                except Exception as e:  # the template rejects the longer chat: keep the turns done
-                    log.debug("%s: template error at turn %d: %s", conv.location, r, e)
-                    new_ids, why = None, "template_error"
-                else:
-                    why = "template_prefix_mismatch"
-                if new_ids is None:
-                    _add(stats["truncated"], why)
-                    ended[k] = True
-                    continue
-            budget = min(max_new_tokens, max_length - len(st.ids) - len(new_ids))
-            if budget < 1:
-                _add(stats["skipped" if r == 0 else "truncated"], "prompt_over_length" if r == 0 else "over_length")
-                ended[k] = True
-                continue
-            rows.append((k, new_ids, msgs, budget))
+    """Records of one chunk (input order) and its stats (dflash.generate.dialog.new_chunk_stats). Round r
+    decodes turn r of every conversation still going, in one decode() call."""
+    stats = new_chunk_stats()
+    runs = [ConversationRun(c, rules=rules, stats=stats) for c in convs]
+    while True:
+        rows = [(run, req) for run in runs if not run.done for req in [run.next_request()] if req is not None]
         if not rows:
             break
-        decoded = decode([states[k].ids + new_ids for k, new_ids, _, _ in rows], [b for *_, b in rows])
-        for (k, new_ids, msgs, _), d in zip(rows, decoded):
-            st = states[k]
-            st.add_prompt(new_ids)
-            st.messages.extend(msgs)
-            body = d.response_ids[:-1] if d.stop_reason == "eos" else d.response_ids
-            st.add_response(d.response_ids, stop_reason=d.stop_reason,
-                            text=tokenizer.decode(body, skip_special_tokens=False))
-            _add(stats, d.stop_reason)
-            stats["turns"] += 1
-            stats["response_tokens"] += len(d.response_ids)
-            if r + 1 < convs[k].num_generated(mode):
-                st.close_turn(end_id)
-    records = []
-    for conv, st in zip(convs, states):
-        if st is not None and st.turns:
-            records.append(conversation_record(st, meta=meta, location=conv.location, record_id=conv.record_id))
-    stats["records"] = len(records)
-    return records, stats
+        decoded = decode([ids for _, (ids, _) in rows], [budget for _, (_, budget) in rows])
+        for (run, _), d in zip(rows, decoded):
+            run.take(d.response_ids, stop_reason=d.stop_reason)
+    return chunk_records(runs, meta=meta, stats=stats)
 
 
 def model_fingerprint(model_dir: str) -> dict:
@@ -227,12 +165,32 @@ def job_of(cfg, *, model: dict, extra: dict) -> dict:
                         "template_kwargs": dict(cfg.template_kwargs), "limit": cfg.limit, **extra}}
 
 
-def run_chunks(*, cfg, convs: list[Conversation], out, process_chunk, read_skips: SkipCounter,
+ChunkResults = Iterator[tuple[int, list[dict], dict]]
+"""(chunk index, its records in input order, its stats) for each finished chunk, in any order."""
+ProcessChunks = Callable[[list[tuple[int, list[Conversation]]], Callable[[int, int], None], Callable[[int], bool]],
+                         ChunkResults]
+"""(uncommitted chunks in order, on_batch(rows, tokens), may_start(i)) -> finished chunks. A processor calls
+may_start(i) before it starts chunk i and starts no chunk (i nor later) once it returns False."""
+
+
+def in_order(process_chunk: Callable[[list[Conversation], Callable[[int, int], None]], tuple[list[dict], dict]]
+             ) -> ProcessChunks:
+    """A ProcessChunks that runs one chunk at a time with process_chunk(chunk, on_batch) -> (records, stats)."""
+    def run(todo, on_batch, may_start) -> ChunkResults:
+        for i, chunk in todo:
+            if not may_start(i):
+                return
+            records, stats = process_chunk(chunk, on_batch)
+            yield i, records, stats
+    return run
+
+
+def run_chunks(*, cfg, convs: list[Conversation], out, process_chunks: ProcessChunks, read_skips: SkipCounter,
                progress: bool, t0: float, stop_after: float | None = None) -> RegenerateStats:
-    """Process the uncommitted chunks in order, commit each, merge at the end; totals over all chunks.
+    """Process the uncommitted chunks, commit each as it finishes, merge at the end; totals over all chunks.
     cfg: RegenerateConfig or EndpointConfig (chunk_conversations, turn_mode, output).
     stop_after: seconds since t0 within which the run must end: no chunk is started unless it fits, judged by
-    the slowest chunk so far (a time-limited device call ends cleanly instead of being killed)."""
+    the slowest chunk so far, start to commit (a time-limited device call ends cleanly instead of being killed)."""
     from tqdm import tqdm
 
     size = cfg.chunk_conversations
@@ -244,6 +202,7 @@ def run_chunks(*, cfg, convs: list[Conversation], out, process_chunk, read_skips
                dynamic_ncols=True)
     counts = {"records": 0, "tokens": 0}
     resumed = len(out.committed)
+    started: dict[int, float] = {}
     slowest = 0.0
     start = time.perf_counter()
 
@@ -253,29 +212,29 @@ def run_chunks(*, cfg, convs: list[Conversation], out, process_chunk, read_skips
         dt = max(time.perf_counter() - start, 1e-9)
         bar.set_postfix_str(f"{counts['records'] / dt:.1f} rec/s, {counts['tokens'] / dt:,.0f} tok/s")
 
-    for i, chunk in enumerate(chunks):
-        if i in out.committed:
-            continue
+    def may_start(i: int) -> bool:
         if stop_after is not None and time.perf_counter() - t0 + slowest > stop_after:
-            break
-        t_chunk = time.perf_counter()
-        records, stats = process_chunk(chunk, on_batch)
+            return False
+        started[i] = time.perf_counter()
+        return True
+
+    todo = [(i, chunk) for i, chunk in enumerate(chunks) if i not in out.committed]
+    for i, records, stats in process_chunks(todo, on_batch, may_start):
         out.commit(i, records, stats)
-        slowest = max(slowest, time.perf_counter() - t_chunk)
+        slowest = max(slowest, time.perf_counter() - started[i])
         counts["records"] += len(records)
         bar.update(planned[i] - stats["turns"])  # turns that ended early were planned but never decoded
     bar.close()
-    totals: dict = {"records": 0, "turns": 0, "eos": 0, "length": 0, "response_tokens": 0, "skipped": {},
-                    "truncated": {}}
+    totals = new_chunk_stats()
     for i in sorted(out.committed):
         st = out.committed[i]["stats"]
         for k in ("records", "turns", "eos", "length", "response_tokens"):
             totals[k] += st[k]
         for k in ("skipped", "truncated"):
             for reason, n in st[k].items():
-                _add(totals[k], reason, n)
+                count(totals[k], reason, n)
     for reason, n in read_skips.counts.items():
-        _add(totals["skipped"], reason, n)
+        count(totals["skipped"], reason, n)
     if len(out.committed) < len(chunks):
         return _stats(cfg, totals, resumed_chunks=resumed, complete=False, t0=t0, finished=False)
     out.finish(num_chunks=len(chunks), summary={"totals": totals}, keep_shards=getattr(cfg, "keep_shards", False))
@@ -351,6 +310,24 @@ def _regenerate_open(cfg: RegenerateConfig, *, out, convs, read_skips, model_dir
     if cfg.turn_mode == "all" and end_id is None and any(len(c.turns) > 1 for c in convs):
         raise ConfigError(f"the chat template of {cfg.model} ends a turn with no special token, so later turns "
                           "cannot extend the generated ids exactly; use --turns first or --turns last")
+    rules = DialogRules(tokenizer=tokenizer, mode=cfg.turn_mode, max_new_tokens=cfg.max_new_tokens,
+                        max_length=cfg.max_length, template_kwargs=dict(cfg.template_kwargs), end_id=end_id)
+    meta = {"target": cfg.model, "target_config_hash": mfp["config_hash"], "dtype": dtype, "greedy": True,
+            "backend": backend, "max_new_tokens": cfg.max_new_tokens, "max_length": cfg.max_length,
+            "turn_mode": cfg.turn_mode, "template_kwargs": dict(cfg.template_kwargs)}
+    if backend == "continuous":
+        from dflash.generate.continuous import ContinuousConfig, ContinuousEngine, continuous_chunks
+
+        ccfg = ContinuousConfig(max_requests=cfg.batch_size, window=cfg.window, max_length=cfg.max_length)
+        engine = ContinuousEngine(model, stop_ids=stops, cfg=ccfg)
+        try:
+            return run_chunks(cfg=cfg, convs=convs, out=out, read_skips=read_skips, progress=progress, t0=t0,
+                              stop_after=stop_after,
+                              process_chunks=lambda todo, on_batch, may_start: continuous_chunks(
+                                  todo, on_batch, may_start, engine=engine, rules=rules, meta=meta,
+                                  window=ccfg.window))
+        finally:
+            engine.close()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     # one static shape for the whole job: no prompt is wider than max_length, so its padded width is at most
     # bucket_width(max_length), and no batch asks for more than max_new_tokens
@@ -358,16 +335,10 @@ def _regenerate_open(cfg: RegenerateConfig, *, out, convs, read_skips, model_dir
     decoder = GreedyDecoder(model, stop_ids=stops, pad_id=pad,
                             cfg=DecodeConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                                              backend=backend, cache_len=cache_len))
-    meta = {"target": cfg.model, "target_config_hash": mfp["config_hash"], "dtype": dtype, "greedy": True,
-            "backend": backend, "max_new_tokens": cfg.max_new_tokens, "max_length": cfg.max_length,
-            "turn_mode": cfg.turn_mode, "template_kwargs": dict(cfg.template_kwargs)}
 
     def process(chunk, on_batch):
         return regenerate_chunk(chunk, decode=lambda p, b: decoder.decode(p, budgets=b, on_batch=on_batch),
-                                tokenizer=tokenizer, mode=cfg.turn_mode, max_new_tokens=cfg.max_new_tokens,
-                                max_length=cfg.max_length, template_kwargs=cfg.template_kwargs, end_id=end_id,
-                                meta=meta)
+                                rules=rules, meta=meta)
 
-    return run_chunks(cfg=cfg, convs=convs, out=out, process_chunk=process, read_skips=read_skips,
+    return run_chunks(cfg=cfg, convs=convs, out=out, process_chunks=in_order(process), read_skips=read_skips,
                       progress=progress, t0=t0, stop_after=stop_after)
-

@@ -207,6 +207,21 @@ def test_static_backend_equals_eager_on_cpu(smollm2_dir, data_file, tmp_path):
     assert {r["dflash_generate"]["backend"] for r in static} == {"static"}
 
 
+def test_continuous_backend_writes_the_eager_records_on_cpu(smollm2_dir, data_file, tmp_path):
+    """Whole conversations through transformers' continuous batching (one request per turn, chunks of 2 with a
+    window of 1 conversation, so chunk 0 and 1 run one after the other and a kept window is respected) are the
+    records of the round-by-round eager path in fp32: same ids, masks, turn spans and stats."""
+    e_stats, eager = _run(smollm2_dir, tmp_path / "e.jsonl.gz", data_file, backend="eager")
+    c_stats, cont = _run(smollm2_dir, tmp_path / "c.jsonl.gz", data_file, backend="continuous", window=1)
+    assert [r["id"] for r in cont] == ["a", "b", "c"]
+    for key in ("input_ids", "loss_mask", "messages"):
+        assert [r[key] for r in cont] == [r[key] for r in eager]
+    assert [r["dflash_generate"]["turns"] for r in cont] == [r["dflash_generate"]["turns"] for r in eager]
+    assert {r["dflash_generate"]["backend"] for r in cont} == {"continuous"}
+    assert (c_stats.turns, c_stats.stopped_at_eos, c_stats.hit_max_tokens, c_stats.response_tokens) == \
+        (e_stats.turns, e_stats.stopped_at_eos, e_stats.hit_max_tokens, e_stats.response_tokens)
+
+
 def test_extraction_refuses_a_greedy_marker_of_another_dtype(tmp_path):
     from dflash.extract.preflight import target_greedy_of
 

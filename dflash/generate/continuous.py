@@ -1,0 +1,143 @@
+"""Whole-conversation regeneration on transformers' continuous batching (paged KV cache, one request per turn).
+
+Why: a static batch runs until its longest row ends, and turn r+1 of a conversation can only start after turn
+r, so round-by-round batching leaves most rows idle once the long conversations are the only ones left (on the
+H200, 2,048 ShareGPT conversations did not finish in 6 minutes). Here each turn is one request to
+transformers' ContinuousBatchingManager: a row that stops frees its slot at once, and the conversation's next
+turn is queued the moment its previous response arrives, next to the turns of other conversations. The next
+turn's prompt extends the previous one, so the manager's prefix sharing reuses its cached blocks.
+
+Chunks stay the unit of commit and resume: chunks are admitted in order while fewer than `window`
+conversations are in flight, and a chunk is yielded (committed) when its last conversation ends, so chunks
+may commit out of order; the output is merged in chunk order. The batches the manager forms depend on timing,
+so in bf16 a rerun can part from an earlier run after a near-tie (as any two batchings can); in fp32 on CPU
+the responses equal HF generate's (tests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from dflash.errors import DflashError
+from dflash.generate.dialog import ConversationRun, DialogRules, chunk_records, new_chunk_stats
+from dflash.generate.decode import Decoded, split_at_stop
+
+
+class GenerationFailed(DflashError):
+    """The continuous-batching engine failed a request or stopped."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContinuousConfig:
+    """Sizes of the continuous-batching engine."""
+
+    max_requests: int = 512
+    """Most sequences in one forward step (transformers' max_requests_per_batch)."""
+    window: int = 2048
+    """Most conversations in flight; chunks are admitted in order while fewer are."""
+    max_length: int = 4096
+    """Longest sequence (prompt + response) a request can reach: sizes the KV cache off CUDA."""
+    request_timeout: float = 600.0
+    """Seconds without any finished request before the run is declared stuck."""
+
+
+class ContinuousEngine:
+    """Greedy decoding of submitted prompts on a ContinuousBatchingManager; results come back as they finish."""
+
+    def __init__(self, model, *, stop_ids, cfg: ContinuousConfig) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        self.stop_ids = [int(i) for i in stop_ids]
+        self.cfg = cfg
+        gen = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=list(self.stop_ids),
+                               pad_token_id=self.stop_ids[0], max_new_tokens=cfg.max_length)
+        kw: dict = dict(max_requests_per_batch=cfg.max_requests)
+        if next(model.parameters()).device.type != "cuda":
+            # off CUDA the manager cannot size its cache from free GPU memory: room for every row at max length
+            page = 32
+            kw.update(page_size=page, num_blocks=cfg.max_requests * math.ceil(cfg.max_length / page) + 8,
+                      max_batch_tokens=max(256, cfg.max_requests * 8), use_cuda_graph=False)
+        self.manager = model.init_continuous_batching(generation_config=gen,
+                                                      continuous_batching_config=ContinuousBatchingConfig(**kw))
+        self.manager.start()
+        self.model = model
+        self.in_flight = 0
+
+    def submit(self, key: str, prompt_ids: list[int], budget: int) -> None:
+        rid = self.manager.add_request(list(prompt_ids), request_id=key, max_new_tokens=int(budget),
+                                       eos_token_id=list(self.stop_ids))
+        if rid is None:
+            raise GenerationFailed(f"the generation engine refused request {key} (it is stopping or failed)")
+        self.in_flight += 1
+
+    def next_result(self) -> tuple[str, Decoded]:
+        """The next finished request: (key, greedy response cut at its first stop token)."""
+        while True:
+            res = self.manager.get_result(timeout=self.cfg.request_timeout)
+            if res is None:
+                raise GenerationFailed(f"no request finished in {self.cfg.request_timeout:.0f} s "
+                                       f"({self.in_flight} in flight): the generation engine is stuck or crashed")
+            if res.error is not None:
+                raise GenerationFailed(f"request {res.request_id} failed in the generation engine: {res.error}")
+            if res.is_finished():
+                self.in_flight -= 1
+                ids, reason = split_at_stop(res.generated_tokens, self.stop_ids)
+                return res.request_id, Decoded(response_ids=ids, stop_reason=reason)
+
+    def close(self) -> None:
+        self.manager.stop(block=True)
+        self.model.destroy_cached_continuous_batching_manager()
+
+
+def continuous_chunks(todo, on_batch, may_start, *, engine: ContinuousEngine, rules: DialogRules, meta: dict,
+                      window: int):
+    """A dflash.generate.run.ProcessChunks over `engine`: yields (chunk, records, stats) as chunks finish."""
+    pending = deque(todo)
+    chunks: dict[int, tuple[list[ConversationRun], dict]] = {}
+    open_convs: dict[int, int] = {}
+    requests: dict[str, tuple[int, int]] = {}
+    finished: list[int] = []
+
+    def advance(i: int, k: int) -> None:
+        run = chunks[i][0][k]
+        req = run.next_request()
+        if req is None:
+            open_convs[i] -= 1
+            if open_convs[i] == 0:
+                finished.append(i)
+            return
+        key = f"c{i}.v{k}.t{run.turn}"
+        requests[key] = (i, k)
+        engine.submit(key, *req)
+
+    admitting = True
+    while True:
+        while admitting and pending and sum(open_convs.values()) < window:
+            i, convs = pending[0]
+            if not may_start(i):
+                admitting = False
+                break
+            pending.popleft()
+            stats = new_chunk_stats()
+            chunks[i] = ([ConversationRun(c, rules=rules, stats=stats) for c in convs], stats)
+            open_convs[i] = len(convs)
+            for k in range(len(convs)):
+                advance(i, k)
+        while finished:
+            i = finished.pop(0)
+            runs, stats = chunks.pop(i)
+            del open_convs[i]
+            records, stats = chunk_records(runs, meta=meta, stats=stats)
+            yield i, records, stats
+        if not requests:
+            if admitting and pending:
+                continue
+            return
+        key, decoded = engine.next_result()
+        i, k = requests.pop(key)
+        chunks[i][0][k].take(decoded.response_ids, stop_reason=decoded.stop_reason)
+        on_batch(1, len(decoded.response_ids))
+        advance(i, k)
