@@ -144,6 +144,8 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.elementwise_compiled = False
+        """compile_elementwise() was called: training compiles its LM-head CE epilogue too (train.fused_ce)."""
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -164,6 +166,7 @@ class DFlashDrafter(nn.Module):
     def compile_elementwise(self) -> None:
         """Run the norms, RoPE and SiLU-gating as torch.compile'd fused kernels (training on CUDA). Same math;
         results differ from eager by float rounding only. Weights, names and exports are unchanged."""
+        self.elementwise_compiled = True
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.norm_fn = compiled_op(rms_norm)

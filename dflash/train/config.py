@@ -88,8 +88,9 @@ class TrainConfig:
     (train.fused_ce); checkpoint = the chunk-checkpointed path over all rows (objective.chunked_ce_loss,
     three head matmuls per row). Same math up to fp32 summation order."""
     compile_elementwise: str = "auto"
-    """Run the drafter's norms, RoPE and SiLU-gating as torch.compile'd fused kernels: auto = on CUDA only
-    (CPU compilation needs a C++ toolchain and gains little), on, off. Same math up to float rounding."""
+    """Run the drafter's norms, RoPE and SiLU-gating, and the fused LM-head CE's elementwise work (train.fused_ce,
+    loss_impl=fused), as torch.compile'd fused kernels: auto = on CUDA only (CPU compilation needs a C++
+    toolchain and gains little), on, off. Same math up to float rounding."""
 
     online: bool = False
     """Compute the drafter's taps with the live target for every micro-batch instead of reading them from the

@@ -198,7 +198,8 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
     drafter = DFlashDrafter(dc).to(info.device)
     if cfg.compile_elementwise == "on" or (cfg.compile_elementwise == "auto" and info.device.type == "cuda"):
         drafter.compile_elementwise()
-        reasons.append(f"norms, RoPE and SiLU-gating: torch.compile'd (compile_elementwise={cfg.compile_elementwise})")
+        reasons.append(f"norms, RoPE, SiLU-gating and the fused CE's elementwise work: torch.compile'd "
+                       f"(compile_elementwise={cfg.compile_elementwise})")
     reasons.append(describe_drafter(dc, drafter))
     total = count_total_steps(cfg, reader.index.length, info.world_size)
     if info.device.type == "cpu" and info.is_main and cfg.num_anchors * dc.block_size >= GPU_SIZED_BLOCK_TOKENS:

@@ -98,7 +98,8 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
     no host sync).
 
     loss_impl: "fused" (train.fused_ce: head matmul once per supervised row; the row count comes from the
-    host-side HostBlocks.supervised_tokens, so no sync) or "checkpoint" (objective.chunked_ce_loss)."""
+    host-side HostBlocks.supervised_tokens, so no sync; its elementwise epilogue torch.compile'd when the
+    drafter's is, TrainConfig.compile_elementwise) or "checkpoint" (objective.chunked_ce_loss)."""
     cfg = drafter.cfg
     B = cfg.block_size
     device = mb.input_ids_T.device
@@ -116,7 +117,7 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
     labels_Q, weights_Q = blk.labels_JB.reshape(-1), blk.weights_JB.reshape(-1)
     if loss_impl == "fused":
         return fused_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B,
-                             num_supervised=hb.supervised_tokens)
+                             num_supervised=hb.supervised_tokens, compiled=drafter.elementwise_compiled)
     assert loss_impl == "checkpoint", loss_impl
     return chunked_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B)
 

@@ -229,3 +229,62 @@ def test_loss_impl_config_is_checked_and_resume_mutable():
         TrainConfig(cache="c", model="m", output="o", loss_impl="liger")
     assert TrainConfig(cache="c", model="m", output="o").loss_impl == "fused"
     assert "loss_impl" in RESUME_MUTABLE
+
+
+def test_chunk_terms_are_the_cross_entropy_its_gradient_and_the_hits():
+    """The compiled epilogue's math, run eagerly in fp64: sum(CE*w), d/dlogits by autograd, argmax hits."""
+    import torch.nn.functional as F
+
+    from dflash.train.fused_ce import chunk_terms, chunk_value_terms
+
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(13, 41, generator=g, dtype=torch.float64)).requires_grad_(True)
+    labels = torch.randint(0, 41, (13,), generator=g)
+    labels[:4] = logits.detach()[:4].argmax(-1)            # some hits
+    w = torch.rand(13, generator=g, dtype=torch.float64)
+    w[5] = 0
+    ce_sum, correct, grad = chunk_terms(logits.detach(), labels, w)
+    want = (F.cross_entropy(logits, labels, reduction="none") * w).sum()
+    want.backward()
+    # chunk_terms works in fp32 (as the eager fused path), so fp64 inputs agree to fp32 rounding
+    torch.testing.assert_close(ce_sum.double(), want.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad.double(), logits.grad, rtol=1e-5, atol=1e-6)
+    assert grad.dtype == logits.dtype and (grad[5] == 0).all()
+    assert torch.equal(correct, logits.detach().argmax(-1) == labels) and correct[:4].all()
+    v_sum, v_correct, lse = chunk_value_terms(logits.detach(), labels, w)
+    assert torch.equal(v_sum, ce_sum) and torch.equal(v_correct, correct)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits.detach(), -1), rtol=1e-6, atol=0)
+
+
+def test_compiled_epilogue_matches_the_eager_fused_path():
+    """fused_ce_loss(compiled=True) (torch.compile of chunk_terms, here inductor's CPU backend) against the eager
+    fused path in fp32: chunks of several sizes (one dynamic-shape compile), all rows masked, and the flag the
+    trainer reads from the drafter (DFlashDrafter.compile_elementwise)."""
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
+
+    hidden, head, labels, weights, B = _case(seed=12, J=10, H=24, V=301, dtype=torch.float32)
+    n = int((weights > 0).sum())
+    out = []
+    for compiled in (False, True):
+        h = hidden.detach().clone().requires_grad_(True)
+        res = fused_ce_loss(h, head, labels, weights, chunk=7, block_size=B, num_supervised=n, compiled=compiled)
+        res.weighted_ce_sum.backward()
+        out.append((res, h.grad))
+    (ref, g_ref), (res, g) = out
+    torch.testing.assert_close(res.weighted_ce_sum, ref.weighted_ce_sum, rtol=1e-5, atol=0)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6 * g_ref.abs().max().item())
+    _same_metrics(res, ref)
+    h = hidden.detach().clone().requires_grad_(True)
+    res = fused_ce_loss(h, head, labels, torch.zeros_like(weights), chunk=7, block_size=B, num_supervised=0,
+                        compiled=True)
+    res.loss.backward()
+    assert res.loss.item() == 0.0 and torch.equal(h.grad, torch.zeros_like(h))
+
+    dc = DrafterConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=8, vocab_size=64, target_layer_ids=(0,),
+                       num_target_layers=2, mask_token_id=3, block_size=4)
+    drafter = DFlashDrafter(dc)
+    assert drafter.elementwise_compiled is False
+    drafter.compile_elementwise()
+    assert drafter.elementwise_compiled is True
