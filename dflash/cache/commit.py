@@ -142,10 +142,15 @@ def read_manifest(path: str) -> dict:
             m = json.loads(f.read())
     except ValueError as e:
         raise CacheFormatError(f"{p}: not valid JSON ({e})") from e
+    return check_manifest(m, source=p)
+
+
+def check_manifest(m: dict, *, source: str) -> dict:
+    """A parsed manifest, checked for format name and version (local files and object stores alike)."""
     if m.get("format") != FORMAT_NAME:
-        raise CacheFormatError(f"{p}: format {m.get('format')!r} is not {FORMAT_NAME!r}")
+        raise CacheFormatError(f"{source}: format {m.get('format')!r} is not {FORMAT_NAME!r}")
     if m.get("format_version") != FORMAT_VERSION:
-        raise CacheFormatError(f"{p}: format version {m.get('format_version')} is not {FORMAT_VERSION}: "
+        raise CacheFormatError(f"{source}: format version {m.get('format_version')} is not {FORMAT_VERSION}: "
                                "use the dflash version that wrote it, or re-extract")
     return m
 
