@@ -1,4 +1,5 @@
-"""LM-head cross-entropy alone: fused (train.fused_ce) vs chunk-checkpointed (objective.chunked_ce_loss).
+"""LM-head cross-entropy alone: fused (train.fused_ce), fused with its compiled epilogue (fused_compiled:
+fused_ce_loss(compiled=True), what training on CUDA runs) and chunk-checkpointed (objective.chunked_ce_loss).
 
     python benchmarks/bench_fused_ce.py            # CUDA: the Qwen3.5-27B drafter head (H 5120, V 248320),
                                                    # 2 x 512 blocks of 16 rows, bf16 autocast
@@ -6,7 +7,8 @@
 
 Per implementation: median wall time of forward + backward (weighted_ce_sum.backward(), as the train step),
 peak memory above the inputs (CUDA: max_memory_allocated; CPU: each implementation runs in its own child
-process and reports ru_maxrss growth), and the loss and hidden-gradient differences between the two.
+process and reports ru_maxrss growth), and the loss and hidden-gradient differences between them
+(fused vs checkpoint; fused_compiled vs fused). The compiled epilogue's compile happens in the warm-up step.
 Weights as the trainer's: slot 0 zero, decay exp(-(k-1)/7), ~10% of the other slots masked out.
 Prints one JSON line.
 """
@@ -26,6 +28,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+IMPLS = ("checkpoint", "fused", "fused_compiled")
 
 
 def make_case(*, H: int, V: int, J: int, B: int, device: torch.device, dtype: torch.dtype):
@@ -52,9 +55,9 @@ def run_one(impl: str, *, H, V, J, B, reps, chunk_blocks, device, dtype) -> dict
     def step():
         h = hidden.detach().requires_grad_(True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            if impl == "fused":
+            if impl != "checkpoint":
                 res = fused_ce_loss(h, head, labels, weights, chunk=chunk_blocks * B, block_size=B,
-                                    num_supervised=count)
+                                    num_supervised=count, compiled=impl == "fused_compiled")
             else:
                 res = chunked_ce_loss(h, head, labels, weights, chunk=chunk_blocks * B, block_size=B)
         res.weighted_ce_sum.backward()
@@ -75,7 +78,8 @@ def run_one(impl: str, *, H, V, J, B, reps, chunk_blocks, device, dtype) -> dict
         times.append(time.perf_counter() - t)
     peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**20
-    head_flops = (4 if impl == "fused" else 6) * H * V * (count if impl == "fused" else J * B)
+    fused = impl != "checkpoint"
+    head_flops = (4 if fused else 6) * H * V * (count if fused else J * B)
     return {"time_s": statistics.median(times), "peak_extra_gib": peak, "loss": res.loss.item(),
             "supervised_rows": count, "rows": J * B, "head_matmul_flops": head_flops,
             "grad": grad.float().cpu()}
@@ -86,7 +90,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="CPU-sized shape (default on a machine without CUDA)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--chunk-blocks", type=int, default=128, help="TrainConfig.loss_chunk_blocks")
-    p.add_argument("--only", choices=("fused", "checkpoint"), help=argparse.SUPPRESS)  # CPU child process
+    p.add_argument("--only", choices=IMPLS, help=argparse.SUPPRESS)  # CPU child process
     p.add_argument("--grad-out", help=argparse.SUPPRESS)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,7 +104,7 @@ def main() -> None:
         print(json.dumps(r))
         return
     out = {}
-    for impl in ("checkpoint", "fused"):
+    for impl in IMPLS:
         if device.type == "cpu":  # ru_maxrss is per process: one child per implementation
             gpath = f"/tmp/bench_fused_ce_{impl}.pt"
             cmd = [sys.executable, __file__, "--only", impl, "--grad-out", gpath, "--reps", str(args.reps),
@@ -111,12 +115,15 @@ def main() -> None:
             r = run_one(impl, **kw)
             torch.cuda.empty_cache()
         out[impl] = r
-    g_f, g_c = out["fused"].pop("grad"), out["checkpoint"].pop("grad")
+    g_f, g_c, g_fc = (out[k].pop("grad") for k in ("fused", "checkpoint", "fused_compiled"))
     summary = {"benchmark": "fused_ce", "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "shape": shape, "dtype": str(dtype), "chunk_blocks": args.chunk_blocks,
                **out, "speedup": out["checkpoint"]["time_s"] / out["fused"]["time_s"],
                "loss_rel_diff": abs(out["fused"]["loss"] - out["checkpoint"]["loss"]) / abs(out["checkpoint"]["loss"]),
-               "grad_rel_diff": float((g_f - g_c).norm() / g_c.norm())}
+               "grad_rel_diff": float((g_f - g_c).norm() / g_c.norm()),
+               "compiled_speedup": out["fused"]["time_s"] / out["fused_compiled"]["time_s"],
+               "compiled_loss_rel_diff": abs(out["fused_compiled"]["loss"] - out["fused"]["loss"]) / abs(out["fused"]["loss"]),
+               "compiled_grad_rel_diff": float((g_fc - g_f).norm() / g_f.norm())}
     print(json.dumps(summary))
 
 
