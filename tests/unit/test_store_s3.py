@@ -1,0 +1,125 @@
+"""Caches on a real S3 server (SeaweedFS on localhost, tests/store_server.py): publish and fetch round trips,
+tap-subset reads, plain zarr reads, orphans of a killed publisher, and the one-line configuration errors."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from store_server import s3_env, s3_server  # noqa: F401  (fixtures)
+
+from dflash.cache import CacheReader, CacheWriter, Fingerprint
+from dflash.cache import commit as cm
+from dflash.errors import CacheMismatchError, CacheNotFoundError, StoreError
+from dflash.store import protocol as sp
+from dflash.store.objects import open_store, zarr_store
+from dflash.store.sync import fetch_cache, publish_cache
+
+TAPS = (1, 3, 5, 7, 9)
+D = 64
+
+
+def make_cache(path, *, storage="fp8", num_samples=12, seed=0, shard_tokens=200):
+    fp = Fingerprint(target="m", target_config_hash="h", num_target_layers=12, hidden_size=D,
+                     target_dtype="bfloat16", tokenizer_hash="t", chat_template_hash="c", tap_layer_ids=TAPS,
+                     storage=storage)
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(20, 60, num_samples)
+    T = int(lengths.sum())
+    with CacheWriter(path, fp, shard_tokens=shard_tokens, chunk_bytes=D * 32) as w:
+        w.append(sample_ids=np.arange(num_samples) * 2, lengths=lengths,
+                 input_ids=rng.integers(0, 1000, T).astype(np.int32), loss_mask=rng.integers(0, 2, T).astype(np.uint8),
+                 hidden=torch.from_numpy(rng.standard_normal((T, len(TAPS), D)).astype(np.float32)))
+    return fp
+
+
+def same_reads(a, b, taps=None):
+    with CacheReader(a) as ra, CacheReader(b) as rb:
+        assert len(ra) == len(rb) and np.array_equal(ra.index.sample_id, rb.index.sample_id)
+        order = list(range(len(ra)))[::-1]
+        pa, pb = ra.read_many(order, taps=taps), rb.read_many(order, taps=taps)
+        assert torch.equal(pa.hidden, pb.hidden) and np.array_equal(pa.input_ids, pb.input_ids)
+        assert (pa.scales is None) == (pb.scales is None)
+        if pa.scales is not None:
+            assert torch.equal(pa.scales, pb.scales)
+        return rb.bytes_read
+
+
+def test_publish_fetch_subset_and_plain_zarr(s3_env, tmp_path):
+    url = s3_env.create_bucket("dflash-rt") + "/team/cache"
+    make_cache(tmp_path / "local")
+    st = publish_cache(local=str(tmp_path / "local"), url=url)
+    assert st.shards == len(cm.read_commit_logs(str(tmp_path / "local"))) > 2 and st.skipped == 0
+    again = publish_cache(local=str(tmp_path / "local"), url=url)  # idempotent
+    assert (again.shards, again.skipped, again.bytes) == (0, st.shards, 0)
+
+    full = fetch_cache(url=url, local=str(tmp_path / "all"))
+    assert full.shards == st.shards
+    same_reads(tmp_path / "local", tmp_path / "all")
+    sub = fetch_cache(url=url, local=str(tmp_path / "sub"), taps=(3, 9))
+    same_reads(tmp_path / "local", tmp_path / "sub", taps=[3, 9])
+    assert sub.bytes <= 0.45 * full.bytes  # 2 of 5 taps: only their byte ranges (plus small arrays, indexes)
+    with pytest.raises(Exception, match="crc32c"):  # an unfetched tap is never silently zeros
+        CacheReader(tmp_path / "sub").read_many([0], taps=[1])
+
+    shard = cm.read_commit_logs(str(tmp_path / "local"))[0].shard
+    g = zarr.open_group(zarr_store(url), path=f"{cm.SHARDS}/{shard}", mode="r")
+    plain = zarr.open_group(str(tmp_path / "local" / cm.SHARDS / shard), mode="r")
+    assert np.array_equal(g["hidden"][:], plain["hidden"][:]) and np.array_equal(g["samples"][:], plain["samples"][:])
+
+
+def test_killed_publisher_leaves_orphans_that_readers_ignore_and_publish_removes(s3_env, tmp_path):
+    url = s3_env.create_bucket("dflash-orphans") + "/c"
+    make_cache(tmp_path / "local", storage="bf16")
+    publish_cache(local=str(tmp_path / "local"), url=url)
+    store = open_store(url)
+    # what a publisher killed before its commit record leaves: all objects of a shard, no record
+    recs = cm.read_commit_logs(str(tmp_path / "local"))
+    ghost = cm.shard_name(rank=0, seq=recs[-1].seq + 1)
+    for key in open_store(url).list_keys(sp.shard_prefix(recs[0].shard)):
+        store.put(key.replace(recs[0].shard, ghost), store.get(key))
+    listing = sp.classify_keys(store.list_keys())
+    assert listing.orphans and all(ghost in k for k in listing.orphans) and ghost not in listing.records
+    fetch_cache(url=url, local=str(tmp_path / "m"))
+    assert len(CacheReader(tmp_path / "m")) == len(CacheReader(tmp_path / "local"))  # the ghost is not read
+    assert publish_cache(local=str(tmp_path / "local"), url=url).orphans_removed == len(listing.orphans)
+    assert not sp.classify_keys(store.list_keys()).orphans
+    totals = json.loads(store.get(cm.MANIFEST))["totals"]
+    assert totals == CacheReader(tmp_path / "local").manifest["totals"]
+
+
+def test_fingerprint_mismatch_and_missing_cache(s3_env, tmp_path):
+    url = s3_env.create_bucket("dflash-fp") + "/c"
+    make_cache(tmp_path / "a", storage="bf16")
+    make_cache(tmp_path / "b", storage="fp8")
+    publish_cache(local=str(tmp_path / "a"), url=url)
+    with pytest.raises(CacheMismatchError, match="storage"):
+        publish_cache(local=str(tmp_path / "b"), url=url)
+    with pytest.raises(CacheNotFoundError, match="no dflash cache at s3://dflash-fp/elsewhere"):
+        fetch_cache(url="s3://dflash-fp/elsewhere", local=str(tmp_path / "m"))
+
+
+def one_line(err) -> str:
+    text = str(err.value)
+    assert "\n" not in text and "dflash-test-secret" not in text and "dflash-test-key" not in text
+    return text
+
+
+def test_configuration_errors_are_one_line(s3_server, monkeypatch):
+    from dflash.procs import free_port
+    s3_server.create_bucket("dflash-errors")
+    cases = [
+        (dict(AWS_SECRET_ACCESS_KEY="wrong"), "s3://dflash-errors/c", "rejected the credentials"),
+        ({}, "s3://dflash-no-such-bucket/c", "bucket does not exist"),
+        (dict(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}"), "s3://dflash-errors/c", "cannot reach"),
+        ({}, "ftp://host/c", "unknown URL scheme 'ftp'"),
+    ]
+    for overrides, url, want in cases:
+        for key, value in s3_server.env(**overrides).items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(StoreError) as err:
+            open_store(url)
+        assert want in one_line(err) and url.split("/")[2] in str(err.value)
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == "dflash-test-secret"
