@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.compiled import compiled_op
 from dflash.drafter.attention import (BlockLayout, choose_backend, dense_block_attention,
                                       flex_block_attention, flex_block_mask)
 from dflash.drafter.config import DrafterConfig
@@ -43,18 +44,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
-
-
-_compiled_ops: dict = {}
-
-
-def compiled_op(fn):
-    """fn under torch.compile (dynamic shapes), built once per process. Why: in eager mode the norms, RoPE
-    and SiLU-gating are chains of memory-bound kernels with fp32 temporaries (forward and backward); compiled,
-    each is one fused kernel per direction."""
-    if fn not in _compiled_ops:
-        _compiled_ops[fn] = torch.compile(fn, dynamic=True)
-    return _compiled_ops[fn]
 
 
 class RMSNorm(nn.Module):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dflash.errors import ConfigError
+from dflash.target import fused
 from dflash.target.registry import find_decoder
 from dflash.target.taps import validate_tap_layer_ids
 
@@ -42,10 +43,14 @@ class TappedForward:
     Tap k is the output of decoder layer k, i.e. HF `output_hidden_states[k + 1]` (for the last layer that
     tensor is final-normed, so a tap on the last layer gets the norm applied, as in HF). Not thread-safe (it
     swaps modules of the shared model for the duration of a call); use one per process.
+    compile_elementwise: run the Qwen3.5 norm and gate chains torch.compile'd (dflash.target.fused; off by
+    default, and meant for CUDA: on CPU inductor's compile costs more than it saves). It changes `model`'s
+    modules for every user of that model instance.
     """
 
-    def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int]) -> None:
+    def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int], *, compile_elementwise: bool = False) -> None:
         self.model = model
+        self.fused_modules = fused.compile_elementwise(model) if compile_elementwise else {}
         self.decoder = text_decoder(model)
         self.num_layers = len(self.decoder.layers)
         self.tap_layer_ids = validate_tap_layer_ids(tap_layer_ids, num_layers=self.num_layers)

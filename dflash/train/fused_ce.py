@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.drafter.model import compiled_op
+from dflash.compiled import compiled_op
 from dflash.errors import ConfigError
 from dflash.train.objective import CELoss, ce_metrics
 
