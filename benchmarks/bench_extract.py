@@ -22,6 +22,8 @@ Measures on the same samples (lengths drawn from real ShareGPT token lengths, be
       also save one file per sample), over >= 100K tokens, after an untimed pass of the same forwards (warm
       kernels and allocator, as (a) and (b) get). `ratio_vs_peer_style` is reported only for a run of at least
       PEER_MIN_TOKENS tokens: the 2026-12-01 figure (38x) timed ~7 cold samples, mostly first-call compiles.
+With --compile-elementwise every forward here (extraction, forward-only, peer) runs dflash.target.fused's
+compiled Qwen3.5 norm/gate chains: compare forward_only_tok_s and tok_s with a run without it.
 
 The 27B-shape target has random weights built directly on the GPU: a 54 GB checkpoint cannot be written to
 the 64 GB disk beside the cache, so `load_target` is replaced by a function returning that model (with the
@@ -273,6 +275,8 @@ def main() -> None:
     p.add_argument("--work-dir", default="/tmp/dflash_bench_extract", help="local-disk folder for caches")
     p.add_argument("--tiny", action="store_true", help="tiny random Qwen3.5 (CPU smoke run)")
     p.add_argument("--fla-conv", action="store_true", help="FLA Triton causal_conv1d in place of the torch fallback")
+    p.add_argument("--compile-elementwise", action="store_true",
+                   help="torch.compile'd Qwen3.5 norm/gate chains (dflash.target.fused) in every forward here")
     p.add_argument("--load-seconds", type=float, default=None,
                    help="stand-in for the checkpoint load before each extraction (default: 5 on CUDA, 0 on CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -302,6 +306,12 @@ def main() -> None:
     t = time.perf_counter()
     model, tokenizer = build_random_model(model_dir, device, fla_conv=args.fla_conv)
     build_s = time.perf_counter() - t
+    fused_modules = {}
+    if args.compile_elementwise:  # the driver's TappedForward runs this same model instance, so it gets them too
+        from dflash.target.fused import compile_elementwise
+
+        fused_modules = compile_elementwise(model)
+        print(f"compiled norm/gate chains: {fused_modules}", flush=True)
     load_s = args.load_seconds if args.load_seconds is not None else (5.0 if device.type == "cuda" else 0.0)
 
     def load_prebuilt(*_a, **_k):  # see module docstring
@@ -420,7 +430,7 @@ def main() -> None:
                      "transformers": __import__("transformers").__version__,
                      "fla": package_version("fla-core"), "zarr": package_version("zarr")},
         "model": "tiny Qwen3.5" if args.tiny else "Qwen3.5-27B shape, random weights",
-        "kernels": str(getattr(model, "dflash_kernels", "")),
+        "kernels": str(getattr(model, "dflash_kernels", "")), "compiled_elementwise_modules": fused_modules,
         "taps": list(taps), "layers_run": num_layers_run, "samples": len(lengths), "real_tokens": real,
         "padded_tokens": padded, "padding_fraction_full_dataset_plan": full_padding, "batch_tokens": args.batch_tokens, "matmul_peak_flops": peak,
         "forward_flops_per_token": total_flops / real, "model_build_s": build_s, "load_seconds_stand_in": load_s,
