@@ -7,19 +7,35 @@ import json
 import click
 
 
+class CacheArg(click.ParamType):
+    """A cache folder that must exist, or an object-store URL (s3://...), checked when it is opened."""
+
+    name = "CACHE"
+
+    def convert(self, value, param, ctx):
+        from dflash.store.url import is_store_url
+
+        if is_store_url(value):
+            return value
+        return click.Path(exists=True, file_okay=False).convert(value, param, ctx)
+
+
+CACHE = CacheArg()
+
 @click.group("cache")
 def command() -> None:
     """Inspect and verify a hidden-state cache."""
 
 
 @command.command("info")
-@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.argument("cache", type=CACHE)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def info(cache: str, as_json: bool) -> None:
     """Samples, tokens, loss tokens, taps, dtype, shards and bytes of CACHE."""
     from dflash.cache.verify import cache_info
+    from dflash.store.resolve import local_cache
 
-    d = cache_info(cache)
+    d = cache_info(local_cache(cache))
     if as_json:
         click.echo(json.dumps(d))
         return
@@ -41,12 +57,16 @@ def info(cache: str, as_json: bool) -> None:
 
 
 @command.command("verify")
-@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.argument("cache", type=CACHE)
 def verify(cache: str) -> None:
     """Check every chunk checksum of CACHE and that manifest, commit logs and shards agree."""
     from dflash.cache.verify import verify_cache
+    from dflash.store.resolve import local_cache, store_notes
 
-    rep = verify_cache(cache)
+    rep = verify_cache(local_cache(cache))
+    notes, problems = store_notes(cache)  # a URL's listing: orphans, records without objects ([] locally)
+    rep.notes[:0] = notes
+    rep.problems += problems
     for n in rep.notes:
         click.echo(f"note: {n}")
     for p in rep.problems:

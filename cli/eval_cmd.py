@@ -23,6 +23,9 @@ def command(drafter_dir, cache_dir, model_path, as_json, approximate, chunk_anch
     """Exact greedy tau: walk the accept chain of every cached response (per source and overall)."""
     from dflash.eval.evaluate import EvalConfig, evaluate_cache, format_result
 
+    from dflash.store.resolve import local_cache
+
+    cache_dir = local_cache(cache_dir)  # a URL (s3://...) -> its local mirror; local paths unchanged
     cfg = EvalConfig(chunk_anchors=chunk_anchors, approximate=approximate, device=device, dtype=dtype, limit=limit)
     res = evaluate_cache(drafter_dir=drafter_dir, cache_dir=cache_dir, model=model_path, cfg=cfg,
                          progress=not as_json)

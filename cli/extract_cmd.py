@@ -75,7 +75,13 @@ def command(model, data, output, taps, storage, max_length, num_procs, batch_tok
         dtype=dtype, device=device, fla_conv=fla_conv, dry_run=dry_run, repair=repair,
         show_progress=not no_progress)
     try:
-        launch(cfg, num_procs=num_procs, echo=click.echo)
+        from dflash.store.url import is_store_url
+
+        if is_store_url(output):  # s3://...: through a local staging folder, published as shards commit
+            from dflash.store.resolve import extract_to_store
+            extract_to_store(cfg, num_procs=num_procs, echo=click.echo)
+        else:
+            launch(cfg, num_procs=num_procs, echo=click.echo)
     except KeyboardInterrupt:
         import shlex
         import sys

@@ -33,6 +33,10 @@ def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limi
 
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
+    from dflash.store.resolve import local_cache
+
+    cache = local_cache(cache)  # a URL (s3://...) -> its local mirror; local paths unchanged
+    eval_cache = None if eval_cache is None else local_cache(eval_cache)
     s = load_sweep_spec(spec, cache=cache, model=model, output=output)
     import logging
 

@@ -83,6 +83,9 @@ def command(cache, model, output, config_path, gpus, resume, device, **flags) ->
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
     cfg = load_train_config(config_path, dict(cache=cache, model=model, output=output, **flags))
+    from dflash.store.resolve import local_caches
+
+    cfg = local_caches(cfg)  # cache URLs (s3://...) -> their local mirrors; local paths unchanged
     dev = None if device == "auto" else device
     from dflash.train.launch import launch
 

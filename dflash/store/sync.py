@@ -16,6 +16,7 @@ epochs and sweep runs, and resume of both directions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -80,43 +81,84 @@ def _shard_files(local: str, shard: str) -> list[str]:
     return [os.path.relpath(os.path.join(root, f), d).replace(os.sep, "/") for root, _, fs in os.walk(d) for f in fs]
 
 
-def publish_cache(*, local: str, url: str, num_threads: int = DEFAULT_THREADS) -> SyncStats:
-    """Store the local cache's committed shards on `url` (see the module docstring)."""
-    manifest = cm.read_manifest(local)
-    fp = Fingerprint.from_json(manifest["fingerprint"])
-    store = open_store(url)
-    theirs = read_store_manifest(store)
-    if theirs is not None:
-        Fingerprint.from_json(theirs["fingerprint"]).check_matches(fp)
-    else:
-        store.put(cm.MANIFEST, json.dumps(cm.build_manifest(fp, []), indent=1).encode())
-    moved = skipped = 0
-    with ThreadPoolExecutor(num_threads) as pool:
+class Publisher:
+    """Publishes a local cache's committed shards to a store, incrementally: `publish_new()` stores the
+    shards committed locally since the last call (extract calls it while the run goes on), `finish()` the
+    rest plus the manifest. Orphans of the ranks it publishes are deleted when it opens, before it stores
+    anything itself, so it never deletes an upload in flight; `ranks` = only these writer ranks' shards
+    (one publisher per rank under torchrun), None = every rank (the only writer: extract's run lock)."""
+
+    def __init__(self, *, local: str, url: str, ranks: list[int] | None = None,
+                 num_threads: int = DEFAULT_THREADS) -> None:
+        self.local, self.ranks = local, ranks
+        self.fp = Fingerprint.from_json(cm.read_manifest(local)["fingerprint"])
+        self.store = store = open_store(url)
+        theirs = read_store_manifest(store)
+        if theirs is not None:
+            Fingerprint.from_json(theirs["fingerprint"]).check_matches(self.fp)
+        else:
+            store.put(cm.MANIFEST, json.dumps(cm.build_manifest(self.fp, []), indent=1).encode())
+        self.pool = ThreadPoolExecutor(num_threads)
         listing = sp.classify_keys(store.list_keys())
-        for r in cm.read_commit_logs(local):
-            if r.shard in listing.records:
-                skipped += 1
+        # objects of shards without a record: a killed publisher's (never another live rank's in-flight ones)
+        orphans = [k for k in listing.orphans if ranks is None or orphan_rank(k) in ranks]
+        store.delete(orphans)
+        self.remote = set(listing.records)
+        self.stats = SyncStats(shards=0, skipped=0, bytes=0, orphans_removed=len(orphans))
+        self._skipped = set(self.remote)
+
+    def publish_new(self) -> int:
+        """Store every locally committed shard not yet on the store; returns how many."""
+        n = 0
+        for r in cm.read_commit_logs(self.local):
+            if (self.ranks is not None and r.rank not in self.ranks) or r.shard in self.remote:
                 continue
-            rels = sp.upload_order(_shard_files(local, r.shard))
-            base = os.path.join(local, cm.SHARDS, r.shard)
+            rels = sp.upload_order(_shard_files(self.local, r.shard))
+            base = os.path.join(self.local, cm.SHARDS, r.shard)
             data = [rel for rel in rels if not rel.endswith("zarr.json")]
 
             def put(rel: str) -> int:
                 with open(os.path.join(base, rel), "rb") as f:
                     payload = f.read()
-                store.put(sp.shard_prefix(r.shard) + rel, payload)
+                self.store.put(sp.shard_prefix(r.shard) + rel, payload)
                 return len(payload)
-            moved += sum(pool.map(put, data))           # data objects in parallel,
+            moved = sum(self.pool.map(put, data))            # data objects in parallel,
             moved += sum(put(rel) for rel in rels[len(data):])  # then metadata in order,
-            store.put(sp.record_key(rank=r.rank, shard=r.shard), r.to_line().encode(), create=True)  # commit
-        done = sp.classify_keys(store.list_keys())
-        store.delete(list(done.orphans))  # shards without a record that no local commit claims
-        records = read_records(store, done, pool=pool)
-    store.put(cm.MANIFEST, json.dumps(cm.build_manifest(fp, records), indent=1).encode())
-    published = len(records) - skipped
-    log.info("published %d shards (%d already there), %d orphan objects removed", published, skipped,
-             len(done.orphans))
-    return SyncStats(shards=published, skipped=skipped, bytes=moved, orphans_removed=len(done.orphans))
+            self.store.put(sp.record_key(rank=r.rank, shard=r.shard), r.to_line().encode(), create=True)  # commit
+            self.remote.add(r.shard)
+            n += 1
+            self.stats = dataclasses.replace(self.stats, shards=self.stats.shards + 1,
+                                             bytes=self.stats.bytes + moved)
+        return n
+
+    def finish(self) -> SyncStats:
+        """Publish what is left, rewrite the manifest (totals over the store's records), close."""
+        try:
+            self.publish_new()
+            records = read_records(self.store, sp.classify_keys(self.store.list_keys()), pool=self.pool)
+            self.store.put(cm.MANIFEST, json.dumps(cm.build_manifest(self.fp, records), indent=1).encode())
+        finally:
+            self.pool.shutdown()
+        mine = {r.shard for r in cm.read_commit_logs(self.local)
+                if self.ranks is None or r.rank in self.ranks}
+        self.stats = dataclasses.replace(self.stats, skipped=len(mine & self._skipped))
+        log.info("published %d shards (%d already there), %d orphan objects removed", self.stats.shards,
+                 self.stats.skipped, self.stats.orphans_removed)
+        return self.stats
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def publish_cache(*, local: str, url: str, ranks: list[int] | None = None,
+                  num_threads: int = DEFAULT_THREADS) -> SyncStats:
+    """Store the local cache's committed shards on `url` (Publisher, in one go)."""
+    return Publisher(local=local, url=url, ranks=ranks, num_threads=num_threads).finish()
+
+
+def orphan_rank(key: str) -> int:
+    """The writer rank of a shard object key (the rank is part of every shard name)."""
+    return cm.parse_shard_name(key.split("/")[1])[0]
 
 
 def _index_nbytes(meta: dict) -> int:
@@ -201,8 +243,12 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
         write_json_file(mpath, mirror)
     for sub in (cm.COMMITS, cm.SHARDS, cm.STAGING):
         os.makedirs(os.path.join(local, sub), exist_ok=True)
-    have_local = {r.shard for r in cm.read_commit_logs(local)} if os.path.exists(
-        os.path.join(local, cm.MANIFEST)) else set()
+    if os.path.exists(os.path.join(local, cm.MANIFEST)):
+        Fingerprint.from_json(cm.read_manifest(local)["fingerprint"]).check_matches(fp)
+    else:
+        # first, so a fetch killed midway leaves a cache (totals lagging the logs: a note), not a bare folder
+        cm.write_manifest_atomic(local, cm.build_manifest(fp, []), tag="fetch")
+    have_local = {r.shard for r in cm.read_commit_logs(local)}
     moved = 0
     with ThreadPoolExecutor(num_threads) as pool:
         listing = sp.classify_keys(store.list_keys())

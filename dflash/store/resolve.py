@@ -1,0 +1,129 @@
+"""Where the commands meet the store: a cache argument that is a URL becomes a local folder.
+
+- Readers (train, eval, sweep, cache info/verify): `local_cache(url)` mirrors the committed shards into
+  mirror_folder(url) (incremental: a rerun fetches only new shards) and returns that folder.
+- `dflash extract --output URL`: `extract_to_store` extracts into the URL's local staging folder (the same
+  folder), after fetching what the store already holds (so a resume, on any machine, node count or scratch
+  folder, skips every sample committed on the store), and publishes each rank's shards when the run ends.
+  Under torchrun every rank publishes its own rank's shards (shard names carry the rank: ranks never
+  delete each other's in-flight objects); spawned ranks are published by the parent.
+Local paths pass through unchanged everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from dflash.cache import commit as cm
+from dflash.store.url import is_store_url, mirror_folder
+
+log = logging.getLogger(__name__)
+
+
+def local_cache(path, *, taps: tuple[int, ...] | None = None, root: str | None = None) -> str:
+    """`path` itself for a local folder; for a URL the local mirror folder, brought up to date first
+    (several processes of one machine may call it at once: the mirror's cache lock serializes them)."""
+    if not is_store_url(path):
+        return os.fspath(path)
+    from dflash.store.sync import fetch_cache
+    local = mirror_folder(path, root=root) + ("" if taps is None else "-taps-" + "-".join(map(str, sorted(taps))))
+    os.makedirs(local, exist_ok=True)
+    lock = cm.CacheLock(local)
+    try:
+        with lock:
+            st = fetch_cache(url=path, local=local, taps=taps)
+    finally:
+        lock.close()
+    log.info("%s: local mirror %s (%d shards fetched, %d already there, %.1f MB)", path, local, st.shards,
+             st.skipped, st.bytes / 1e6)
+    return local
+
+
+def store_notes(path) -> tuple[list[str], list[str]]:
+    """(notes, problems) of a cache URL's listing by the protocol (local paths: none): orphans and unknown
+    keys are notes (readers never see them; the next extract resume deletes the orphans), committed shards
+    without objects are problems."""
+    if not is_store_url(path):
+        return [], []
+    from dflash.store import protocol as sp
+    from dflash.store.objects import open_store
+    got = sp.classify_keys(open_store(path).list_keys())
+    notes = []
+    if got.orphans:
+        shards = sorted({k.split("/")[1] for k in got.orphans})
+        notes.append(f"{len(got.orphans)} objects of {len(shards)} uncommitted shards ({', '.join(shards[:3])}"
+                     f"{', ...' if len(shards) > 3 else ''}): a killed publisher's; readers ignore them, the "
+                     "next dflash extract --output of this URL deletes them")
+    if got.strays:
+        notes.append(f"{len(got.strays)} objects outside the cache layout (first {got.strays[0]}); ignored")
+    problems = [f"shard {s}: committed (record {got.records[s]}) but no objects on the store" for s in got.missing]
+    return notes, problems
+
+
+def local_caches(cfg):
+    """A TrainConfig with its cache and eval_cache URLs replaced by their local mirrors."""
+    import dataclasses
+    return dataclasses.replace(cfg, cache=local_cache(cfg.cache),
+                               eval_cache=None if cfg.eval_cache is None else local_cache(cfg.eval_cache))
+
+
+PUBLISH_EVERY = 0.5  # seconds between publish passes while extraction runs (a local log read; no LIST)
+
+
+def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None = None):
+    """Run `launch(cfg)` with cfg.output = URL through the URL's local staging folder (module docstring);
+    a publisher thread stores each shard soon after its local commit, so a killed run loses no more on the
+    store than in the staging folder."""
+    import dataclasses
+    import threading
+
+    from dflash.extract.launch import launch
+    from dflash.store.objects import open_store
+    from dflash.store.sync import Publisher, fetch_cache, read_store_manifest
+
+    url = cfg.output
+    staging = mirror_folder(url, root=root)
+    torchrun = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = int(os.environ["RANK"]) if torchrun else 0
+    if read_store_manifest(open_store(url)) is not None and not cfg.dry_run:
+        os.makedirs(staging, exist_ok=True)
+        lock = cm.CacheLock(staging)
+        try:
+            with lock:  # the ranks of one node share the staging folder: one fetches, the others find it done
+                st = fetch_cache(url=url, local=staging)
+        finally:
+            lock.close()
+        if rank == 0:
+            echo(f"{url}: {st.shards + st.skipped} shards already on the store (fetched {st.shards} into "
+                 f"{staging}); their samples are skipped")
+    if cfg.dry_run:
+        return launch(dataclasses.replace(cfg, output=staging), num_procs=num_procs, echo=echo)
+    stop = threading.Event()
+    state: dict = {}
+
+    def publish_loop() -> None:
+        try:
+            while not stop.wait(PUBLISH_EVERY):
+                if "pub" not in state and os.path.exists(os.path.join(staging, cm.MANIFEST)):
+                    state["pub"] = Publisher(local=staging, url=url, ranks=[rank] if torchrun else None)
+                if "pub" in state:
+                    state["pub"].publish_new()
+        except BaseException as e:  # surfaced by the main thread after the run
+            state["error"] = e
+
+    thread = threading.Thread(target=publish_loop, name="dflash-publish", daemon=True)
+    thread.start()
+    try:
+        result = launch(dataclasses.replace(cfg, output=staging), num_procs=num_procs, echo=echo)
+    finally:
+        stop.set()
+        thread.join()
+    if "error" in state:
+        raise state["error"]
+    pub = state.get("pub") or Publisher(local=staging, url=url, ranks=[rank] if torchrun else None)
+    st = pub.finish()
+    if rank == 0:
+        echo(f"{url}: published {st.shards} shards ({st.bytes / 1e6:.1f} MB), {st.skipped} already there"
+             + (f", {st.orphans_removed} orphan objects removed" if st.orphans_removed else ""))
+    return result

@@ -1,0 +1,93 @@
+"""End to end with the cache on a real S3 server (SeaweedFS on localhost): `dflash extract --output s3://...`
+-> `cache info/verify` -> `dflash train --cache s3://...` -> `dflash eval`, each command on a fresh local
+mirror ($DFLASH_HOME, as on another machine); and the kill -9 / resume identity test of
+test_extract_resume.py on the store: a run killed while publishing, resumed from another staging folder
+(another machine), ends with exactly the content of an uninterrupted local run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from store_server import s3_server  # noqa: F401  (fixture)
+from test_extract_resume import COMMON, NUM_GOOD, _content, setup  # noqa: F401  (fixture + helpers)
+
+from cli.main import cli
+from dflash.store import protocol as sp
+from dflash.store.objects import open_store
+from dflash.store.sync import fetch_cache
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(server, home) -> dict:
+    return {**server.env(), "DFLASH_HOME": str(home)}
+
+
+def _invoke(monkeypatch, env, args):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    res = CliRunner().invoke(cli, args, prog_name="dflash")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return res.output
+
+
+def _records(url) -> int:
+    return len(sp.classify_keys(open_store(url).list_keys()).records)
+
+
+def test_extract_train_eval_on_the_store(setup, s3_server, tmp_path, monkeypatch):  # noqa: F811
+    model, data, ref = setup
+    url = s3_server.create_bucket("dflash-e2e") + "/runs/cache"
+    out = _invoke(monkeypatch, _env(s3_server, tmp_path / "node-a"),
+                  ["extract", "--model", model, "--data", data, "--output", url, *COMMON, "--gpus", "1",
+                   "--no-progress"])
+    assert f"{url}: published" in out
+    home_b = _env(s3_server, tmp_path / "node-b")  # every later command on a machine with no copy yet
+    info = json.loads(_invoke(monkeypatch, home_b, ["cache", "info", url, "--json"]))
+    assert info["samples"] == NUM_GOOD
+    assert "ok:" in _invoke(monkeypatch, home_b, ["cache", "verify", url])
+    _invoke(monkeypatch, home_b, ["train", "--cache", url, "--model", model, "--output", str(tmp_path / "run"),
+                                  "--config", "configs/train_tiny.yaml", "--steps", "2", "--device", "cpu"])
+    res = json.loads(_invoke(monkeypatch, home_b, ["eval", "--drafter", str(tmp_path / "run" / "drafter"),
+                                                   "--cache", url, "--model", model, "--approximate", "--json",
+                                                   "--device", "cpu"]))
+    assert res["overall"]["num_sequences"] == NUM_GOOD and res["tau"] >= 1.0
+    fetch_cache(url=url, local=str(tmp_path / "check"))
+    assert _content(tmp_path / "check") == _content(ref)
+
+
+def test_killed_extract_resumes_to_identical_content_on_the_store(setup, s3_server, tmp_path,  # noqa: F811
+                                                                  monkeypatch):
+    model, data, ref = setup
+    url = s3_server.create_bucket("dflash-kill") + "/cache"
+    args = ["extract", "--model", model, "--data", data, "--output", url, *COMMON, "--gpus", "1", "--no-progress"]
+    env = {**os.environ, **_env(s3_server, tmp_path / "node-a")}
+    p = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    deadline = time.monotonic() + 120
+    while _records(url) < 2:
+        assert p.poll() is None, f"run ended (rc={p.returncode}) before 2 shards were on the store"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGKILL)
+    assert p.wait() == -signal.SIGKILL
+    partial = _records(url)
+    fetch_cache(url=url, local=str(tmp_path / "partial"))
+    assert 0 < len(_content(tmp_path / "partial")) < NUM_GOOD, "the kill must land mid-run"
+
+    out = _invoke(monkeypatch, _env(s3_server, tmp_path / "node-b"), args)  # another machine resumes
+    assert f"{partial} shards already on the store" in out
+    fetch_cache(url=url, local=str(tmp_path / "final"))
+    assert _content(tmp_path / "final") == _content(ref)
+    assert not sp.classify_keys(open_store(url).list_keys()).orphans
+    manifest = json.loads(open_store(url).get("manifest.json"))
+    assert manifest["totals"]["samples"] == NUM_GOOD
