@@ -1,0 +1,202 @@
+"""The pure logic of benchmarks/bench_peer.py (issue 15): the token-id / loss-mask agreement check, run on real
+SmolLM2 conversations tokenized by dflash and by SpecForge's own parser (loaded from the snapshot, no extra
+packages); the recipe mapping (one drafter config for both trainers, loadable by z-lab's DFlashDraftModel with
+dflash's tensor names); step matching; and the two lr schedules."""
+
+import importlib
+import importlib.util
+import pathlib
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "peer"))
+
+import data as peer_data  # noqa: E402
+import env as peer_env  # noqa: E402
+import recipe as peer_recipe  # noqa: E402
+
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory):
+    return peer_env.unpack(dest=tmp_path_factory.mktemp("peer"))
+
+
+def _load_by_path(name: str, path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def specforge_parser(peers):
+    """SpecForge's GeneralParser and its 'qwen' template: specforge/data/{parse,template}.py as a package of their
+    own, without specforge/__init__ (which imports sglang, yunchang, datasets, triton)."""
+    pkg = types.ModuleType("sf_data_under_test")
+    pkg.__path__ = [str(peers["specforge"] / "specforge" / "data")]
+    sys.modules[pkg.__name__] = pkg
+    parse = importlib.import_module("sf_data_under_test.parse")
+    template = importlib.import_module("sf_data_under_test.template")
+    return parse.GeneralParser, template.TEMPLATE_REGISTRY.get("qwen")
+
+
+def _ids(*xs):
+    return np.asarray(xs, np.int32)
+
+
+def test_compare_keeps_only_identical_samples():
+    mask = np.asarray([0, 0, 1, 1], np.uint8)
+    ours = {0: (_ids(1, 2, 3, 4), mask), 1: (_ids(1, 2, 3, 4), mask), 2: (_ids(1, 2, 3, 4), mask),
+            3: (_ids(1, 2, 3, 4, 5, 6), np.asarray([0, 0, 1, 1, 1, 1], np.uint8)), 5: (_ids(1, 2, 3), mask[:3])}
+    theirs = {0: (_ids(1, 2, 3, 4), mask), 1: (_ids(1, 2, 9, 4), mask), 2: (_ids(1, 2, 3, 4), np.asarray([0, 1, 1, 1])),
+              3: ours[3], 4: (_ids(7), np.asarray([1])), 5: (_ids(1, 2, 3), mask[:3])}
+    a = peer_data.compare_tokenizations(ours=ours, theirs=theirs, max_length=5, min_loss_tokens=2)
+    assert a.kept == (0,)
+    assert a.dropped == {"dflash_skipped": 1, "ids_differ": 1, "mask_differs": 1, "over_length": 1,
+                         "few_loss_tokens": 1}
+    assert (a.num_candidates, a.ids_equal, a.masks_equal, a.masks_eot_newline_only) == (6, 4, 3, 0)
+    assert a.mismatches[0] == {"index": 1, "differs": "ids", "position": 2, "len_dflash": 4, "len_specforge": 4,
+                               "dflash": 3, "specforge": 9}
+    assert a.mismatches[1]["differs"] == "loss_mask" and a.mismatches[1]["position"] == 1
+    assert not a.to_json()["ids_all_agree"]
+
+
+def test_newline_after_end_of_turn_is_the_one_tolerated_mask_difference():
+    """SpecForge's 'qwen' end-of-turn string is '<|im_end|>\\n': its mask also covers the newline token after
+    <|im_end|> (id 2 here). That sample is kept (dflash trains on SpecForge's mask); any other difference drops."""
+    ids = _ids(5, 6, 7, 2, 198)
+    ours = np.asarray([0, 0, 1, 1, 0], np.uint8)
+    newline = np.asarray([0, 0, 1, 1, 1], np.uint8)
+    other = np.asarray([0, 1, 1, 1, 0], np.uint8)
+    a = peer_data.compare_tokenizations(ours={0: (ids, ours), 1: (ids, ours), 2: (ids, ours)},
+                                        theirs={0: (ids, newline), 1: (ids, other), 2: (ids, ours)}, max_length=10,
+                                        min_loss_tokens=1, eot_ids=frozenset({2}))
+    assert a.kept == (0, 2) and a.masks_eot_newline_only == 1 and a.masks_equal == 1
+    assert a.dropped["mask_differs"] == 1
+    b = peer_data.compare_tokenizations(ours={0: (ids, ours)}, theirs={0: (ids, newline)}, max_length=10,
+                                        min_loss_tokens=1, eot_ids=frozenset())
+    assert b.kept == () and b.dropped["mask_differs"] == 1
+
+
+def test_length_mismatch_is_an_id_difference():
+    m = np.ones(3, np.uint8)
+    a = peer_data.compare_tokenizations(ours={0: (_ids(1, 2, 3), m)}, theirs={0: (_ids(1, 2), m[:2])},
+                                        max_length=10, min_loss_tokens=1)
+    assert a.kept == () and a.mismatches[0]["position"] == 2 and a.mismatches[0]["specforge"] is None
+
+
+def test_real_conversations_tokenize_the_same_both_ways(smollm2_dir, specforge_parser, tmp_path):
+    """dflash's tokenization (as `dflash extract` does it) and SpecForge's parser agree on real ShareGPT
+    conversations with the explicit system turn; without it they differ (SmolLM2's default system prompt)."""
+    from transformers import AutoTokenizer
+
+    parser_cls, template = specforge_parser
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    convs = peer_data.from_sharegpt(6, max_chars=300)
+    assert len(convs) == 6
+    peer_data.write_both(convs, dflash_path=tmp_path / "d.jsonl", specforge_path=tmp_path / "s.jsonl")
+    ours = peer_data.dflash_tokenization(tmp_path / "d.jsonl", tok)
+    parser = parser_cls(tok, template)
+    theirs = {}
+    for i, c in enumerate(convs):
+        ids, mask = parser.parse(c, 2048)
+        theirs[i] = (ids.numpy(), mask.numpy())
+    from dflash.data import end_of_turn_ids
+
+    a = peer_data.compare_tokenizations(ours=ours, theirs=theirs, max_length=2048, min_loss_tokens=1,
+                                        eot_ids=end_of_turn_ids(tok))
+    assert a.to_json()["ids_all_agree"], a.mismatches
+    assert a.masks_eot_newline_only == 6 and a.kept == tuple(range(6))   # one assistant turn: one extra newline
+    assert all(int(theirs[i][1].sum()) == int(ours[i][1].sum()) + 1 for i in range(6))
+    # the check can fail: without the system turn dflash renders SmolLM2's own default system prompt
+    bare = [c[1:] for c in convs]
+    peer_data.write_both(bare, dflash_path=tmp_path / "d2.jsonl", specforge_path=tmp_path / "s2.jsonl")
+    ours2 = peer_data.dflash_tokenization(tmp_path / "d2.jsonl", tok)
+    theirs2 = {i: tuple(x.numpy() for x in parser.parse(c, 2048)) for i, c in enumerate(bare)}
+    b = peer_data.compare_tokenizations(ours=ours2, theirs=theirs2, max_length=2048, min_loss_tokens=1)
+    assert b.ids_equal == 0 and b.dropped["ids_differ"] == 6
+
+
+def test_one_drafter_config_loads_in_zlab_with_dflash_names(peers):
+    from transformers import Qwen3Config
+
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.model import DFlashDrafter
+
+    recipe = peer_recipe.PeerRecipe(num_layers=2, mask_token_id=16)
+    tcfg = peer_recipe.train_config(recipe, cache="c", model="m", output="o", steps=10, batch_tokens=4096)
+    dc = peer_recipe.drafter_config(recipe, target_config=SMOLLM2, train_cfg=tcfg)
+    zlab = peer_env.load_zlab_model(peers["zlab"])
+    assert list(dc.target_layer_ids) == zlab.build_target_layer_ids(30, 2)
+    assert (dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, dc.rope_theta) == (9, 3, 64, 1e5)
+    hf = dc.to_hf_config()
+    assert DrafterConfig.from_hf_config(hf) == dc
+    z = zlab.DFlashDraftModel(Qwen3Config(**hf))
+    assert z.block_size == 16 and z.mask_token_id == 16 and z.target_layer_ids == list(dc.target_layer_ids)
+    ours = {k: tuple(v.shape) for k, v in DFlashDrafter(dc).state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in z.state_dict().items() if "rotary_emb" not in k}
+    assert ours == theirs
+
+
+def test_specforge_args_carry_the_recipe():
+    r = peer_recipe.PeerRecipe(seqs_per_step=4, epochs=2, lr=3e-4)
+    a = peer_recipe.specforge_args(r, target="T", draft_config="D", data="X", output="O", cache="C")
+    flags = dict(zip(a[::2], a[1::2]))
+    assert flags["--target-model-backend"] == "hf" and flags["--mask-token-id"] == "16"
+    assert flags["--num-anchors"] == "512" and flags["--loss-decay-gamma"] == "7" and flags["--block-size"] == "16"
+    assert flags["--batch-size"] == "1" and flags["--accumulation-steps"] == "4" and flags["--num-epochs"] == "2"
+    assert flags["--learning-rate"] == "0.0003" and flags["--warmup-ratio"] == "0.04"
+    assert peer_recipe.specforge_steps(10, r) == 2 * 3
+    with pytest.raises(ValueError, match="seqs_per_step"):
+        peer_recipe.PeerRecipe(seqs_per_step=0)
+
+
+def test_matched_budget_gives_specforge_steps_per_epoch():
+    from dflash.train.loader import plan_epoch
+
+    lengths = np.random.default_rng(0).integers(40, 400, size=50)
+    for steps in (5, 7, 13):
+        b = peer_recipe.match_batch_tokens(lengths, steps_per_epoch=steps, seed=0)
+        n = plan_epoch(lengths, seed=0, epoch=0, batch_tokens=b, world_size=1, grad_accum=1).num_steps
+        n_less = plan_epoch(lengths, seed=0, epoch=0, batch_tokens=b - 1, world_size=1, grad_accum=1).num_steps
+        assert n <= steps < n_less
+    with pytest.raises(ValueError, match="only 50 samples"):
+        peer_recipe.match_batch_tokens(lengths, steps_per_epoch=51, seed=0)
+
+
+@pytest.mark.parametrize("total", [100, 500])
+def test_lr_schedules_agree(peers, total):
+    """SpecForge's CosineAnnealingWarmupLR (its file, loaded alone) and dflash's lr_factor: same warmup, and the
+    cosine within 0.1% of the peak (SpecForge's cosine starts one step late)."""
+    sf = _load_by_path("sf_lr_under_test", peers["specforge"] / "specforge" / "lr_scheduler.py")
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=6e-4)
+    sched = sf.CosineAnnealingWarmupLR(opt, total_steps=total, warmup_steps=int(0.04 * total))
+    theirs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's get_lr-inside-step note about SpecForge's scheduler
+        for _ in range(total):
+            theirs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+    ours = [6e-4 * f for f in peer_recipe.dflash_lr_factors(total_steps=total, warmup_ratio=0.04)]
+    warm = int(0.04 * total)
+    assert theirs[:warm] == pytest.approx(ours[:warm], rel=1e-12)
+    assert max(abs(a - b) for a, b in zip(theirs, ours)) / 6e-4 < 1e-3
+
+
+def test_stubs_and_unpack(peers):
+    assert (peers["specforge"] / "scripts" / "train_dflash.py").is_file()
+    assert (peers["zlab"] / "dflash" / "model.py").is_file()
+    gpu = {s["module"] for s in peer_env.stubs_report(cpu=False)}
+    cpu = {s["module"] for s in peer_env.stubs_report(cpu=True)}
+    assert "sglang.srt.server_args" in gpu and "specforge.core.loss" not in gpu and "specforge.core.loss" in cpu
+    assert all(s["reason"] for s in peer_env.stubs_report(cpu=True))
