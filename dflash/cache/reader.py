@@ -153,16 +153,19 @@ class CacheReader:
             raise ConfigError(f"taps {missing} are not in the cache; it has tap_layer_ids {list(self.tap_layer_ids)}")
         return [pos[t] for t in taps]
 
-    def read(self, i: int, *, taps: Sequence[int] | None = None, dequantize: bool = False) -> Sample:
-        p = self.read_many([i], taps=taps, dequantize=dequantize)
+    def read(self, i: int, *, taps: Sequence[int] | None = None, dequantize: bool = False,
+             device: torch.device | str | None = None) -> Sample:
+        p = self.read_many([i], taps=taps, dequantize=dequantize, device=device)
         return Sample(sample_id=int(p.sample_ids[0]), input_ids=p.input_ids, loss_mask=p.loss_mask,
                       hidden=p.hidden, scales=p.scales, group_scales=p.group_scales)
 
     def read_many(self, indices: Sequence[int], *, taps: Sequence[int] | None = None,
-                  out: PackedBuffers | None = None, dequantize: bool = False) -> PackedSamples:
+                  out: PackedBuffers | None = None, dequantize: bool = False,
+                  device: torch.device | str | None = None) -> PackedSamples:
         """Samples concatenated along tokens in the given order, into `out` (views of it are returned).
         taps=() reads only input_ids and loss_mask (hidden is [T, 0, W]; bytes_read does not grow).
-        dequantize: decode fp8 / 4-bit storage to bf16 here, on the CPU (the loader decodes on the GPU)."""
+        dequantize: decode fp8 / 4-bit storage to bf16, on `device` (the stored arrays are copied there first;
+        None = the CPU). Eval and held-out eval pass their GPU: a 4-bit decode is a matmul per token."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if len(idx) and (idx.min() < -len(self) or idx.max() >= len(self)):
             raise IndexError(f"sample index out of range for a cache of {len(self)} samples")
@@ -230,7 +233,8 @@ class CacheReader:
         if self.storage == "bf16":
             hidden = decode_bf16(hidden)
         elif dequantize:
-            hidden = decode_stored(hidden, scales, gscales, storage=self.storage)
+            on = (lambda t: t) if device is None else (lambda t: None if t is None else t.to(device))
+            hidden = decode_stored(on(hidden), on(scales), on(gscales), storage=self.storage)
             scales = gscales = None
         return PackedSamples(sample_ids=self.index.sample_id[idx], lengths=lengths, input_ids=ids_np,
                              loss_mask=mask_np, hidden=hidden, scales=scales, group_scales=gscales)

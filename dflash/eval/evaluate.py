@@ -206,7 +206,7 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
     overall = TauStats(name="overall", block_size=dcfg.block_size)
     groups: dict[str, TauStats] = {}
     for i in tqdm(range(n), desc="eval", unit="seq", disable=not progress):
-        s = reader.read(i, taps=dcfg.target_layer_ids, dequantize=True)
+        s = reader.read(i, taps=dcfg.target_layer_ids, dequantize=True, device=device)
         steps = sequence_steps(drafter, embed_VD=embed_VD, lm_head_VD=head_VD,
                                input_ids_T=torch.from_numpy(s.input_ids.astype(np.int64)),
                                hidden_TKD=s.hidden, loss_mask_T=s.loss_mask, mask_token_id=dcfg.mask_token_id,

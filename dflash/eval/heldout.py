@@ -173,7 +173,7 @@ class HeldoutEvaluator:
             n = len(reader) if cfg.limit is None else min(cfg.limit, len(reader))
             if n == 0:
                 raise ConfigError(f"eval cache {cache_dir} holds no sequence")
-            packed = reader.read_many(list(range(n)), taps=list(taps), dequantize=True)
+            packed = reader.read_many(list(range(n)), taps=list(taps), dequantize=True, device=device)
             names = source_of_sample_ids(list(fp.sources), reader.index.sample_id[:n])
         lengths = packed.lengths.astype(np.int64)
         offs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
