@@ -209,3 +209,22 @@ def test_documented_numpy_decode_reads_real_shards(tmp_path, storage):
         lib = r.read_many(range(len(lengths)), dequantize=False)
         lib = decode_stored(lib.hidden, lib.scales, lib.group_scales, storage=storage, dtype=torch.float32)
         assert torch.equal(lib, torch.from_numpy(ref))
+
+
+def test_pinned_views_hold_every_encoded_array(tmp_path):
+    """Extraction's D2H buffers (dflash.extract.pinned): batch_nbytes fits the 4-bit arrays and encoded_views
+    carves non-overlapping views of the device batch's shapes and dtypes."""
+    from dflash.extract.pinned import batch_nbytes, encoded_views
+
+    for storage in ("int4", "int4-g64-bf16-h32", "e2m1-g32-e8m0", "fp8", "bf16"):
+        enc = encode_stored(features(37), storage)
+        buf = torch.zeros(batch_nbytes(tokens=37, num_taps=len(TAPS), hidden=D, storage=storage), dtype=torch.uint8)
+        host = encoded_views(buf, enc)
+        for name in ("hidden", "scales", "group_scales"):
+            src, dst = getattr(enc, name), getattr(host, name)
+            assert (src is None) == (dst is None)
+            if src is not None:
+                assert dst.shape == src.shape and dst.dtype == src.dtype
+                dst.copy_(src)
+        assert all(torch.equal(getattr(host, n), getattr(enc, n))
+                   for n in ("hidden", "scales", "group_scales") if getattr(enc, n) is not None)
