@@ -62,7 +62,6 @@ import pathlib  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -75,9 +74,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_extract import build_random_model, sample_lengths, write_pretokenized  # noqa: E402
-from bench_train import patch_out_saving, shapes, tail_metrics  # noqa: E402
+from bench_train import patch_out_saving, shapes, tail_metrics, window_summary  # noqa: E402
 from common import (drop_page_cache, machine_info, make_head_only_target, make_random_fp8_cache,  # noqa: E402
-                    package_version)
+                    mfu_fields, package_version)
+
+from dflash.train.metrics import H200_PEAK_BF16  # noqa: E402
 
 MULTICAST_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 # Rates behind the printed time estimate (H200): bench_extract/bench_train results and DESIGN.md.
@@ -313,24 +314,15 @@ def run_train(n: int, *, work: pathlib.Path, kw: dict, device: str, warmup: int)
         tail.join()
     wall = time.perf_counter() - t
     recs = read_metrics(run_dir)
-    measured = [r for r in recs if r["first_step"] > warmup]
-    if not measured:
-        raise RuntimeError(f"no measured log windows in {run_dir}/metrics.jsonl")
-    tok_s = statistics.median(r["tokens_per_s"] for r in measured)
-    # Whole-window throughput (sum of tokens / sum of time): with real lengths the windows differ in cost, so
-    # this, not the median, is the efficiency basis; a window over 2x the median step time (a recompile for a
-    # new shape) is left out and counted.
-    med_step = statistics.median(r["step_time_s"] for r in measured)
-    kept = [r for r in measured if r["step_time_s"] <= 2 * med_step]
-    secs = sum(r["step_time_s"] * (r["step"] - r["first_step"] + 1) for r in kept)
-    toks = sum(r["tokens_per_s"] * r["step_time_s"] * (r["step"] - r["first_step"] + 1) for r in kept)
-    mfu = [r["mfu"] for r in measured if r.get("mfu") is not None]
-    return {"gpus": n, "tok_s": tok_s, "tok_s_aggregate": toks / secs, "tok_s_per_gpu": toks / secs / n,
-            "slow_windows_left_out": len(measured) - len(kept),
-            "mfu_per_gpu": statistics.median(mfu) if mfu else None,
-            "stall_frac": statistics.median(r["stall_frac"] for r in measured),
-            "step_time_s": statistics.median(r["step_time_s"] for r in measured),
-            "peak_mem_gib": max(r["mem_gb"] for r in recs), "measured_windows": len(measured),
+    # Whole-window throughput (tok_s_aggregate: sum of tokens / sum of time): with real lengths the windows
+    # differ in cost, so this, not the median, is the efficiency basis (bench_train.window_summary).
+    w = window_summary(recs, warmup=warmup)
+    mfu = mfu_fields(w["mfu"], peak=H200_PEAK_BF16) if w["mfu"] is not None else {}
+    return {"gpus": n, "tok_s": w["tok_s"], "tok_s_aggregate": w["tok_s_aggregate"],
+            "tok_s_per_gpu": w["tok_s_aggregate"] / n, "slow_windows_left_out": w["slow_windows_left_out"],
+            "mfu_per_gpu": w["mfu"], "mfu_per_gpu_vs_spec_989": mfu.get("mfu_vs_spec_989"),
+            "stall_frac": w["stall_frac"], "step_time_s": w["step_time_s"],
+            "peak_mem_gib": w["peak_mem_gib"], "measured_windows": w["measured_windows"],
             "first_window_s": recs[0]["step_time_s"] * (recs[0]["step"] - recs[0]["first_step"] + 1),
             "wall_s": wall, "page_cache": cold,
             "windows": [{k: r[k] for k in ("step", "first_step", "epoch", "tokens_per_s", "step_time_s", "stall_frac")}
@@ -594,6 +586,7 @@ DEFINITIONS = {
     "train.tok_s_aggregate": "sum of tokens / sum of time over the measured windows, leaving out windows over 2x "
                              "the median step time (recompiles)",
     "train.mfu_per_gpu": "rank 0's FLOPs / time / peak (nominal 790 TFLOP/s on CUDA)",
+    "train.mfu_per_gpu_vs_spec_989": "the same FLOPs / time over the H200 dense bf16 spec 989 TFLOP/s",
     "train.expected_step_imbalance": "from the data plan: mean over measured steps of max rank / mean rank block "
                                      "tokens (1.0 = even; efficiency ceiling ~ 1 / this)",
 }
