@@ -108,9 +108,10 @@ def measure(kind: str, *, args, sh: dict, work: pathlib.Path, peak: float, devic
     cold = "kept (--tiny)" if args.tiny else drop_page_cache(cache)
     say(f"{kind} run A: the trainer from the disk cache (page cache dropped: {cold})")
     t = time.perf_counter()
-    recs = run_trainer(TrainConfig(output=str(work / f"run_{kind}_a"), **kw), device)
+    cfg_a = TrainConfig(output=str(work / f"run_{kind}_a"), **kw)
+    recs = run_trainer(cfg_a, device)
     a = window_summary(recs, warmup=args.warmup)
-    out = {"samples": info["samples"], "tokens": info["tokens"], "mean_length": float(lengths.mean()),
+    out = {"train_config": cfg_a.to_json(), "samples": info["samples"], "tokens": info["tokens"], "mean_length": float(lengths.mean()),
            "cache_bytes": info["bytes"], "page_cache": cold, "run_a_wall_s": time.perf_counter() - t,
            "tok_s": a["tok_s_aggregate"], **mfu_fields(a["mfu_aggregate"], peak=peak),
            "trainer_wait_fraction": a["stall_frac"], "peak_mem_gib": a["peak_mem_gib"],
