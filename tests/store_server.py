@@ -3,7 +3,7 @@
 `weed server -s3` runs master, volume server, filer and S3 gateway in one process, on free localhost ports
 (every http and grpc port given explicitly: weed's default grpc port is http + 10000, which another test's
 server may hold), data under a temp dir, credentials from an S3 identities file. Each volume is 16 MB and
-up to 64 may exist: each bucket is a weed collection that grabs its own volumes, and the default 8 x 30 GB
+up to 64 may exist (the defaults; the benchmark asks for more): each bucket is a weed collection that grabs its own volumes, and the default 8 x 30 GB
 runs out at the second bucket. `stop()`/`start()` let a test take the server away mid-run and bring it
 back on the same ports and data (fault tests). Tests import the `s3_server` fixture from here.
 """
@@ -43,9 +43,12 @@ def weed_binary() -> str:
 class SeaweedServer:
     """One `weed server -s3` process; `endpoint` is its S3 URL, `env()` the client environment for it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, volume_mb: int = 16, max_volumes: int = 64) -> None:
+        """volume_mb x max_volumes bounds what the server can hold (1 GB by default: the tests' caches are
+        MBs; the benchmark asks for more)."""
         from dflash.procs import free_port
         self.root = root
+        self.volume_mb, self.max_volumes = volume_mb, max_volumes
         self.data = root / "data"
         self.data.mkdir(parents=True, exist_ok=True)
         self.ports = {name: free_port() for name in _PORTS}
@@ -65,8 +68,8 @@ class SeaweedServer:
 
     def start(self, *, timeout: float = 60.0) -> None:
         args = [weed_binary(), "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-                f"-s3.config={self.config}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=64",
-                "-master.volumeSizeLimitMB=16", "-master.telemetry=false"]
+                f"-s3.config={self.config}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-volume.max={self.max_volumes}",
+                f"-master.volumeSizeLimitMB={self.volume_mb}", "-master.telemetry=false"]
         args += [f"-{name}={port}" for name, port in self.ports.items()]
         log = open(self.root / "weed.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

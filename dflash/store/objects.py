@@ -50,6 +50,26 @@ class Store:
             check_not_missing_bucket(self.url.url, e)
             return None
 
+    def get_to_file(self, key: str, path: str) -> int | None:
+        """Stream the object into a new file at `path` (network and disk overlap: no whole-object buffer);
+        returns its size, or None when it does not exist."""
+        import obstore
+        n = 0
+        try:
+            result = obstore.get(self.client, key)
+            with open(path, "wb") as f:
+                for chunk in result.stream(min_chunk_size=STREAM_CHUNK):
+                    f.write(chunk)
+                    n += len(chunk)
+        except FileNotFoundError as e:
+            check_not_missing_bucket(self.url.url, e)
+            return None
+        except OSError:
+            raise  # the local file (obstore's own errors are not OSErrors, except not-found)
+        except Exception as e:
+            raise store_error(self.url.url, f"GET {key}", e) from e
+        return n
+
     def get_ranges(self, key: str, *, starts: list[int], ends: list[int]) -> list[bytes]:
         import obstore
         try:
@@ -93,6 +113,9 @@ class Store:
             check_not_missing_bucket(self.url.url, e)
             return []
         return [m["path"] for batch in batches for m in batch]
+
+
+STREAM_CHUNK = 8 << 20  # bytes per local write while streaming a GET into a file
 
 
 def store_error(url: str, what: str, err: BaseException) -> StoreError:

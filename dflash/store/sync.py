@@ -108,28 +108,31 @@ class Publisher:
         self._skipped = set(self.remote)
 
     def publish_new(self) -> int:
-        """Store every locally committed shard not yet on the store; returns how many."""
-        n = 0
-        for r in cm.read_commit_logs(self.local):
-            if (self.ranks is not None and r.rank not in self.ranks) or r.shard in self.remote:
-                continue
+        """Store every locally committed shard not yet on the store; returns how many. All pending shards
+        move at once, in phases (data objects, array zarr.json, group zarr.json, records) so that the
+        requests run in parallel while each shard keeps the protocol's order; a kill between phases
+        leaves orphans, never a record before its objects."""
+        todo = [r for r in cm.read_commit_logs(self.local)
+                if (self.ranks is None or r.rank in self.ranks) and r.shard not in self.remote]
+        phases: list[list[tuple[str, str]]] = [[], [], []]
+        for r in todo:
             rels = sp.upload_order(_shard_files(self.local, r.shard))
-            base = os.path.join(self.local, cm.SHARDS, r.shard)
-            data = [rel for rel in rels if not rel.endswith("zarr.json")]
+            for rel in rels:
+                phases[2 if rel == "zarr.json" else 1 if rel.endswith("zarr.json") else 0].append((r.shard, rel))
 
-            def put(rel: str) -> int:
-                with open(os.path.join(base, rel), "rb") as f:
-                    payload = f.read()
-                self.store.put(sp.shard_prefix(r.shard) + rel, payload)
-                return len(payload)
-            moved = sum(self.pool.map(put, data))            # data objects in parallel,
-            moved += sum(put(rel) for rel in rels[len(data):])  # then metadata in order,
-            self.store.put(sp.record_key(rank=r.rank, shard=r.shard), r.to_line().encode(), create=True)  # commit
-            self.remote.add(r.shard)
-            n += 1
-            self.stats = dataclasses.replace(self.stats, shards=self.stats.shards + 1,
-                                             bytes=self.stats.bytes + moved)
-        return n
+        def put(item: tuple[str, str]) -> int:
+            shard, rel = item
+            with open(os.path.join(self.local, cm.SHARDS, shard, rel), "rb") as f:
+                payload = f.read()
+            self.store.put(sp.shard_prefix(shard) + rel, payload)
+            return len(payload)
+        moved = sum(sum(self.pool.map(put, items)) for items in phases)
+        list(self.pool.map(lambda r: self.store.put(sp.record_key(rank=r.rank, shard=r.shard),
+                                                    r.to_line().encode(), create=True), todo))  # the commits
+        self.remote.update(r.shard for r in todo)
+        self.stats = dataclasses.replace(self.stats, shards=self.stats.shards + len(todo),
+                                         bytes=self.stats.bytes + moved)
+        return len(todo)
 
     def finish(self) -> SyncStats:
         """Publish what is left, rewrite the manifest (totals over the store's records), close."""
@@ -182,12 +185,10 @@ def _fetch_array(store: Store, key_dir: str, out_dir: str, *, label: str, tap_po
     key, path = f"{key_dir}/{rel}", os.path.join(out_dir, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if tap_positions is None:
-        data = store.get(key)
-        if data is None:
+        n = store.get_to_file(key, path)
+        if n is None:
             raise CacheFormatError(f"{store.url.url}/{key}: committed shard object missing")
-        with open(path, "wb") as f:
-            f.write(data)
-        return len(data)
+        return n
     size = store.size(key)
     tail = _index_nbytes(meta)
     (index_raw,) = store.get_ranges(key, starts=[size - tail], ends=[size])
@@ -249,36 +250,44 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
         # first, so a fetch killed midway leaves a cache (totals lagging the logs: a note), not a bare folder
         cm.write_manifest_atomic(local, cm.build_manifest(fp, []), tag="fetch")
     have_local = {r.shard for r in cm.read_commit_logs(local)}
-    moved = 0
     with ThreadPoolExecutor(num_threads) as pool:
         listing = sp.classify_keys(store.list_keys())
         records = read_records(store, listing, pool=pool)
         todo = [r for r in records if r.shard not in have_local]
 
-        def fetch_shard(r: cm.CommitRecord) -> int:
-            stage = os.path.join(local, cm.STAGING, f"fetch-{r.shard}")
-            shutil.rmtree(stage, ignore_errors=True)
-            prefix = sp.shard_prefix(r.shard)
-            arrays = sorted({k[len(prefix):].split("/")[0] for k in listing.shard_objects.get(r.shard, ())
-                             if k[len(prefix):].count("/")})
-            n = 0
-            for name in arrays:
-                n += _fetch_array(store, prefix + name, os.path.join(stage, name), label=f"shard {r.shard} "
-                                  f"array {name}", tap_positions=positions if name in TAP_ARRAYS else None)
-            group = store.get(prefix + "zarr.json")
-            if group is None:
-                raise CacheFormatError(f"{url}/{prefix}zarr.json: committed shard has no group zarr.json")
-            with open(os.path.join(stage, "zarr.json"), "wb") as f:
-                f.write(group)
-            return n
+        def stage(r: cm.CommitRecord) -> str:
+            return os.path.join(local, cm.STAGING, f"fetch-{r.shard}")
 
-        for r, n in zip(todo, pool.map(fetch_shard, todo)):
-            # the local protocol's commit: rename into shards/, then the log line
+        tasks = []
+        for r in todo:
+            shutil.rmtree(stage(r), ignore_errors=True)
+            prefix = sp.shard_prefix(r.shard)
+            names = sorted({k[len(prefix):].split("/")[0] for k in listing.shard_objects.get(r.shard, ())
+                            if k[len(prefix):].count("/")})
+            tasks += [(r, name) for name in names]
+
+        def fetch_one(task) -> int:  # every array of every shard is its own task: requests run in parallel
+            r, name = task
+            return _fetch_array(store, sp.shard_prefix(r.shard) + name, os.path.join(stage(r), name),
+                                label=f"shard {r.shard} array {name}",
+                                tap_positions=positions if name in TAP_ARRAYS else None)
+
+        def fetch_group(r: cm.CommitRecord) -> None:
+            group = store.get(sp.shard_prefix(r.shard) + "zarr.json")
+            if group is None:
+                raise CacheFormatError(f"{url}/{sp.shard_prefix(r.shard)}zarr.json: committed shard has no "
+                                       "group zarr.json")
+            os.makedirs(stage(r), exist_ok=True)
+            with open(os.path.join(stage(r), "zarr.json"), "wb") as f:
+                f.write(group)
+
+        moved = sum(pool.map(fetch_one, tasks))
+        list(pool.map(fetch_group, todo))
+        for r in todo:  # the local protocol's commit: rename into shards/, then the log line
             dest = os.path.join(local, cm.SHARDS, r.shard)
             shutil.rmtree(dest, ignore_errors=True)
-            os.rename(os.path.join(local, cm.STAGING, f"fetch-{r.shard}"), dest)
+            os.rename(stage(r), dest)
             cm.append_commit_line(local, r.rank, r)
-            moved += n
     cm.write_manifest_atomic(local, cm.build_manifest(fp, records), tag="fetch")
     return SyncStats(shards=len(todo), skipped=len(records) - len(todo), bytes=moved)
 
