@@ -11,12 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from dflash.cache import CacheReader
 from dflash.cache import commit as cm
+from helpers_extract import tiny_target_and_data
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_GOOD = 24
@@ -26,20 +26,7 @@ COMMON = ["--taps", "0,2,4", "--max-length", "192", "--batch-tokens", "384", "--
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dflash.target.testing import tiny_qwen35_dir
-
-    base = tmp_path_factory.mktemp("faults")
-    model = str(tiny_qwen35_dir(base / "qwen"))
-    rng = np.random.default_rng(2)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    lines = []
-    for _ in range(NUM_GOOD):
-        q = " ".join(rng.choice(words, size=int(rng.integers(3, 20))))
-        a = " ".join(rng.choice(words, size=int(rng.integers(5, 30))))
-        lines.append(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}))
-    data = base / "data.jsonl"
-    data.write_text("\n".join(lines) + "\n")
-    return model, str(data)
+    return tiny_target_and_data(tmp_path_factory.mktemp("faults"), num=NUM_GOOD, seed=2)
 
 
 def extract_args(model, data, out, *extra):

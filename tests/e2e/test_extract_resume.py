@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from cli.main import cli
 from dflash.cache import CacheReader
 from dflash.extract.driver import ExtractConfig
 from dflash.extract.launch import launch
+from helpers_extract import tiny_target_and_data
 
 ROOT = Path(__file__).resolve().parents[2]
 TAPS = "0,2,4"
@@ -29,21 +29,9 @@ COMMON = ["--taps", TAPS, "--max-length", "192", "--batch-tokens", "384", "--sha
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from dflash.target.testing import tiny_qwen35_dir
-
     base = tmp_path_factory.mktemp("resume")
-    model = str(tiny_qwen35_dir(base / "qwen"))
-    rng = np.random.default_rng(1)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    lines = []
-    for i in range(NUM_GOOD):
-        q = " ".join(rng.choice(words, size=int(rng.integers(3, 20))))
-        a = " ".join(rng.choice(words, size=int(rng.integers(5, 30))))
-        lines.append(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}))
-        if i % 13 == 5:
-            lines.append("{broken")
-    data = base / "data.jsonl"
-    data.write_text("\n".join(lines) + "\n")
+    # two lines that are not JSON among the conversations: the extractor skips them
+    model, data = tiny_target_and_data(base, num=NUM_GOOD, seed=1, broken_after=(5, 18))
     ref = base / "ref"
     res = launch(_cfg(model, data, ref), num_procs=1, echo=lambda _m: None)
     assert res.num_samples == NUM_GOOD
