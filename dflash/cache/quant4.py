@@ -290,7 +290,12 @@ def _decode_e8m0(stored: torch.Tensor) -> torch.Tensor:
 
 
 def _element_lut(element: str, device: torch.device) -> torch.Tensor:
-    """float32 [16]: the value of each nibble."""
+    """float32 [16]: the value of each nibble (built once per device: the loader decodes every micro-batch)."""
+    return _element_lut_cached(element, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=16)
+def _element_lut_cached(element: str, device: str) -> torch.Tensor:
     if element == "int4":
         vals = [float(n if n < 8 else n - 16) for n in range(16)]
     else:
