@@ -199,11 +199,24 @@ def tokenize_or_load(*, paths: Sequence[str], tokenizer, max_length: int | None,
         dist.barrier()
     if folder is not None:
         part_paths = [part_path(folder, r, world_size) for r in range(world_size)]
-        parts = [part if r == rank else load_part(p) for r, p in enumerate(part_paths)]
+        parts = [part if r == rank else load_part(p) if os.path.exists(p)
+                 else _tokenize_elsewhere_part(folder, r, world_size, paths=paths, tokenizer=tokenizer,
+                                               max_length=max_length, template_kwargs=template_kwargs,
+                                               num_workers=num_workers)
+                 for r, p in enumerate(part_paths)]
     else:
         parts = [part]
     return Tokenized(samples=TokenizedSamples(parts), skips=merge_skips(parts), seconds=time.perf_counter() - t0,
                      loaded=False, folder=folder, num_workers=num_workers)
+
+
+def _tokenize_elsewhere_part(folder: str, rank: int, world_size: int, **kw) -> Part:
+    """Rank `rank`'s part when it wrote it on another node (multi-node runs with a local scratch folder per
+    node, e.g. `extract --output s3://...`): tokenizing is deterministic, so tokenize it here too and store
+    it, so that this node's folder is complete for a resume."""
+    part = tokenize_part(rank=rank, world_size=world_size, **kw)
+    write_part(folder, part, rank=rank, world_size=world_size)
+    return part
 
 
 def tokenize_part(*, paths: Sequence[str], tokenizer, max_length: int | None, template_kwargs: dict,
