@@ -228,3 +228,13 @@ def test_pinned_views_hold_every_encoded_array(tmp_path):
                 dst.copy_(src)
         assert all(torch.equal(getattr(host, n), getattr(enc, n))
                    for n in ("hidden", "scales", "group_scales") if getattr(enc, n) is not None)
+
+
+def test_extract_estimates_the_4bit_bytes():
+    """`dflash extract`'s preflight estimate (and free-space check) counts the 4-bit arrays, not bf16's."""
+    from dflash.extract.space import estimate_cache_bytes
+
+    est = estimate_cache_bytes(num_tokens=1 << 16, num_samples=100, num_taps=5, hidden_size=5120, storage="int4",
+                               shard_tokens=1 << 16, chunk_tokens=128)
+    assert est.hidden == (1 << 16) * 5 * (2560 + 160) and est.scales == (1 << 16) * 5 * 4
+    assert (est.hidden + est.scales) / (1 << 16) == stored_layout("int4", 5120).hidden_bytes_per_token(5)
