@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -181,16 +182,25 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict) 
     out = {"draft_config": dc.to_hf_config(), "stubs": peer_env.stubs_report(cpu=args.cpu),
            "installed": args.installed, "differences_from_paper": peer_recipe.SPECFORGE_DIFFERENCES}
     if args.cpu:
-        first = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name="gpu_way", patches=False)
-        out["specforge_cpu"] = {"as_on_gpu": first, "runs_on_cpu": first["returncode"] == 0,
-                                "why_not": cpu_failure_reason(first["log_tail"])}
-        cpu_recipe = dataclasses.replace(recipe, attention_backend="sdpa")
-        run = run_specforge(args, model=model, work=work, recipe=cpu_recipe, draft=draft, name="cpu_patched",
-                            patches=True)
+        # Each CPU blocker shown by a run that stops at it: as on the GPU (nccl), with the gloo/cpu-mesh patches
+        # (FSDP), with FSDP passed through too but flex attention (its backward), then with sdpa (runs).
+        tries = {"as_on_gpu": ("none", recipe), "gloo": ("gloo", recipe), "no_fsdp_flex": ("full", recipe)}
+        blockers = {}
+        for name, (level, r) in tries.items():
+            t = run_specforge(args, model=model, work=work, recipe=r, draft=draft, name=name, level=level,
+                              timeout=args.blocker_timeout)
+            blockers[name] = {"returncode": t["returncode"], "wall_s": t["wall_s"], "log": t["log"],
+                              "timed_out": t["timed_out"], "train_losses": t["train_losses"],
+                              "stopped_at": cpu_failure_reason(t["log_tail"]) if t["returncode"] else None}
+        out["specforge_cpu"] = {"runs_on_cpu_unmodified": blockers["as_on_gpu"]["returncode"] == 0,
+                                "blockers": blockers}
+        run = run_specforge(args, model=model, work=work, recipe=dataclasses.replace(recipe, attention_backend="sdpa"),
+                            draft=draft, name="cpu_patched", level="full")
         out["cpu_patches"] = list(specforge_entry.CPU_DIST_PATCHES) + [
-            "--attention-backend sdpa (flex attention: no CPU backward in torch 2.13)"]
+            "--attention-backend sdpa (flex attention: no CPU backward in torch 2.13)",
+            "target in bf16 on CPU (SpecForge hard-codes torch.bfloat16; dflash's CPU runs use float32)"]
     else:
-        run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name="run", patches=False)
+        run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name="run", level="none")
     if run["returncode"] != 0:
         raise SystemExit(f"SpecForge failed (rc {run['returncode']}):\n{run['log_tail']}")
     ckpts = sorted((work / "run_specforge_cpu_patched" if args.cpu else work / "run_specforge_run").glob(
@@ -201,7 +211,8 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict) 
 
 
 def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathlib.Path, name: str,
-                  patches: bool) -> dict:
+                  level: str, timeout: float | None = None) -> dict:
+    """One torchrun of train_dflash.py; `level` = specforge_entry's CPU patches: none, gloo, full."""
     sf = args.peers["specforge"]
     outdir, report = work / f"run_specforge_{name}", work / f"specforge_{name}_report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
@@ -211,17 +222,26 @@ def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathli
                                        cache=str(work / f"specforge_cache_{name}"), log_interval=args.log_every,
                                        num_workers=0 if args.cpu else 2)]
     env = peer_env.specforge_env(sf, cpu=args.cpu)
-    env["PEER_CPU_DIST"] = "1" if patches else "0"
+    env["PEER_CPU_DIST"] = level
     logf = work / f"specforge_{name}.log"
     t = time.perf_counter()
     with logf.open("w") as f:
-        rc = subprocess.run(cmd, cwd=sf, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        # its own session: on a timeout the whole torchrun group (agent + worker) is ended, nothing else
+        proc = subprocess.Popen(cmd, cwd=sf, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGTERM)
+            rc = proc.wait()
+            f.write(f"\nbench_peer: stopped after {timeout} s (timeout)\n")
     dt = time.perf_counter() - t
     lines = [ln for ln in logf.read_text(errors="replace").splitlines() if not ln.startswith("[ERROR]")]
     log(f"SpecForge {name}: rc {rc} in {dt:.1f} s (log {logf})")
     rep = json.loads(report.read_text()) if report.is_file() else {}
     losses = [ln.split("Loss: ")[1].split(",")[0] for ln in lines if "Train - Step" in ln and "Loss: " in ln]
-    return {"command": " ".join(cmd), "returncode": rc, "wall_s": round(dt, 2), "report": rep,
+    return {"command": " ".join(cmd), "returncode": rc, "timed_out": timed_out, "wall_s": round(dt, 2), "report": rep,
             "train_losses": [float(x) for x in losses], "log": str(logf), "log_tail": "\n".join(lines[-25:])}
 
 
@@ -311,6 +331,10 @@ def parse_args(argv=None):
     ap.add_argument("--workdir", help="work folder (default: a temp folder, removed)")
     ap.add_argument("--resume", action="store_true", help="continue a cut run: same --workdir and --json")
     ap.add_argument("--json", help="result file (default benchmarks/results/peer_specforge_{h200,tiny_cpu}.json)")
+    ap.add_argument("--blocker-timeout", type=float, default=900, help="CPU only: seconds each SpecForge run that "
+                    "shows a CPU blocker may take before it is stopped")
+    ap.add_argument("--stop-after", choices=["generate", "dflash", "specforge"], help="end the call after that stage "
+                    "(the GPU run is two calls under the 10-minute limit: --stop-after dflash, then --resume)")
     ap.add_argument("--verbose", action="store_true", help="show the SpecForge probe's output")
     args = ap.parse_args(argv)
     tiny = dict(train_source="sharegpt", train_prompts=4, max_prompt_chars=300, eval_prompts=2, max_new_tokens=32,
@@ -318,7 +342,7 @@ def parse_args(argv=None):
                 block_size=16, num_anchors=8, seqs_per_step=2, epochs=1, log_every=1, evals=2, zlab_prompts=1)
     gpu = dict(train_source="regen", train_prompts=2000, max_prompt_chars=2000, eval_prompts=None, max_new_tokens=256,
                eval_max_new_tokens=256, gen_batch_size=2048, max_length=2048, extract_batch_tokens=65536, layers=5,
-               block_size=16, num_anchors=512, seqs_per_step=8, epochs=2, log_every=10, evals=10, zlab_prompts=20)
+               block_size=16, num_anchors=512, seqs_per_step=8, epochs=2, log_every=10, evals=10, zlab_prompts=10)
     for k, v in (tiny if args.tiny else gpu).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -356,6 +380,8 @@ def main(argv=None) -> dict:
         if args.train_source == "sharegpt":
             prompts.pop("train")
         result["generate"] = st.run("c_generate", lambda: bq.generate_all(args, model, prompts, work, device, dtype))
+        if args.stop_after == "generate":
+            return result
         data = st.run("d_training_set", lambda: build_training_set(args, model=model, work=work, recipe=recipe))
         result["training_set"] = data
         for ds in ("mtbench", "humaneval"):
@@ -364,8 +390,12 @@ def main(argv=None) -> dict:
                                                                   dtype=dtype, args=args))
         result["dflash"] = st.run("f_dflash", lambda: dflash_side(args, model=model, work=work, recipe=recipe,
                                                                   data=data, device=device, dtype=dtype))
+        if args.stop_after == "dflash":
+            return result
         result["specforge"] = st.run("g_specforge", lambda: specforge_side(args, model=model, work=work, recipe=recipe,
                                                                            data=data))
+        if args.stop_after == "specforge":
+            return result
         drafters = {"dflash": result["dflash"]["drafter"], "specforge": result["specforge"]["drafter"]}
         result["loading"] = load_checks(specforge_dir=drafters["specforge"], dflash_dir=drafters["dflash"])
         drafters["untrained"] = bq.untrained_drafter(drafters["dflash"], work / "untrained", args.seed)

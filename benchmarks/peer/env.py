@@ -28,13 +28,14 @@ SPECFORGE_TAR = "specforge-40d8feff.tar.gz"
 ZLAB_TAR = "zlab-dflash-44947fb.tar.gz"
 
 # What SpecForge@40d8feff imports on the DFlash HF path and this project does not install (module -> distribution).
-# pandas/xxhash/multiprocess/dill come with `datasets` (load_dataset("json"), Dataset.map/filter); yunchang is
-# imported and called by specforge.distributed.init_distributed (set_seq_parallel_pg with sizes 1).
+# pandas/xxhash/multiprocess/dill come with `datasets` (load_dataset("json"), Dataset.map/filter), dateutil with
+# pandas; yunchang is imported and called by specforge.distributed.init_distributed (set_seq_parallel_pg, sizes 1).
+# datasets 5.2 also needs pyarrow >= 24, fsspec <= 2026.9.0 and huggingface-hub >= 1.31 (the project's env has them).
 NEEDED = {"yunchang": "yunchang", "datasets": "datasets", "dill": "dill", "multiprocess": "multiprocess",
-          "xxhash": "xxhash", "pandas": "pandas"}
+          "xxhash": "xxhash", "pandas": "pandas", "dateutil": "python-dateutil"}
 # Versions pinned for the GPU machine's .whl/ (python 3.12, manylinux2014_x86_64), the ones checked here on CPU.
 WHEELS = {"yunchang": "0.6.4", "datasets": "5.2.0", "dill": "0.4.1", "multiprocess": "0.70.19", "xxhash": "4.1.0",
-          "pandas": "3.1.1"}
+          "pandas": "3.1.1", "python-dateutil": "4.0.0"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

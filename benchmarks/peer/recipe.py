@@ -25,7 +25,9 @@ SPECFORGE_DIFFERENCES = {
                        "build_dataloader); the benchmark drops them from both trainers' data",
     "truncation": "SpecForge truncates at --max-length, dflash skips over-long samples; the benchmark keeps only "
                   "samples that fit, so neither happens",
-    "warmup_steps": "int(warmup_ratio * total_steps) (floor); dflash rounds",
+    "warmup_steps": "int(warmup_ratio * total_steps) (floor; dflash rounds), and its cosine starts one step late "
+                    "(peak lr twice); with 0 warmup steps (fewer than 25 steps at 4%) its first lr overshoots the "
+                    "peak: 2x at 2 steps, 1.025x at 10 (CosineAnnealingWarmupLR, measured with its own class)",
     "system_prompt": "its 'qwen' template inserts 'You are a helpful assistant.' unless the data has a system turn; "
                      "the benchmark writes that system turn into both trainers' data",
     "batching": "one sequence per micro-batch, no packing; loss averaged per sequence then over accumulation steps",

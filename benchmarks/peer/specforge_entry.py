@@ -43,7 +43,7 @@ class _NoShard:
         return contextlib.nullcontext()
 
 
-def cpu_distributed() -> None:
+def cpu_distributed(*, no_shard: bool) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.device_mesh as dm
@@ -55,9 +55,10 @@ def cpu_distributed() -> None:
     dm.init_device_mesh = lambda device_type, *a, **kw: init_mesh("cpu", *a, **kw)
     dist.device_mesh.init_device_mesh = dm.init_device_mesh
     dm.DeviceMesh.from_group = staticmethod(lambda group, device_type, *a, **kw: from_group(group, "cpu", *a, **kw))
-    import torch.distributed.fsdp as fsdp
+    if no_shard:
+        import torch.distributed.fsdp as fsdp
 
-    fsdp.FullyShardedDataParallel = _NoShard
+        fsdp.FullyShardedDataParallel = _NoShard
 
 
 def main() -> None:
@@ -68,8 +69,9 @@ def main() -> None:
     t0 = time.perf_counter()
     cpu = os.environ.get("PEER_STUBS_CPU") == "1"
     install_stubs(cpu=cpu)
-    if cpu and os.environ.get("PEER_CPU_DIST") == "1":
-        cpu_distributed()
+    level = os.environ.get("PEER_CPU_DIST", "none")
+    if cpu and level in ("gloo", "full"):
+        cpu_distributed(no_shard=level == "full")
 
     def write_report() -> None:
         import torch

@@ -51,14 +51,15 @@ def main() -> None:
             ids.append(out["input_ids"][0][0].numpy().astype(np.int32))
             masks.append(out["loss_mask"][0][0].numpy().astype(np.uint8))
             offsets.append(offsets[-1] + len(ids[-1]))
-    p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.AdamW([p], lr=args.lr, weight_decay=0.0)
-    sched = CosineAnnealingWarmupLR(opt, total_steps=args.steps, warmup_steps=int(args.warmup_ratio * args.steps))
     lrs = []
-    for _ in range(args.steps):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
+    if args.steps > 0:  # its scheduler divides by the step count
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.AdamW([p], lr=args.lr, weight_decay=0.0)
+        sched = CosineAnnealingWarmupLR(opt, total_steps=args.steps, warmup_steps=int(args.warmup_ratio * args.steps))
+        for _ in range(args.steps):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
     np.savez(args.out, ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
              masks=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
              offsets=np.asarray(offsets, np.int64), lr=np.asarray(lrs, np.float64))
