@@ -1,7 +1,10 @@
 """Shared fixtures of the dflash.data tests (import the fixtures into a test module to use them).
 
 The tokenizer is loaded once per process (functools.cache), not once per importing module: pytest would
-otherwise build one session fixture per module that imports it (~5 s each from the GGUF).
+otherwise build one session fixture per module that imports it. It is read from the machine's converted
+SmolLM2 folder (dflash.target.assets.smollm2_hf_dir, the `smollm2_dir` fixture's), whose tokenizer files were
+saved from the GGUF's tokenizer: same vocabulary, ids, special tokens and chat template, in ~1 s instead of
+the GGUF's 28 s (measured under load ~7).
 """
 
 import copy
@@ -58,10 +61,9 @@ STRICT_ALTERNATION = (
 def _load_smollm2():
     from transformers import AutoTokenizer
 
-    from dflash.data.assets import smollm2_gguf
+    from dflash.target.assets import smollm2_hf_dir
 
-    folder, name = smollm2_gguf()
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(smollm2_hf_dir())
 
 
 def with_template(template: str):
