@@ -23,7 +23,9 @@ Measures on the same samples (lengths drawn from real ShareGPT token lengths, be
       kernels and allocator, as (a) and (b) get). `ratio_vs_peer_style` is reported only for a run of at least
       PEER_MIN_TOKENS tokens: the 2026-12-01 figure (38x) timed ~7 cold samples, mostly first-call compiles.
 With --compile-elementwise every forward here (extraction, forward-only, peer) runs dflash.target.fused's
-compiled Qwen3.5 norm/gate chains: compare forward_only_tok_s and tok_s with a run without it.
+compiled Qwen3.5 norm/gate chains: compare forward_only_tok_s and tok_s with a run without it. With
+--compare-compile the eager run times its forward-only pass once more compiled (after an untimed compiling
+pass), in the same run: compile_compare.speedup.
 
 The 27B-shape target has random weights built directly on the GPU: a 54 GB checkpoint cannot be written to
 the 64 GB disk beside the cache, so `load_target` is replaced by a function returning that model (with the
@@ -277,12 +279,16 @@ def main() -> None:
     p.add_argument("--fla-conv", action="store_true", help="FLA Triton causal_conv1d in place of the torch fallback")
     p.add_argument("--compile-elementwise", action="store_true",
                    help="torch.compile'd Qwen3.5 norm/gate chains (dflash.target.fused) in every forward here")
+    p.add_argument("--compare-compile", action="store_true",
+                   help="also time the forward-only pass with the compiled norm/gate chains (compile_compare)")
     p.add_argument("--load-seconds", type=float, default=None,
                    help="stand-in for the checkpoint load before each extraction (default: 5 on CUDA, 0 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-name", default=None, help="results file name suffix (default: h200 on CUDA, cpu)")
     p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"), help="folder of the result JSON")
     args = p.parse_args()
+    if args.compare_compile and args.compile_elementwise:
+        p.error("--compare-compile compares against the eager forward: leave out --compile-elementwise")
 
     import dflash.target.load as target_load
     from dflash.extract.driver import ExtractConfig, run_rank
@@ -366,6 +372,17 @@ def main() -> None:
     timeline.take()
     fo_s, real, padded, batch_sizes = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
     fo_timeline = timeline.take()
+    compiled_cmp = None
+    if args.compare_compile:  # the same batches once more with the compiled norm/gate chains, then eager again
+        from dflash.target.fused import compile_elementwise, restore_elementwise
+
+        counts = compile_elementwise(model)
+        first_s, *_ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)  # compiles
+        fc_s, *_ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
+        restore_elementwise(model)
+        timeline.take()
+        compiled_cmp = {"modules": counts, "forward_only_tok_s": real / fc_s, "eager_forward_only_tok_s": real / fo_s,
+                        "speedup": fo_s / fc_s, "first_pass_s": first_s}
     num_layers_run = max(taps) + 1
     flops = target_flops(model.config, num_layers_run=num_layers_run)
     total_flops = flops.forward_flops(lengths)
@@ -414,6 +431,10 @@ def main() -> None:
                      f"{peer['tokens']:,} tokens warmed, batch {peer['batch_size']}, padding "
                      f"{peer['padding_fraction']:.2f}, {peer['io_threads']} saver threads"
                      + ("" if peer["tokens"] >= PEER_MIN_TOKENS else f"; < {PEER_MIN_TOKENS:,} tokens: no ratio")))
+    if compiled_cmp:
+        rows.append(("forward only, compiled norm/gate chains", compiled_cmp["forward_only_tok_s"],
+                     f"x{compiled_cmp['speedup']:.3f} of eager forward only; first pass "
+                     f"{compiled_cmp['first_pass_s']:.1f}s (compiles)"))
     rows.append(("FLOP floor", floor_tok_s, f"{total_flops / real / 1e9:.1f} GFLOP/tok, measured peak "
                  f"{peak / 1e12:.3g} TFLOP/s"))
     rows.append(("FLOP floor at the 989T spec", H200_SPEC_BF16 * real / total_flops, "H200 dense bf16 spec"))
@@ -439,7 +460,7 @@ def main() -> None:
         "first_pass_compile_s": warm_s - fo_s,
         "forward_only_tok_s": fo_tok_s, "forward_only_timeline": fo_timeline, "floor_tok_s": floor_tok_s,
         "floor_tok_s_at_spec_989": H200_SPEC_BF16 * real / total_flops, "peer_min_tokens_for_ratio": PEER_MIN_TOKENS,
-        "peer_style": peer, **summary,
+        "peer_style": peer, "compile_compare": compiled_cmp, **summary,
     }
     res_dir = pathlib.Path(args.results_dir)
     res_dir.mkdir(parents=True, exist_ok=True)
