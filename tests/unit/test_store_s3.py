@@ -3,6 +3,7 @@ tap-subset reads, plain zarr reads, orphans of a killed publisher, and the one-l
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ TAPS = (1, 3, 5, 7, 9)
 D = 64
 
 
-def make_cache(path, *, storage="fp8", num_samples=12, seed=0, shard_tokens=200):
+def make_cache(path, *, storage="fp8", num_samples=12, seed=0, shard_tokens=200, first_id=0):
+    """A cache of random samples (ids first_id, +2, ...); on an existing cache, appends to it."""
     fp = Fingerprint(target="m", target_config_hash="h", num_target_layers=12, hidden_size=D,
                      target_dtype="bfloat16", tokenizer_hash="t", chat_template_hash="c", tap_layer_ids=TAPS,
                      storage=storage)
@@ -29,7 +31,7 @@ def make_cache(path, *, storage="fp8", num_samples=12, seed=0, shard_tokens=200)
     lengths = rng.integers(20, 60, num_samples)
     T = int(lengths.sum())
     with CacheWriter(path, fp, shard_tokens=shard_tokens, chunk_bytes=D * 32) as w:
-        w.append(sample_ids=np.arange(num_samples) * 2, lengths=lengths,
+        w.append(sample_ids=first_id + np.arange(num_samples) * 2, lengths=lengths,
                  input_ids=rng.integers(0, 1000, T).astype(np.int32), loss_mask=rng.integers(0, 2, T).astype(np.uint8),
                  hidden=torch.from_numpy(rng.standard_normal((T, len(TAPS), D)).astype(np.float32)))
     return fp
@@ -123,3 +125,36 @@ def test_configuration_errors_are_one_line(s3_server, monkeypatch):
             open_store(url)
         assert want in one_line(err) and url.split("/")[2] in str(err.value)
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == "dflash-test-secret"
+
+
+def test_server_stopped_mid_read_and_for_a_write_then_both_resume(s3_env, tmp_path, monkeypatch):
+    url = s3_env.create_bucket("dflash-faults") + "/c"
+    make_cache(tmp_path / "local", storage="bf16", num_samples=6)
+    publish_cache(local=str(tmp_path / "local"), url=url)
+    shutil.copytree(tmp_path / "local", tmp_path / "more")  # a later state of the same cache: more shards
+    make_cache(tmp_path / "more", storage="bf16", num_samples=6, seed=1, first_id=100)
+    from dflash.store import objects
+
+    # fewer retries: a stopped server is reported within seconds, not after the 30 s retry budget
+    monkeypatch.setattr(objects, "RETRY", {"max_retries": 1, "retry_timeout": objects.RETRY["retry_timeout"]})
+    real_get = objects.Store.get_to_file
+
+    def stop_then_get(self, key, path):  # the server dies after the fetch listed and opened the cache
+        s3_env.stop()
+        return real_get(self, key, path)
+    monkeypatch.setattr(objects.Store, "get_to_file", stop_then_get)
+    try:
+        with pytest.raises(StoreError) as err:
+            fetch_cache(url=url, local=str(tmp_path / "m"))
+        assert "cannot reach" in one_line(err)
+        monkeypatch.setattr(objects.Store, "get_to_file", real_get)
+        with pytest.raises(StoreError) as err:
+            publish_cache(local=str(tmp_path / "more"), url=url)
+        assert "cannot reach" in one_line(err)
+    finally:
+        s3_env.start()
+    assert fetch_cache(url=url, local=str(tmp_path / "m")).shards > 0  # the rerun completes the mirror
+    same_reads(tmp_path / "local", tmp_path / "m")
+    publish_cache(local=str(tmp_path / "more"), url=url)
+    fetch_cache(url=url, local=str(tmp_path / "m2"))
+    same_reads(tmp_path / "more", tmp_path / "m2")
