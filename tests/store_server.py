@@ -3,9 +3,10 @@
 `weed server -s3` runs master, volume server, filer and S3 gateway in one process, on free localhost ports
 (every http and grpc port given explicitly: weed's default grpc port is http + 10000, which another test's
 server may hold), data under a temp dir, credentials from an S3 identities file. Each volume is 16 MB and
-up to 64 may exist (the defaults; the benchmark asks for more): each bucket is a weed collection that grabs its own volumes, and the default 8 x 30 GB
-runs out at the second bucket. `stop()`/`start()` let a test take the server away mid-run and bring it
-back on the same ports and data (fault tests). Tests import the `s3_server` fixture from here.
+up to 64 may exist (the defaults; the benchmark asks for more): each bucket is a weed collection that
+grabs its own volumes, and weed's default 8 x 30 GB runs out at the second bucket. `stop()`/`start()` let
+a test take the server away mid-run and bring it back on the same ports and data (fault tests; a restart
+takes ~5-25 s here). Tests import the `s3_server` fixture from here.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ class SeaweedServer:
 
     def start(self, *, timeout: float = 60.0) -> None:
         args = [weed_binary(), "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-                f"-s3.config={self.config}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-volume.max={self.max_volumes}",
-                f"-master.volumeSizeLimitMB={self.volume_mb}", "-master.telemetry=false"]
+                f"-s3.config={self.config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-volume.max={self.max_volumes}", f"-master.volumeSizeLimitMB={self.volume_mb}",
+                "-master.telemetry=false"]
         args += [f"-{name}={port}" for name, port in self.ports.items()]
         log = open(self.root / "weed.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
