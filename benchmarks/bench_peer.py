@@ -68,13 +68,16 @@ def build_training_set(args, *, model: str, work: pathlib.Path, recipe) -> dict:
     theirs, _ = specforge_probe(args, model=model, data=cand_s, out=work / "probe_tokens.npz", steps=0, recipe=recipe)
     agree = peer_data.compare_tokenizations(ours=ours, theirs=theirs, max_length=recipe.max_length,
                                             min_loss_tokens=2 * recipe.block_size, eot_ids=end_of_turn_ids(tok))
-    kept = [convs[i] for i in agree.kept]
-    if len(kept) < recipe.seqs_per_step:
-        raise SystemExit(f"only {len(kept)} samples agree and qualify: {agree.to_json()}")
+    # SpecForge steps the optimizer when its global micro-step count is a multiple of --accumulation-steps, so the
+    # last N % A sequences of an epoch would add gradient that no step applies: keep a multiple of A
+    keep = agree.kept[: len(agree.kept) // recipe.seqs_per_step * recipe.seqs_per_step]
+    if not keep:
+        raise SystemExit(f"only {len(agree.kept)} samples agree and qualify: {agree.to_json()}")
+    kept = [convs[i] for i in keep]
     peer_data.write_both(kept, dflash_path=work / "train_conversations.jsonl",
                          specforge_path=work / "train_specforge.jsonl")
-    peer_data.write_pretokenized([theirs[i] for i in agree.kept], work / "train_dflash.jsonl")
-    lengths = [len(theirs[i][0]) for i in agree.kept]
+    peer_data.write_pretokenized([theirs[i] for i in keep], work / "train_dflash.jsonl")
+    lengths = [len(theirs[i][0]) for i in keep]
     steps = peer_recipe.specforge_steps(len(kept), recipe)
     batch_tokens = peer_recipe.match_batch_tokens(lengths, steps_per_epoch=steps // recipe.epochs, seed=recipe.seed)
     _, sf_lr = specforge_probe(args, model=model, data=None, out=work / "probe_lr.npz", steps=steps, recipe=recipe)
@@ -83,7 +86,8 @@ def build_training_set(args, *, model: str, work: pathlib.Path, recipe) -> dict:
     log(f"training set: {len(kept)} of {len(convs)} conversations agree and qualify; {steps} steps, dflash "
         f"batch_tokens {batch_tokens}; lr schedules differ by at most {lr_diff:.4f} x peak")
     return {"agreement": agree.to_json(), "samples": len(kept), "tokens": int(sum(lengths)),
-            "loss_tokens": int(sum(int(theirs[i][1].sum()) for i in agree.kept)), "steps": steps,
+            "loss_tokens": int(sum(int(theirs[i][1].sum()) for i in keep)), "steps": steps,
+            "dropped_to_multiple_of_seqs_per_step": len(agree.kept) - len(keep),
             "dflash_trains_on": "SpecForge's ids and loss masks as pre-tokenized records (train_dflash.jsonl)",
             "mean_tokens_per_step": sum(lengths) * recipe.epochs / steps, "dflash_batch_tokens": batch_tokens,
             "lr_max_abs_diff_over_peak": lr_diff, "lr_specforge_first": list(sf_lr[:3]),
@@ -176,6 +180,11 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict) 
     dc = peer_recipe.drafter_config(recipe, target_config=json.loads((pathlib.Path(model) / "config.json").read_text()),
                                     train_cfg=peer_recipe.train_config(recipe, cache="", model=model, output="",
                                                                        steps=1, batch_tokens=1))
+    from dflash.drafter.export import read_drafter_config
+
+    ours = read_drafter_config(result_dflash_drafter(work))
+    if ours != dc:
+        raise SystemExit(f"the drafter config for SpecForge {dc} is not dflash's trained one {ours}")
     draft = work / "specforge_draft" / "config.json"
     draft.parent.mkdir(parents=True, exist_ok=True)
     draft.write_text(json.dumps(dc.to_hf_config(), indent=2) + "\n")
@@ -208,6 +217,11 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict) 
     out.update(run=run, drafter=str(ckpts[-1]), checkpoints=[p.name for p in ckpts],
                tokens_per_s=data["tokens"] * recipe.epochs / run["wall_s"] if run["wall_s"] else None)
     return out
+
+
+def result_dflash_drafter(work: pathlib.Path) -> pathlib.Path:
+    """The drafter folder `dflash train` exported for the run of stage f."""
+    return work / "run_dflash" / "drafter"
 
 
 def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathlib.Path, name: str,

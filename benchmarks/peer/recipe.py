@@ -31,6 +31,9 @@ SPECFORGE_DIFFERENCES = {
     "system_prompt": "its 'qwen' template inserts 'You are a helpful assistant.' unless the data has a system turn; "
                      "the benchmark writes that system turn into both trainers' data",
     "batching": "one sequence per micro-batch, no packing; loss averaged per sequence then over accumulation steps",
+    "accumulation": "the optimizer steps when the global micro-step count is a multiple of --accumulation-steps, "
+                    "while the lr schedule counts ceil(N / A) steps per epoch: with N % A != 0 the schedule never "
+                    "ends and leftover gradient carries into the next epoch; the benchmark keeps N a multiple of A",
     "optimizer": "BF16Optimizer: AdamW on fp32 master copies of bf16 params, weight decay 0, clip 1.0 "
                  "(--max-grad-norm default)",
     "target": "online: the HF target (bf16) runs on every micro-batch with output_hidden_states=True "
@@ -107,14 +110,15 @@ def match_batch_tokens(lengths: np.ndarray, *, steps_per_epoch: int, seed: int, 
 
 
 def drafter_config(recipe: PeerRecipe, *, target_config: dict, train_cfg):
-    """The DrafterConfig both trainers build: dflash's resolution for this target (taps = dflash's default for
-    num_layers taps, the same list z-lab's build_target_layer_ids gives)."""
+    """The DrafterConfig both trainers build: dflash's resolution for this target, with the taps `dflash extract`
+    stores by default (default_tap_layer_ids: 5 taps, z-lab's build_target_layer_ids(L, 5)), which `dflash train`
+    uses all of (TrainConfig.taps None), whatever the number of drafter layers."""
     from dflash.target.taps import default_tap_layer_ids
     from dflash.train.build import build_drafter_config
 
     n_target = int(target_config["num_hidden_layers"])
     return build_drafter_config(train_cfg, hidden_size=int(target_config["hidden_size"]),
-                                taps=default_tap_layer_ids(n_target, recipe.num_layers), num_target_layers=n_target,
+                                taps=default_tap_layer_ids(n_target), num_target_layers=n_target,
                                 mask_token_id=recipe.mask_token_id,
                                 vocab_size=int(target_config["vocab_size"])).config
 

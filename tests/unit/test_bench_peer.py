@@ -135,7 +135,8 @@ def test_one_drafter_config_loads_in_zlab_with_dflash_names(peers):
     tcfg = peer_recipe.train_config(recipe, cache="c", model="m", output="o", steps=10, batch_tokens=4096)
     dc = peer_recipe.drafter_config(recipe, target_config=SMOLLM2, train_cfg=tcfg)
     zlab = peer_env.load_zlab_model(peers["zlab"])
-    assert list(dc.target_layer_ids) == zlab.build_target_layer_ids(30, 2)
+    # the taps dflash extracts by default (5, z-lab's rule), also for a 2-layer drafter: dflash train uses them all
+    assert list(dc.target_layer_ids) == zlab.build_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
     assert (dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, dc.rope_theta) == (9, 3, 64, 1e5)
     hf = dc.to_hf_config()
     assert DrafterConfig.from_hf_config(hf) == dc
