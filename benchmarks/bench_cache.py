@@ -43,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per read_many call")
     p.add_argument("--shard-tokens", type=int, default=1 << 16)
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
-    p.add_argument("--fp8-fraction", type=float, default=0.25, help="fp8 cache size relative to bf16 (bytes/token only)")
+    p.add_argument("--fp8-fraction", type=float, default=0.25,
+                   help="fp8 and int4 cache sizes relative to bf16 (bytes/token, and an int4 read)")
     p.add_argument("--result-name", default="cpu")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     return p.parse_args()
@@ -72,7 +73,7 @@ def all_files(*dirs: str) -> list[str]:
 def make_cold(dirs: list[str], want: bool) -> str:
     return drop_page_cache(*dirs) if want else "warm"
 
-def write_cache(path, args, storage, lengths, pool, pool_scales):
+def write_cache(path, args, storage, lengths, pool, pool_scales, pool_groups=None):
     t0 = time.perf_counter()
     with CacheWriter(path, fingerprint(args, storage), shard_tokens=args.shard_tokens,
                      chunk_bytes=args.chunk_bytes) as w:
@@ -81,7 +82,8 @@ def write_cache(path, args, storage, lengths, pool, pool_scales):
             a = off % (len(pool) - 4096)
             w.append(sample_ids=np.array([i]), lengths=np.array([L]), input_ids=np.zeros(L, np.int32),
                      loss_mask=np.ones(L, np.uint8), hidden=pool[a:a + L],
-                     scales=None if pool_scales is None else pool_scales[a:a + L])
+                     scales=None if pool_scales is None else pool_scales[a:a + L],
+                     group_scales=None if pool_groups is None else pool_groups[a:a + L])
             off += L
     return time.perf_counter() - t0, w.stats
 
@@ -178,8 +180,14 @@ def main() -> None:
     bits8, scales8 = quantize_fp8(pool.view(torch.bfloat16))
     _, st8 = write_cache(cache8, args, "fp8", lengths[:n8], bits8, scales8)
     del bits8, scales8
+    # 4-bit (issue 16, int4-g32-e4m3-h32) over the same samples as fp8: bytes per token and a read of it
+    from dflash.cache.format import encode_stored
+    cache4 = os.path.join(args.out, "cache_int4")
+    enc4 = encode_stored(pool.view(torch.bfloat16), "int4")
+    _, st4 = write_cache(cache4, args, "int4", lengths[:n8], enc4.hidden, enc4.scales, enc4.group_scales)
+    del enc4
 
-    cold = make_cold([cache, per, cache8, args.out], args.drop_caches)
+    cold = make_cold([cache, per, cache8, cache4, args.out], args.drop_caches)
     t_rr = read_raw(raw)
     make_cold([args.out], args.drop_caches)
     t_rc, bytes_all = read_cache(cache, args)
@@ -188,6 +196,8 @@ def main() -> None:
     t_rs, bytes_two = read_cache(cache, args, taps2)
     make_cold([args.out], args.drop_caches)
     t_rp = read_per_sample(per, args.threads)
+    make_cold([args.out], args.drop_caches)
+    t_r4, bytes_4 = read_cache(cache4, args)
 
     gbps = lambda b, t: b / t / 1e9  # noqa: E731
     res = {
@@ -198,18 +208,21 @@ def main() -> None:
         "bytes_per_token_bf16": st.bytes_written / st.tokens,
         "bytes_per_token_fp8": st8.bytes_written / st8.tokens,
         "fp8_over_bf16": (st8.bytes_written / st8.tokens) / (st.bytes_written / st.tokens),
+        "bytes_per_token_int4": st4.bytes_written / st4.tokens,
+        "int4_over_bf16": (st4.bytes_written / st4.tokens) / (st.bytes_written / st.tokens),
+        "int4_storage": "int4-g32-e4m3-h32",
         "gbps": {"write_cache": gbps(payload, t_wc), "write_raw": gbps(payload, t_wr),
                  "write_per_sample": gbps(payload, t_wp), "read_cache": gbps(payload, t_rc),
                  "read_cache_2_taps": gbps(payload * 2 / K, t_rs), "read_raw": gbps(payload, t_rr),
-                 "read_per_sample": gbps(payload, t_rp)},
+                 "read_per_sample": gbps(payload, t_rp), "read_cache_int4_stored_bytes": gbps(bytes_4, t_r4)},
         "seconds": {"write_cache": t_wc, "write_raw": t_wr, "write_per_sample": t_wp, "read_cache": t_rc,
-                    "read_cache_2_taps": t_rs, "read_raw": t_rr, "read_per_sample": t_rp,
+                    "read_cache_2_taps": t_rs, "read_raw": t_rr, "read_per_sample": t_rp, "read_cache_int4": t_r4,
                     "writer_blocked": st.seconds_blocked},
         "cold_reads": cold,
         "config": {"taps": K, "hidden": D, "tokens": T, "samples": len(lengths), "payload_bytes": payload,
                    "mean_length": float(lengths.mean()), "threads": args.threads, "batch_tokens": args.batch_tokens,
                    "shard_tokens": args.shard_tokens, "chunk_bytes": args.chunk_bytes, "seed": args.seed,
-                   "shards": st.shards_committed, "fp8_tokens": st8.tokens},
+                   "shards": st.shards_committed, "fp8_tokens": st8.tokens, "int4_tokens": st4.tokens},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "disk": _disk(args.out)},
         "versions": _versions(),
@@ -223,7 +236,7 @@ def main() -> None:
     for name, v in rows:
         print(f"  {name:<20}{v:8.2f} GB/s")
     for k in ("write_ratio_vs_raw", "read_ratio_vs_raw", "read_subset_bytes_ratio", "read_ratio_vs_per_sample_files",
-              "bytes_per_token_bf16", "bytes_per_token_fp8", "fp8_over_bf16"):
+              "bytes_per_token_bf16", "bytes_per_token_fp8", "fp8_over_bf16", "bytes_per_token_int4", "int4_over_bf16"):
         print(f"  {k:<32}{res[k]:10.3f}")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", f"cache_{args.result_name}.json"), "w") as f:
