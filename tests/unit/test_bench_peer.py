@@ -201,3 +201,36 @@ def test_stubs_and_unpack(peers):
     cpu = {s["module"] for s in peer_env.stubs_report(cpu=True)}
     assert "sglang.srt.server_args" in gpu and "specforge.core.loss" not in gpu and "specforge.core.loss" in cpu
     assert all(s["reason"] for s in peer_env.stubs_report(cpu=True))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load_by_path("bench_peer_under_test", ROOT / "benchmarks" / "bench_peer.py")
+
+
+def test_summary_numbers_and_checks(bench):
+    """The issue's top-level numbers: taus per eval set, z-lab loop tau (mean over the sets), and the time ratio
+    taken at dflash's first held-out tau at or above SpecForge's final MT-Bench tau."""
+    ev = {"dflash": {"mtbench": {"tau": 1.50}, "humaneval": {"tau": 1.40}},
+          "specforge": {"mtbench": {"tau": 1.45}, "humaneval": {"tau": 1.42}}}
+    z = {"drafters": {"dflash": {"loads_cleanly": True, "mtbench": {"tau": 1.5}, "humaneval": {"tau": 1.3}},
+                      "specforge": {"loads_cleanly": True, "mtbench": {"tau": 1.4}, "humaneval": {"tau": 1.4}}}}
+    r = {"eval": ev, "zlab": z, "specforge": {"run": {"wall_s": 100.0}},
+         "dflash": {"heldout": [{"wall_s": 20.0, "step": 5, "tau": 1.2}, {"wall_s": 40.0, "step": 10, "tau": 1.46},
+                                {"wall_s": 60.0, "step": 15, "tau": 1.5}]}}
+    bench.summarise(r)
+    assert r["tau_dflash_mtbench"] == 1.50 and r["tau_specforge_humaneval"] == 1.42
+    assert r["zlab_loop_tau_dflash"] == pytest.approx(1.4) and r["zlab_loop_tau_specforge"] == pytest.approx(1.4)
+    assert r["time_to_peer_tau_ratio"] == pytest.approx(0.4)
+    assert r["checks"] == {"mtbench_dflash_ge_specforge_minus_1pct": True,
+                           "humaneval_dflash_ge_specforge_minus_1pct": False,   # 1.40 < 0.99 * 1.42
+                           "time_to_peer_tau_le_half": True, "both_load_in_zlab_cleanly": True}
+    r["dflash"]["heldout"] = [{"wall_s": 20.0, "step": 5, "tau": 1.2}]
+    bench.summarise(r)
+    assert r["time_to_peer_tau_ratio"] is None and "time_to_peer_tau_le_half" not in r["checks"]
+
+
+def test_cpu_failure_reason_names_the_error(bench):
+    tail = ("[rank0]:   File \"x.py\", line 1\nRuntimeError: Distributed package doesn't have NCCL built in\n"
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====")
+    assert bench.cpu_failure_reason(tail) == "RuntimeError: Distributed package doesn't have NCCL built in"
