@@ -9,6 +9,10 @@
 #               user turn of every ShareGPT conversation regenerated (--turns first)
 #   bench       (carry part-b + data) the SmolLM2 folder, bench_generate, whole-conversation regeneration
 #   regen       continue the whole-conversation regeneration
+#   whole       (carry part-b + data) the SmolLM2 folder, bench_generate_whole (static round-by-round vs
+#               continuous batching, 512 conversations), then the whole-conversation regeneration on the
+#               continuous backend (WHOLE)
+#   wholemore   continue WHOLE (the model folder must still be on the warm machine, else carry part-b again)
 # Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -17,6 +21,7 @@ export DFLASH_HOME=$ASSETS           # the smollm2_dir test fixture finds the co
 MODEL=$ASSETS/smollm2-135m-instruct
 REGEN=$ASSETS/regen/sharegpt_regen.jsonl.gz
 FIRST=$ASSETS/regen/sharegpt_first.jsonl.gz
+WHOLE=$ASSETS/regen/sharegpt_whole.jsonl.gz
 LOGS=${OUT:-/tmp}
 T0=$(date +%s)
 left() { echo $(( ${1:-590} - ($(date +%s) - T0) )); }
@@ -47,6 +52,11 @@ case "$stage" in
       | tail -n 5
     timeout 90 python3 benchmarks/bench_quant_probe.py --device cuda --time-only --time-tokens 16384 \
       --out "$LOGS/quant_timing_h200.json" 2>&1 | tail -n 12
+    for t in tests/gpu/test_quant4*.py tests/gpu/test_target_kernels_gpu.py; do
+      [ -f "$t" ] && timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning "$t" 2>&1 | tail -n 5
+    done
+    timeout 280 python3 benchmarks/bench_train_real.py --workloads real 2>&1 | tail -n 6 || rc=$?
+    cp benchmarks/results/train_real_lengths_h200.json "$LOGS/" 2>/dev/null
     timeout "$(left 585)" python3 benchmarks/bench_train.py --profile-steps 0 --result-name h200_driver 2>&1 \
       | tail -n 25 || rc=$?
     cp benchmarks/results/train_h200_driver.json "$LOGS/" 2>/dev/null ;;
@@ -70,6 +80,17 @@ case "$stage" in
       || rc=$? ;;
   regen) generate "$(left 585)" "$REGEN" --turns all --max-new-tokens 256 --max-length 2048 \
            --chunk-conversations 512 || rc=$? ;;
-  *) echo "usage: $0 stash|firstturns|bench|regen" >&2; exit 2 ;;
+  whole)
+    model || exit 1
+    cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
+    timeout 330 python3 benchmarks/bench_generate_whole.py --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
+      --conversations 512 --chunk 256 --stop-after 150 --out "$LOGS/generate_whole_h200.json" 2>&1 \
+      | grep -v "Loading weights" | tail -n 40 || rc=$?
+    generate "$(left 585)" "$WHOLE" --backend continuous --turns all --max-new-tokens 256 --max-length 2048 \
+      --chunk-conversations 1024 --window 2048 || rc=$? ;;
+  wholemore) model || exit 1
+    generate "$(left 585)" "$WHOLE" --backend continuous --turns all --max-new-tokens 256 --max-length 2048 \
+      --chunk-conversations 1024 --window 2048 || rc=$? ;;
+  *) echo "usage: $0 stash|firstturns|bench|regen|whole|wholemore" >&2; exit 2 ;;
 esac
 exit $rc

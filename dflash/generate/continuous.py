@@ -41,6 +41,8 @@ class ContinuousConfig:
     """Longest sequence (prompt + response) a request can reach: sizes the KV cache off CUDA."""
     request_timeout: float = 600.0
     """Seconds without any finished request before the run is declared stuck."""
+    cuda_graphs: bool | None = None
+    """transformers' use_cuda_graph (None: its own choice)."""
 
 
 class ContinuousEngine:
@@ -55,6 +57,8 @@ class ContinuousEngine:
         gen = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=list(self.stop_ids),
                                pad_token_id=self.stop_ids[0], max_new_tokens=cfg.max_length)
         kw: dict = dict(max_requests_per_batch=cfg.max_requests)
+        if cfg.cuda_graphs is not None:
+            kw["use_cuda_graph"] = cfg.cuda_graphs
         if next(model.parameters()).device.type != "cuda":
             # off CUDA the manager cannot size its cache from free GPU memory: room for every row at max length
             page = 32
