@@ -122,7 +122,8 @@ def main() -> None:
                "loss_rel_diff": abs(out["fused"]["loss"] - out["checkpoint"]["loss"]) / abs(out["checkpoint"]["loss"]),
                "grad_rel_diff": float((g_f - g_c).norm() / g_c.norm()),
                "compiled_speedup": out["fused"]["time_s"] / out["fused_compiled"]["time_s"],
-               "compiled_loss_rel_diff": abs(out["fused_compiled"]["loss"] - out["fused"]["loss"]) / abs(out["fused"]["loss"]),
+               "compiled_loss_rel_diff": abs(out["fused_compiled"]["loss"] - out["fused"]["loss"])
+               / abs(out["fused"]["loss"]),
                "compiled_grad_rel_diff": float((g_fc - g_f).norm() / g_f.norm())}
     print(json.dumps(summary))
 

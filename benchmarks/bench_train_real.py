@@ -63,7 +63,8 @@ def say(msg: str) -> None:
     print(f"[bench_train_real {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def workload(kind: str, sh: dict, *, steps: int, batch_tokens: int, seed: int, tiny: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def workload(kind: str, sh: dict, *, steps: int, batch_tokens: int, seed: int,
+             tiny: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """Sample lengths (and loss-token counts; None = bench_train's random prompts) of a workload with at least
     `steps` micro-batches in epoch 0 of the trainer's plan (loader.plan_epoch at this batch_tokens)."""
     from dflash.train.loader import plan_epoch
@@ -111,7 +112,8 @@ def measure(kind: str, *, args, sh: dict, work: pathlib.Path, peak: float, devic
     cfg_a = TrainConfig(output=str(work / f"run_{kind}_a"), **kw)
     recs = run_trainer(cfg_a, device)
     a = window_summary(recs, warmup=args.warmup)
-    out = {"train_config": cfg_a.to_json(), "samples": info["samples"], "tokens": info["tokens"], "mean_length": float(lengths.mean()),
+    out = {"train_config": cfg_a.to_json(), "samples": info["samples"], "tokens": info["tokens"],
+           "mean_length": float(lengths.mean()),
            "cache_bytes": info["bytes"], "page_cache": cold, "run_a_wall_s": time.perf_counter() - t,
            "tok_s": a["tok_s_aggregate"], **mfu_fields(a["mfu_aggregate"], peak=peak),
            "trainer_wait_fraction": a["stall_frac"], "peak_mem_gib": a["peak_mem_gib"],

@@ -22,10 +22,11 @@ does); under no_grad, or when the hidden rows do not require grad, the gradient 
 
 compiled=True (training with compile_elementwise, i.e. on CUDA by default): a chunk's elementwise work after the
 head matmul (fp32 cast, argmax, log-softmax, exp, one-hot, weight, cast) is one torch.compile'd function,
-chunk_terms, that reads the logits in one fused reduction kernel and once more to write the gradient, instead
-of the eager path's ~8 passes with fp32 temporaries: ~10 instead of ~36 bytes of memory traffic per logit.
-At the 27B drafter shape (~16K supervised rows x V = 248,320 per step) that is ~140 GB less per step; the
-H200 profile of 2026-12-01 put this CE elementwise work at ~46 ms of a ~480 ms step. Same math in the
+chunk_terms, instead of the eager path's ~8 passes with fp32 [n, V] temporaries: by count ~6-10 instead of ~36
+bytes of memory traffic per logit (inductor's CPU code for it is one kernel whose only [n, V] buffer is the bf16
+gradient, seen with TORCH_LOGS=output_code). At the 27B drafter shape (~15K supervised rows x V = 248,320 per
+step, 3.7e9 logits) that is ~100 GB less traffic per step; the H200 profile of 2026-12-01 put this CE
+elementwise work at ~46 ms of a ~480 ms step. Not yet measured on a GPU (benchmarks/bench_fused_ce.py). Same math in the
 log-sum-exp form (CE = lse - logit[label], grad = (exp(logit - lse) - onehot) * w), equal to the eager path up
 to fp32 rounding (test_fused_ce).
 """
@@ -146,8 +147,9 @@ def fused_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: t
     logits and fp32 log-softmax; or fp32 log-softmax and the low-precision gradient; compiled: the logits and
     the gradient, ~ chunk x V x 4 bytes in bf16). `num_supervised` = rows with weight > 0 if the host knows
     it (no device sync), else None (one sync). `compiled` = each chunk's elementwise work as one
-    torch.compile'd function (chunk_terms; the module docstring says why). The head must be frozen (lm_head_VH.requires_grad False): a trainable head would need
-    the weight gradient, which this path never forms; use chunked_ce_loss for that.
+    torch.compile'd function (chunk_terms; the module docstring says why). The head must be frozen
+    (lm_head_VH.requires_grad False): a trainable head would need the weight gradient, which this path never
+    forms; use chunked_ce_loss for that.
     """
     N = hidden_NH.shape[0]
     assert N % block_size == 0, "rows must be whole blocks"
