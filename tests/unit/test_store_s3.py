@@ -72,7 +72,7 @@ def test_publish_fetch_subset_and_plain_zarr(s3_env, tmp_path):
     assert np.array_equal(g["hidden"][:], plain["hidden"][:]) and np.array_equal(g["samples"][:], plain["samples"][:])
 
 
-def test_killed_publisher_leaves_orphans_that_readers_ignore_and_publish_removes(s3_env, tmp_path):
+def test_killed_publisher_leaves_orphans_that_readers_ignore_and_publish_removes(s3_env, tmp_path, monkeypatch):
     url = s3_env.create_bucket("dflash-orphans") + "/c"
     make_cache(tmp_path / "local", storage="bf16")
     publish_cache(local=str(tmp_path / "local"), url=url)
@@ -86,6 +86,13 @@ def test_killed_publisher_leaves_orphans_that_readers_ignore_and_publish_removes
     assert listing.orphans and all(ghost in k for k in listing.orphans) and ghost not in listing.records
     fetch_cache(url=url, local=str(tmp_path / "m"))
     assert len(CacheReader(tmp_path / "m")) == len(CacheReader(tmp_path / "local"))  # the ghost is not read
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    res = CliRunner().invoke(cli, ["cache", "verify", url])
+    assert res.exit_code == 0, res.output
+    assert f"uncommitted shards ({ghost})" in res.output and "ok:" in res.output
     assert publish_cache(local=str(tmp_path / "local"), url=url).orphans_removed == len(listing.orphans)
     assert not sp.classify_keys(store.list_keys()).orphans
     totals = json.loads(store.get(cm.MANIFEST))["totals"]
