@@ -288,7 +288,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 4096, 512-token sequences (CPU)")
     p.add_argument("--keep-checkpoints", action="store_true", help="let the trainer write its checkpoint/export")
     p.add_argument("--skip-resident", action="store_true", help="skip run B (no loader-stall fraction)")
-    p.add_argument("--loss-impl", choices=("fused", "checkpoint"), default="fused",
+    p.add_argument("--loss-impl", choices=("fused", "fused_eager", "checkpoint"), default="fused",
                    help="TrainConfig.loss_impl of runs A and B")
     p.add_argument("--compare-loss-impl", action="store_true",
                    help="run C: run B's resident steps with the other loss_impl; report both tok/s")
@@ -363,8 +363,9 @@ def main() -> None:
     stall = max(0.0, 1.0 - tok_s / resident["tok_s"]) if resident else None
 
     compare = None
+    fused_name = args.loss_impl if args.loss_impl != "checkpoint" else "fused"   # the fused side of run C
     if args.compare_loss_impl:
-        other = "checkpoint" if args.loss_impl == "fused" else "fused"
+        other = "checkpoint" if args.loss_impl != "checkpoint" else "fused"
         base = resident
         if base is None:  # --skip-resident: C still needs a resident run of this impl to compare with
             say(f"run B': resident steps with loss_impl={args.loss_impl} (for the comparison)")
@@ -372,7 +373,7 @@ def main() -> None:
         say(f"run C: the same resident steps with loss_impl={other}")
         compare = compare_runs({args.loss_impl: base, other: _fresh_resident(
             TrainConfig(output=str(work / "run_c"), **{**kw, "loss_impl": other}), device, args.warmup)},
-            base=args.loss_impl, fast="fused", slow="checkpoint", speedup_key="fused_speedup")
+            base=args.loss_impl, fast=fused_name, slow="checkpoint", speedup_key="fused_speedup")
 
     compile_cmp = None
     if args.compare_compile and resident:
@@ -391,7 +392,8 @@ def main() -> None:
                      f"MFU {resident['mfu']:.3f} (measured peak), {resident['mfu_vs_spec_989']:.3f} (989T spec); "
                      f"{resident['step_time_s']:.3f} s/step"))
         rows.append(("loader stall 1 - A/B", None, f"{stall:.3f} (target <= {REFERENCE['target_loader_stall_fraction']})"))
-    for label, cmp, names, ratio in (("loss_impl", compare, ("checkpoint", "fused"), "fused / checkpoint"),
+    for label, cmp, names, ratio in (("loss_impl", compare, ("checkpoint", fused_name),
+                                      f"{fused_name} / checkpoint"),
                                      ("compile_elementwise", compile_cmp, ("off", "on"), "compiled / eager")):
         if cmp:
             rows.extend(variant_rows(label, cmp, names, ratio))

@@ -85,11 +85,12 @@ class TrainConfig:
     """Blocks per LM-head cross-entropy chunk (bounds the logits memory)."""
     loss_impl: str = "fused"
     """LM-head cross-entropy: fused = logits once per supervised row, input-gradient formed in the forward
-    (train.fused_ce); checkpoint = the chunk-checkpointed path over all rows (objective.chunked_ce_loss,
-    three head matmuls per row). Same math up to fp32 summation order."""
+    (train.fused_ce; its elementwise work compiled when compile_elementwise compiles the drafter's);
+    fused_eager = the same, never compiled; checkpoint = the chunk-checkpointed path over all rows
+    (objective.chunked_ce_loss, three head matmuls per row). Same math up to fp32 summation order."""
     compile_elementwise: str = "auto"
     """Run the drafter's norms, RoPE and SiLU-gating, and the fused LM-head CE's elementwise work (train.fused_ce,
-    loss_impl=fused), as torch.compile'd fused kernels: auto = on CUDA only (CPU compilation needs a C++
+    with loss_impl=fused), as torch.compile'd fused kernels: auto = on CUDA only (CPU compilation needs a C++
     toolchain and gains little), on, off. Same math up to float rounding."""
 
     online: bool = False
@@ -156,8 +157,8 @@ class TrainConfig:
                               "lr must be > 0, grad_clip and weight_decay >= 0")
         if self.compile_elementwise not in ("auto", "on", "off"):
             raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: choose auto, on or off")
-        if self.loss_impl not in ("fused", "checkpoint"):
-            raise ConfigError(f"loss_impl={self.loss_impl!r}: choose fused or checkpoint")
+        if self.loss_impl not in ("fused", "fused_eager", "checkpoint"):
+            raise ConfigError(f"loss_impl={self.loss_impl!r}: choose fused, fused_eager or checkpoint")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ConfigError(f"dtype={self.dtype!r}: choose auto, bfloat16 or float32")
         if self.taps is not None and len(self.taps) == 0:

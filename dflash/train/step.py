@@ -99,7 +99,8 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
 
     loss_impl: "fused" (train.fused_ce: head matmul once per supervised row; the row count comes from the
     host-side HostBlocks.supervised_tokens, so no sync; its elementwise epilogue torch.compile'd when the
-    drafter's is, TrainConfig.compile_elementwise) or "checkpoint" (objective.chunked_ce_loss)."""
+    drafter's is, TrainConfig.compile_elementwise), "fused_eager" (the same, never compiled) or "checkpoint"
+    (objective.chunked_ce_loss)."""
     cfg = drafter.cfg
     B = cfg.block_size
     device = mb.input_ids_T.device
@@ -115,9 +116,10 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
     block_embeds_QD = embed_VD[block_ids_Q]  # frozen; embed_VD is already in the compute dtype
     hidden_QD = drafter(block_embeds_QD, ctx_TD, q_pos=layout.q_pos_Q, kv_pos=layout.kv_pos_K, mask=layout)
     labels_Q, weights_Q = blk.labels_JB.reshape(-1), blk.weights_JB.reshape(-1)
-    if loss_impl == "fused":
+    if loss_impl in ("fused", "fused_eager"):
         return fused_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B,
-                             num_supervised=hb.supervised_tokens, compiled=drafter.elementwise_compiled)
+                             num_supervised=hb.supervised_tokens,
+                             compiled=loss_impl == "fused" and drafter.elementwise_compiled)
     assert loss_impl == "checkpoint", loss_impl
     return chunked_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B)
 

@@ -206,7 +206,7 @@ def test_training_runs_give_the_same_losses_with_both_impls(tmp_path):
     target = tiny_target(tmp_path / "target")
     cache = tiny_cache(tmp_path / "cache", target)
     losses, accs = {}, {}
-    for impl in ("checkpoint", "fused"):
+    for impl in ("checkpoint", "fused", "fused_eager"):
         cfg = tiny_config(cache=str(cache), model=str(target), output=str(tmp_path / impl), steps=6,
                           loss_impl=impl, loss_chunk_blocks=3, save_every=100)
         train(cfg, device="cpu")
@@ -220,6 +220,7 @@ def test_training_runs_give_the_same_losses_with_both_impls(tmp_path):
     ref = torch.tensor(losses["checkpoint"], dtype=torch.float64)
     assert ((np_l - ref).abs() / ref).max() < 1e-5, (losses["fused"], losses["checkpoint"])
     assert accs["fused"] == accs["checkpoint"]
+    assert losses["fused_eager"] == losses["fused"]   # on CPU the drafter is not compiled: the same eager path
 
 
 def test_loss_impl_config_is_checked_and_resume_mutable():
@@ -228,6 +229,7 @@ def test_loss_impl_config_is_checked_and_resume_mutable():
     with pytest.raises(ConfigError, match="loss_impl"):
         TrainConfig(cache="c", model="m", output="o", loss_impl="liger")
     assert TrainConfig(cache="c", model="m", output="o").loss_impl == "fused"
+    assert TrainConfig(cache="c", model="m", output="o", loss_impl="fused_eager").loss_impl == "fused_eager"
     assert "loss_impl" in RESUME_MUTABLE
 
 
