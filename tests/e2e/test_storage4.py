@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
+from tests.e2e.helpers_extract import write_conversations
 
 pytestmark = pytest.mark.slow
 
@@ -19,15 +20,6 @@ def _invoke(*args):
     res = CliRunner().invoke(cli, [str(a) for a in args], prog_name="dflash")
     assert res.exit_code == 0, res.output
     return res.output
-
-
-def _data(path, n, seed=0):
-    rng = np.random.default_rng(seed)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    path.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": " ".join(rng.choice(words, size=10))},
-        {"role": "assistant", "content": " ".join(rng.choice(words, size=24))}]}) + "\n" for _ in range(n)))
-    return path
 
 
 def _relative_errors(int4_cache, bf16_cache):
@@ -64,7 +56,7 @@ def test_tiny_qwen35_extract_int4_train_eval(tmp_path, monkeypatch):
 
     monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
     model = tiny_qwen35_dir(tmp_path / "model", num_layers=4)  # hidden 64: 2 groups of 32, 2 rotation blocks
-    data = _data(tmp_path / "data.jsonl", 8)
+    data = write_conversations(tmp_path / "data.jsonl", num=8, seed=0)
     int4, bf16 = _extract_both(tmp_path, model, data, ["--taps", "0,1,2", "--max-length", "128",
                                                         "--batch-tokens", "256", "--shard-tokens", "160"])
     info = _info_and_verify(int4, hidden_bytes=3 * (32 + 2 + 4))

@@ -5,8 +5,6 @@ three arrays, decode on the GPU), against the CPU decode of the same shards and 
     python -m pytest -q -m gpu tests/unit/test_quant4_gpu.py
 """
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -21,14 +19,10 @@ def test_cuda_extract_int4_and_loader_decode(tmp_path):
     from dflash.extract.launch import launch
     from dflash.target.testing import tiny_qwen35_dir
     from dflash.train.loader import StreamingLoader, plan_epoch
+    from tests.e2e.helpers_extract import write_conversations
 
     model = tiny_qwen35_dir(tmp_path / "model", num_layers=4)
-    rng = np.random.default_rng(0)
-    words = "alpha beta gamma delta epsilon zeta eta theta".split()
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": " ".join(rng.choice(words, size=12))},
-        {"role": "assistant", "content": " ".join(rng.choice(words, size=30))}]}) + "\n" for _ in range(12)))
+    data = write_conversations(tmp_path / "data.jsonl", num=12, seed=0)
     for storage in ("int4", "bf16"):
         launch(ExtractConfig(model=str(model), data=(str(data),), output=str(tmp_path / storage), storage=storage,
                              taps=(0, 1, 2), max_length=128, batch_tokens=512, shard_tokens=200, device="cuda",
