@@ -4,7 +4,8 @@ same run.
 Both run `dflash generate`'s library path (dflash.generate.run.regenerate, --turns all) on the first
 --conversations ShareGPT conversations: "static" decodes turn r of every conversation of a chunk in
 length-sorted compiled static-cache batches (a batch runs until its longest row ends; turn r+1 waits for the
-whole round), "continuous" sends each turn to transformers' continuous-batching manager and queues the next
+whole round), "continuous" sends each turn to the slot engine (dflash.generate.slots: one KV slot per
+conversation, later turns prefill only their new ids, a compiled fixed-shape decode step) and queues the next
 turn as soon as its previous one ends. Reported per backend: wall seconds (target load excluded, compile
 included), response tokens/s, turns/s; and how many records of the two are token-identical (bf16: batching
 changes the kernels' shapes, so near-ties can part).

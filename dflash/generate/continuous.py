@@ -1,17 +1,18 @@
-"""Whole-conversation regeneration on transformers' continuous batching (paged KV cache, one request per turn).
+"""Whole-conversation regeneration with continuous batching: one request per turn, the next turn queued the
+moment its previous response arrives.
 
 Why: a static batch runs until its longest row ends, and turn r+1 of a conversation can only start after turn
 r, so round-by-round batching leaves most rows idle once the long conversations are the only ones left (on the
-H200, 2,048 ShareGPT conversations did not finish in 6 minutes). Here each turn is one request to
-transformers' ContinuousBatchingManager: a row that stops frees its slot at once, and the conversation's next
-turn is queued the moment its previous response arrives, next to the turns of other conversations. The next
-turn's prompt extends the previous one, so the manager's prefix sharing reuses its cached blocks.
+H200: 944 tok/s on whole ShareGPT conversations, benchmarks/results/regen_runs_h200.json). Two engines serve
+the requests: dflash.generate.slots.SlotEngine (one KV slot per conversation, a compiled fixed-shape decode
+step; Llama-family models) and, for other models, transformers' ContinuousBatchingManager (ContinuousEngine
+below; paged attention; 2.5-2.8K tok/s on the H200 without flash-attn, continuous_probe_h200.json).
 
 Chunks stay the unit of commit and resume: chunks are admitted in order while fewer than `window`
 conversations are in flight, and a chunk is yielded (committed) when its last conversation ends, so chunks
-may commit out of order; the output is merged in chunk order. The batches the manager forms depend on timing,
-so in bf16 a rerun can part from an earlier run after a near-tie (as any two batchings can); in fp32 on CPU
-the responses equal HF generate's (tests).
+may commit out of order; the output is merged in chunk order. Which requests share a forward step depends on
+the order responses finish, so in bf16 a rerun can part from an earlier run after a near-tie (as any two
+batchings can); in fp32 on CPU the responses equal HF generate's (tests).
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ class ContinuousEngine:
         self.model = model
         self.in_flight = 0
 
-    def submit(self, key: str, prompt_ids: list[int], budget: int) -> None:
+    def release(self, stream) -> None:
+        """The conversation is over (the manager's prefix cache needs no notice)."""
+
+    def submit(self, key: str, prompt_ids: list[int], budget: int, *, stream=None) -> None:
         rid = self.manager.add_request(list(prompt_ids), request_id=key, max_new_tokens=int(budget),
                                        eos_token_id=list(self.stop_ids))
         if rid is None:
@@ -96,9 +100,10 @@ class ContinuousEngine:
         self.model.destroy_cached_continuous_batching_manager()
 
 
-def continuous_chunks(todo, on_batch, may_start, *, engine: ContinuousEngine, rules: DialogRules, meta: dict,
-                      window: int):
-    """A dflash.generate.run.ProcessChunks over `engine`: yields (chunk, records, stats) as chunks finish."""
+def continuous_chunks(todo, on_batch, may_start, *, engine, rules: DialogRules, meta: dict, window: int):
+    """A dflash.generate.run.ProcessChunks over `engine` (ContinuousEngine or dflash.generate.slots.SlotEngine:
+    submit(key, ids, budget, stream=conversation), next_result(), release(conversation)): yields (chunk,
+    records, stats) as chunks finish."""
     pending = deque(todo)
     chunks: dict[int, tuple[list[ConversationRun], dict]] = {}
     open_convs: dict[int, int] = {}
@@ -109,13 +114,14 @@ def continuous_chunks(todo, on_batch, may_start, *, engine: ContinuousEngine, ru
         run = chunks[i][0][k]
         req = run.next_request()
         if req is None:
+            engine.release((i, k))
             open_convs[i] -= 1
             if open_convs[i] == 0:
                 finished.append(i)
             return
         key = f"c{i}.v{k}.t{run.turn}"
         requests[key] = (i, k)
-        engine.submit(key, *req)
+        engine.submit(key, *req, stream=(i, k))
 
     admitting = True
     while True:
@@ -145,3 +151,17 @@ def continuous_chunks(todo, on_batch, may_start, *, engine: ContinuousEngine, ru
         chunks[i][0][k].take(decoded.response_ids, stop_reason=decoded.stop_reason)
         on_batch(1, len(decoded.response_ids))
         advance(i, k)
+
+
+def open_engine(model, *, stop_ids, cfg: ContinuousConfig, log=None):
+    """The slot engine (dflash.generate.slots) where it supports the model, else transformers' manager."""
+    from dflash.generate.slots import SlotEngine, check_supported
+
+    try:
+        check_supported(model.config)
+    except DflashError as e:
+        if log is not None:
+            log(f"continuous backend: {e}; using transformers' continuous batching instead")
+        return ContinuousEngine(model, stop_ids=stop_ids, cfg=cfg)
+    return SlotEngine(model, stop_ids=stop_ids, slots=cfg.max_requests, cache_len=cfg.max_length,
+                      compile=cfg.cuda_graphs is not False)

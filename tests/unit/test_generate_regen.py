@@ -213,11 +213,13 @@ def test_static_backend_equals_eager_on_cpu(smollm2_dir, data_file, tmp_path):
 
 
 def test_continuous_backend_writes_the_eager_records_on_cpu(smollm2_dir, data_file, tmp_path):
-    """Whole conversations through transformers' continuous batching (one request per turn, chunks of 2 with a
-    window of 1 conversation, so chunk 0 and 1 run one after the other and a kept window is respected) are the
-    records of the round-by-round eager path in fp32: same ids, masks, turn spans and stats."""
+    """Whole conversations through the continuous backend (dflash.generate.slots: one KV slot per conversation,
+    later turns prefill only their new ids; 2 slots for 3 conversations, so one waits and takes a freed slot;
+    chunks of 2 admitted together under a window of 3) are the records of the round-by-round eager path in
+    fp32: same ids, masks, turn spans and stats."""
     e_stats, eager = _run(smollm2_dir, tmp_path / "e.jsonl.gz", data_file, backend="eager")
-    c_stats, cont = _run(smollm2_dir, tmp_path / "c.jsonl.gz", data_file, backend="continuous", window=1)
+    c_stats, cont = _run(smollm2_dir, tmp_path / "c.jsonl.gz", data_file, backend="continuous", window=3,
+                         batch_size=2)
     assert [r["id"] for r in cont] == ["a", "b", "c"]
     for key in ("input_ids", "loss_mask", "messages"):
         assert [r[key] for r in cont] == [r[key] for r in eager]

@@ -1,0 +1,295 @@
+"""Greedy continuous decoding with one KV-cache slot per conversation, for Llama-family decoders.
+
+Why not transformers' own continuous batching: without flash-attn it runs paged SDPA with no CUDA graphs and
+reached 2.5-2.8K tok/s on the H200 (benchmarks/results/continuous_probe_h200.json), and HF's static-cache
+generate runs round-synchronous batches (944 tok/s on whole ShareGPT conversations, regen_runs_h200.json).
+Here:
+- A slot is bound to a conversation (a `stream`) for its whole life: turn r+1's prompt extends turn r's
+  context, so only the new ids (end of turn, next user turn, generation prompt) are prefilled; the KV of the
+  history stays in the slot.
+- Every decode step runs all slots at one fixed shape (slots x 1 token), so on CUDA it is one compiled graph
+  replayed (torch.compile mode reduce-overhead); a row that stops frees its slot for the next conversation at
+  once instead of idling until the longest row of a batch ends.
+- Attention reads K/V once per KV head: the G query heads of a KV group are laid out as G x T query rows of
+  that head (no repeat_kv copy of the cache), masked by position (key j visible to a query at position p iff
+  j <= p), so positions past a slot's length (stale or padding) are never read.
+
+The layer math is the model's own modules (norms, projections, RoPE, MLP) called in HF's order, so in fp32 the
+responses equal HF generate's (tests). Supported: model types whose decoder layer is pre-norm attention + MLP
+with plain RoPE (llama, mistral without a sliding window, qwen2, qwen3); others raise ConfigError (use the
+static backend or an endpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+
+from dflash.errors import ConfigError
+from dflash.generate.decode import Decoded
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_supported(config) -> None:
+    """ConfigError unless the slot engine computes this model exactly as its HF class does."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"the slot decoder supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not {mt!r}: "
+                          "use --backend static (or --endpoint with a serving engine)")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ConfigError(f"{mt} with a sliding window ({config.sliding_window}) is not supported by the slot "
+                          "decoder: use --backend static")
+    rs = getattr(config, "rope_scaling", None) or {}
+    if rs.get("rope_type", rs.get("type", "default")) not in ("default", "llama3", "linear", "dynamic", None):
+        raise ConfigError(f"rope scaling {rs!r} is not supported by the slot decoder: use --backend static")
+
+
+def query_positions(pos_BT, *, groups: int):
+    """Positions of the G x T query rows of one KV head (row g*T + t is token t of query head g)."""
+    return pos_BT.repeat(1, groups)
+
+
+def visible_mask(pos_BQ, *, cache_len: int):
+    """[B, 1, Q, L] bool: key j visible to a query at position p iff j <= p (causal within a prefill too)."""
+    import torch
+
+    keys = torch.arange(cache_len, device=pos_BQ.device)
+    return (keys[None, None, None, :] <= pos_BQ[:, None, :, None])
+
+
+@dataclass(kw_only=True)
+class _Slot:
+    stream: object = None
+    """The conversation bound to this slot (None: free)."""
+    ctx: list = field(default_factory=list)
+    """Ids whose K/V are in the slot, in order."""
+    key: str | None = None
+    """The request being served."""
+    todo: list = field(default_factory=list)
+    """Ids to prefill before decoding."""
+    budget: int = 0
+    out: list = field(default_factory=list)
+    """Tokens generated for the current request."""
+
+
+class SlotDecoder:
+    """The model's layers over a per-slot KV cache: prefill(ids per slot) and a fixed-shape decode step."""
+
+    def __init__(self, model, *, slots: int, cache_len: int, compile: bool) -> None:
+        import torch
+
+        check_supported(model.config)
+        self.model = model
+        inner = model.model
+        cfg = model.config
+        attn = inner.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.groups = int(cfg.num_attention_heads) // self.kv_heads
+        self.scaling = float(attn.scaling)
+        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.slots = slots
+        self.cache_len = cache_len
+        p = next(model.parameters())
+        shape = (len(inner.layers), slots, self.kv_heads, cache_len, self.head_dim)
+        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.device = p.device
+        self._decode = self._forward_all
+        self._compiled_ok = False
+        if compile and p.device.type == "cuda":
+            torch._dynamo.mark_static_address(self.k)
+            torch._dynamo.mark_static_address(self.v)
+            self._decode = torch.compile(self._forward_all, mode="reduce-overhead", dynamic=False, fullgraph=False)
+
+    def _layers(self, h_BTH, pos_BT, slot_B, *, full: bool):
+        import torch
+        import torch.nn.functional as F
+
+        inner = self.model.model
+        B, T, _ = h_BTH.shape
+        D, Hk, G, L = self.head_dim, self.kv_heads, self.groups, self.cache_len
+        cos, sin = inner.rotary_emb(h_BTH, pos_BT)
+        mask = visible_mask(query_positions(pos_BT, groups=G), cache_len=L)
+        wpos = pos_BT.clamp(max=L - 1)  # padding rows of a prefill past the end write garbage no query reads
+        rows = slot_B[:, None].expand(B, T)
+        for li, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h_BTH)
+            q = attn.q_proj(x).view(B, T, -1, D)
+            k = attn.k_proj(x).view(B, T, -1, D)
+            v = attn.v_proj(x).view(B, T, -1, D)
+            if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over the head dim before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            self.k[li][rows, :, wpos] = k.transpose(1, 2)
+            self.v[li][rows, :, wpos] = v
+            kc = self.k[li] if full else self.k[li][slot_B]
+            vc = self.v[li] if full else self.v[li][slot_B]
+            qg = q.reshape(B, Hk, G * T, D)  # head h = kv*G + g (repeat_kv's order): rows g*T + t of kv head
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scaling)
+            o = o.reshape(B, Hk * G, T, D).transpose(1, 2).reshape(B, T, Hk * G * D)
+            h_BTH = h_BTH + attn.o_proj(o)
+            h_BTH = h_BTH + layer.mlp(layer.post_attention_layernorm(h_BTH))
+        return inner.norm(h_BTH)
+
+    def _forward_all(self, tok_S1, pos_S1):
+        import torch
+
+        slot_S = torch.arange(self.slots, device=tok_S1.device)
+        h = self._layers(self.model.model.embed_tokens(tok_S1), pos_S1, slot_S, full=True)
+        return self.model.lm_head(h[:, -1]).argmax(-1)
+
+    def decode(self, tok_S, pos_S):
+        """One token for every slot: tok_S fed at position pos_S; returns the greedy next token per slot."""
+        import torch
+
+        with torch.no_grad():
+            if self._decode is self._forward_all or self._compiled_ok:
+                return self._decode(tok_S[:, None], pos_S[:, None])
+            try:  # the first compiled call: a compiler failure falls back to the same step uncompiled
+                out = self._decode(tok_S[:, None], pos_S[:, None])
+                self._compiled_ok = True
+                return out
+            except Exception as e:  # noqa: BLE001 - any inductor/dynamo failure; the eager step is exact
+                log.warning("slot decoder: compiling the decode step failed (%s: %s); running it uncompiled",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self._decode = self._forward_all
+                return self._decode(tok_S[:, None], pos_S[:, None])
+
+    def prefill(self, slot_ids: list[int], ids: list[list[int]], starts: list[int]):
+        """ids[b] written into slot slot_ids[b] from position starts[b]; returns the greedy token after each."""
+        import torch
+
+        B, T = len(ids), max(len(x) for x in ids)
+        tok = torch.zeros((B, T), dtype=torch.long)
+        pos = torch.zeros((B, T), dtype=torch.long)
+        for b, (x, s) in enumerate(zip(ids, starts)):
+            tok[b, : len(x)] = torch.tensor(x, dtype=torch.long)
+            pos[b] = torch.arange(s, s + T)
+        last = torch.tensor([len(x) - 1 for x in ids], device=self.device)
+        with torch.no_grad():
+            slot_B = torch.tensor(slot_ids, device=self.device)
+            h = self._layers(self.model.model.embed_tokens(tok.to(self.device)), pos.to(self.device), slot_B,
+                             full=False)
+            return self.model.lm_head(h[torch.arange(B, device=self.device), last]).argmax(-1)
+
+
+class SlotEngine:
+    """dflash.generate.continuous's engine interface (submit / next_result / release / close) on a SlotDecoder.
+
+    submit(key, ids, budget, stream=S): when S holds a slot whose context is a prefix of ids, only the rest is
+    prefilled; release(S) frees the slot (the conversation is over)."""
+
+    def __init__(self, model, *, stop_ids, slots: int, cache_len: int, compile: bool = True,
+                 prefill_tokens: int = 16384) -> None:
+        import torch
+
+        self.dec = SlotDecoder(model, slots=slots, cache_len=cache_len, compile=compile)
+        self.stop_ids = frozenset(int(i) for i in stop_ids)
+        self.slots = [_Slot() for _ in range(slots)]
+        self.by_stream: dict = {}
+        self.waiting: deque = deque()
+        self.results: deque = deque()
+        self.prefill_tokens = prefill_tokens
+        self.tok = torch.zeros(slots, dtype=torch.long)
+        self.pos = torch.zeros(slots, dtype=torch.long)
+        self.in_flight = 0
+        self.prefilled_tokens = 0
+        """Ids prefilled so far (a later turn on a kept slot adds only its new ids)."""
+
+    def submit(self, key: str, prompt_ids: list[int], budget: int, *, stream=None) -> None:
+        assert len(prompt_ids) + budget <= self.dec.cache_len, "prompt + budget exceed the slot length"
+        self.in_flight += 1
+        s = self.by_stream.get(stream) if stream is not None else None
+        if s is None:
+            self.waiting.append((key, list(prompt_ids), int(budget), stream))
+            return
+        self._start(s, key, list(prompt_ids), int(budget))
+
+    def _start(self, s: int, key: str, ids: list[int], budget: int) -> None:
+        slot = self.slots[s]
+        n = len(slot.ctx)
+        if n >= len(ids) or ids[:n] != slot.ctx:  # not an extension of the slot's context: start over
+            n = 0
+            slot.ctx = []
+        slot.key, slot.todo, slot.budget, slot.out = key, ids[n:], budget, []
+
+    def release(self, stream) -> None:
+        s = self.by_stream.pop(stream, None)
+        if s is not None:
+            self.slots[s] = _Slot()
+
+    def _admit(self) -> None:
+        free = [i for i, sl in enumerate(self.slots) if sl.stream is None and sl.key is None]
+        while self.waiting and free:
+            key, ids, budget, stream = self.waiting.popleft()
+            s = free.pop(0)
+            self.slots[s].stream = stream if stream is not None else object()
+            if stream is not None:
+                self.by_stream[stream] = s
+            self._start(s, key, ids, budget)
+
+    def _emit(self, token: int, s: int) -> None:
+        """Append the token generated for slot s; finish the request at a stop token or its budget."""
+        slot = self.slots[s]
+        slot.out.append(token)
+        stop = token in self.stop_ids
+        if stop or len(slot.out) >= slot.budget:
+            self.results.append((slot.key, Decoded(response_ids=list(slot.out),
+                                                   stop_reason="eos" if stop else "length")))
+            # ctx already holds every fed token (the decode step appends it); the last one was never fed
+            slot.key, slot.out = None, []
+            self.in_flight -= 1
+            if slot.stream is not None and slot.stream not in self.by_stream:
+                self.slots[s] = _Slot()  # an anonymous request: free at once
+
+    def _prefill(self) -> bool:
+        todo = sorted((s for s, sl in enumerate(self.slots) if sl.key is not None and sl.todo),
+                      key=lambda s: len(self.slots[s].todo))
+        if not todo:
+            return False
+        while todo:
+            batch = []
+            while todo and (not batch or (len(batch) + 1) * len(self.slots[todo[0]].todo) <= self.prefill_tokens):
+                batch.append(todo.pop(0))
+            nxt = self.dec.prefill(batch, [self.slots[s].todo for s in batch],
+                                   [len(self.slots[s].ctx) for s in batch]).tolist()
+            for s, t in zip(batch, nxt):
+                self.prefilled_tokens += len(self.slots[s].todo)
+                self.slots[s].ctx.extend(self.slots[s].todo)
+                self.slots[s].todo = []
+                self._emit(int(t), s)
+        return True
+
+    def _step(self) -> None:
+        live = [s for s, sl in enumerate(self.slots) if sl.key is not None]
+        if not live:
+            raise AssertionError("a decode step with no request in flight")
+        self.tok.zero_()
+        for s, sl in enumerate(self.slots):
+            # idle rows write a dummy token at their next free position: overwritten before anything reads it
+            self.pos[s] = len(sl.ctx)
+        for s in live:
+            self.tok[s] = self.slots[s].out[-1]
+        nxt = self.dec.decode(self.tok.to(self.dec.device), self.pos.to(self.dec.device)).tolist()
+        for s in live:
+            self.slots[s].ctx.append(self.slots[s].out[-1])
+            self._emit(int(nxt[s]), s)
+
+    def next_result(self) -> tuple[str, Decoded]:
+        while not self.results:
+            self._admit()
+            if not self._prefill():
+                if not any(sl.key is not None for sl in self.slots):
+                    raise AssertionError("next_result() with nothing submitted")
+                self._step()
+        return self.results.popleft()
+
+    def close(self) -> None:
+        self.dec = None

@@ -1,0 +1,67 @@
+"""The slot decoder of the continuous backend (dflash.generate.slots): its mask rule, and greedy responses equal
+to HF generate's in fp32 on SmolLM2-135M, with fewer slots than conversations and a later turn that prefills
+only its new ids on the kept slot."""
+
+import pytest
+import torch
+
+from dflash.errors import ConfigError
+from dflash.generate.slots import SlotEngine, check_supported, query_positions, visible_mask
+
+
+def test_query_rows_and_mask():
+    pos = torch.tensor([[3, 4], [0, 1]])
+    q = query_positions(pos, groups=3)
+    assert q.tolist() == [[3, 4, 3, 4, 3, 4], [0, 1, 0, 1, 0, 1]]  # row g*T + t is token t of head g
+    m = visible_mask(q, cache_len=6)
+    assert m.shape == (2, 1, 6, 6)
+    assert m[0, 0, 0].tolist() == [True] * 4 + [False] * 2  # position 3 sees keys 0..3
+    assert m[1, 0, 1].tolist() == [True, True] + [False] * 4
+
+
+def test_unsupported_models_are_refused():
+    from transformers import Qwen3_5TextConfig
+
+    with pytest.raises(ConfigError, match="--backend static"):
+        check_supported(Qwen3_5TextConfig())
+
+
+def _prompt(tok, text):
+    return list(tok(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=False), add_special_tokens=False)["input_ids"])
+
+
+def _hf(model, ids, n, stops):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=list(stops),
+                         pad_token_id=stops[0])[0, len(ids):].tolist()
+    cut = next((i + 1 for i, t in enumerate(out) if t in stops), len(out))
+    return out[:cut]
+
+
+def test_slot_engine_equals_hf_generate(smollm2_dir):
+    from dflash.generate.decode import stop_token_ids
+    from dflash.target.load import load_target
+
+    torch.set_num_threads(1)
+    model, tok = load_target(str(smollm2_dir), device="cpu", dtype=torch.float32)
+    stops = stop_token_ids(tok, model.generation_config, {})
+    prompts = [_prompt(tok, q) for q in ("Name a color.", "What is 2+2?", "Say hi in French.")]
+    eng = SlotEngine(model, stop_ids=stops, slots=2, cache_len=256, compile=False)
+    for i, p in enumerate(prompts):
+        eng.submit(f"r{i}", p, 7, stream=i)
+    got = {}
+    while len(got) < 3:
+        key, d = eng.next_result()
+        got[key] = d.response_ids
+        if key != "r0":
+            eng.release(int(key[1:]))  # frees a slot for the third conversation
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == _hf(model, p, 7, stops), i
+    # a second turn on conversation 0: only the ids after its kept context are prefilled
+    first = prefilled = eng.prefilled_tokens
+    follow = prompts[0] + got["r0"] + _prompt(tok, "And another?")[1:]
+    eng.submit("r0b", follow, 6, stream=0)
+    key, d = eng.next_result()
+    prefilled = eng.prefilled_tokens - first
+    assert key == "r0b" and d.response_ids == _hf(model, follow, 6, stops)
+    assert prefilled == len(follow) - len(prompts[0]) - len(got["r0"]) + 1  # the last response token was not fed
