@@ -149,9 +149,6 @@ class Publisher:
                  self.stats.skipped, self.stats.orphans_removed)
         return self.stats
 
-    def close(self) -> None:
-        self.pool.shutdown()
-
 
 def publish_cache(*, local: str, url: str, ranks: list[int] | None = None,
                   num_threads: int = DEFAULT_THREADS) -> SyncStats:
@@ -290,13 +287,3 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
             cm.append_commit_line(local, r.rank, r)
     cm.write_manifest_atomic(local, cm.build_manifest(fp, records), tag="fetch")
     return SyncStats(shards=len(todo), skipped=len(records) - len(todo), bytes=moved)
-
-
-def mirror_taps(local: str) -> tuple[int, ...] | None:
-    """The taps a fetched folder holds (None = all, or not a mirror)."""
-    p = os.path.join(local, MIRROR)
-    if not os.path.exists(p):
-        return None
-    with open(p) as f:
-        taps = json.load(f)["taps"]
-    return None if taps is None else tuple(taps)

@@ -62,3 +62,13 @@ def test_urls():
         parse_store_url("s3:///x")
     assert mirror_folder("s3://b/p", root="/r") == mirror_folder("s3://b/p/", root="/r") != mirror_folder(
         "s3://b/q", root="/r")
+
+
+def test_missing_client_is_one_line(monkeypatch):
+    import sys
+
+    from dflash.store.objects import open_store
+    monkeypatch.setitem(sys.modules, "obstore.store", None)  # what `import obstore.store` sees when not installed
+    with pytest.raises(StoreError, match=r"^s3://bucket/c: caches on object stores need the obstore client: "
+                                         r"pip install obstore$"):
+        open_store("s3://bucket/c")
