@@ -31,7 +31,7 @@ LOGS=${OUT:-/tmp}
 
 cache() { timeout 170 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --result-name h200
           rm -rf /tmp/dflash_bench_cache; }
-extract() { timeout "${1:-410}" python3 benchmarks/bench_extract.py --tokens 600000 --peer-tokens 12000 --fla-conv; }
+extract() { timeout "${1:-410}" python3 benchmarks/bench_extract.py --tokens 600000 --peer-tokens 100000 --fla-conv; }
 train() { timeout "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
 sweep() { timeout "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
 quality() { local t=$1; shift

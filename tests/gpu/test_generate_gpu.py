@@ -35,3 +35,27 @@ def test_static_compiled_decode_matches_eager(smollm2_dir):
     assert same >= len(prompts) - 1, [(a.response_ids, b.response_ids) for a, b in zip(eager, fast)]
     assert [r.response_ids for r in again] == [r.response_ids for r in fast]
     assert len(dec.shapes) <= 3 and all(w % 64 == 0 for _, w in dec.shapes)
+
+
+def test_slot_engine_compiled_matches_eager_generate(smollm2_dir):
+    """The continuous backend's slot decoder with its compiled decode step, fp32 on CUDA, 4 slots for 16
+    prompts: the greedy responses of HF eager generate (at most one near-tie apart), and the compiled step ran
+    (no fallback to the uncompiled one)."""
+    from dflash.generate.decode import DecodeConfig, GreedyDecoder, stop_token_ids
+    from dflash.generate.slots import SlotEngine
+    from dflash.generate.turns import render_prompt_ids
+    from dflash.target.load import load_target
+
+    model, tok = load_target(smollm2_dir, device="cuda", dtype=torch.float32)
+    stops = stop_token_ids(tok, model.generation_config, {})
+    prompts = [render_prompt_ids(tok, [{"role": "user", "content": q * (1 + i % 3)}], {})
+               for i, q in enumerate(QUESTIONS * 2)]
+    eager = GreedyDecoder(model, stop_ids=stops, pad_id=tok.pad_token_id or stops[0],
+                          cfg=DecodeConfig(max_new_tokens=32, batch_size=1, backend="eager")).decode(prompts)
+    eng = SlotEngine(model, stop_ids=stops, slots=4, cache_len=512, compile=True)
+    for i, p in enumerate(prompts):
+        eng.submit(f"p{i}", p, 32)
+    got = dict(eng.next_result() for _ in prompts)
+    assert eng.dec._compiled_ok
+    same = sum(got[f"p{i}"].response_ids == e.response_ids for i, e in enumerate(eager))
+    assert same >= len(prompts) - 1
