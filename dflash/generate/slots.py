@@ -200,6 +200,8 @@ class SlotEngine:
         self.tok = torch.zeros(slots, dtype=torch.long)
         self.pos = torch.zeros(slots, dtype=torch.long)
         self.in_flight = 0
+        self.min_prefill_rows = max(1, slots // 16)
+        """Rows waiting before a prefill runs while others decode (prefill rarely, not after every finish)."""
         self.prefilled_tokens = 0
         """Ids prefilled so far (a later turn on a kept slot adds only its new ids)."""
 
@@ -249,11 +251,9 @@ class SlotEngine:
             if slot.stream is not None and slot.stream not in self.by_stream:
                 self.slots[s] = _Slot()  # an anonymous request: free at once
 
-    def _prefill(self) -> bool:
+    def _prefill(self) -> None:
         todo = sorted((s for s, sl in enumerate(self.slots) if sl.key is not None and sl.todo),
                       key=lambda s: len(self.slots[s].todo))
-        if not todo:
-            return False
         while todo:
             batch = []
             while todo and (not batch or (len(batch) + 1) * len(self.slots[todo[0]].todo) <= self.prefill_tokens):
@@ -265,19 +265,18 @@ class SlotEngine:
                 self.slots[s].ctx.extend(self.slots[s].todo)
                 self.slots[s].todo = []
                 self._emit(int(t), s)
-        return True
 
     def _step(self) -> None:
-        live = [s for s, sl in enumerate(self.slots) if sl.key is not None]
-        if not live:
-            raise AssertionError("a decode step with no request in flight")
-        self.tok.zero_()
-        for s, sl in enumerate(self.slots):
-            # idle rows write a dummy token at their next free position: overwritten before anything reads it
-            self.pos[s] = len(sl.ctx)
-        for s in live:
-            self.tok[s] = self.slots[s].out[-1]
-        nxt = self.dec.decode(self.tok.to(self.dec.device), self.pos.to(self.dec.device)).tolist()
+        import torch
+
+        live = [s for s, sl in enumerate(self.slots) if sl.key is not None and not sl.todo]
+        assert live, "a decode step with no request decoding"
+        # idle rows feed a dummy token at their next free position: overwritten before anything reads it
+        tok = [sl.out[-1] if sl.key is not None and not sl.todo else 0 for sl in self.slots]
+        pos = [len(sl.ctx) for sl in self.slots]
+        dev = self.dec.device
+        nxt = self.dec.decode(torch.tensor(tok).to(dev, non_blocking=True),
+                              torch.tensor(pos).to(dev, non_blocking=True)).tolist()
         for s in live:
             self.slots[s].ctx.append(self.slots[s].out[-1])
             self._emit(int(nxt[s]), s)
@@ -285,10 +284,15 @@ class SlotEngine:
     def next_result(self) -> tuple[str, Decoded]:
         while not self.results:
             self._admit()
-            if not self._prefill():
-                if not any(sl.key is not None for sl in self.slots):
-                    raise AssertionError("next_result() with nothing submitted")
+            waiting = sum(1 for sl in self.slots if sl.key is not None and sl.todo)
+            decoding = sum(1 for sl in self.slots if sl.key is not None and not sl.todo)
+            # an eager prefill costs about a decode step whatever its size: gather a few rows per prefill
+            if waiting and (waiting >= self.min_prefill_rows or not decoding):
+                self._prefill()
+            elif decoding:
                 self._step()
+            else:
+                raise AssertionError("next_result() with nothing submitted")
         return self.results.popleft()
 
     def close(self) -> None:

@@ -38,7 +38,10 @@ def _hf(model, ids, n, stops):
     return out[:cut]
 
 
-def test_slot_engine_equals_hf_generate(smollm2_dir):
+@pytest.mark.parametrize("min_prefill_rows", [1, 2])
+def test_slot_engine_equals_hf_generate(smollm2_dir, min_prefill_rows):
+    """min_prefill_rows 2: a slot bound to the third conversation waits while the other decodes (its next free
+    position gets the dummy writes of those steps, which its prefill then overwrites)."""
     from dflash.generate.decode import stop_token_ids
     from dflash.target.load import load_target
 
@@ -47,16 +50,17 @@ def test_slot_engine_equals_hf_generate(smollm2_dir):
     stops = stop_token_ids(tok, model.generation_config, {})
     prompts = [_prompt(tok, q) for q in ("Name a color.", "What is 2+2?", "Say hi in French.")]
     eng = SlotEngine(model, stop_ids=stops, slots=2, cache_len=256, compile=False)
-    for i, p in enumerate(prompts):
-        eng.submit(f"r{i}", p, 7, stream=i)
+    eng.min_prefill_rows = min_prefill_rows
+    for i, (p, n) in enumerate(zip(prompts, (7, 3, 7))):  # r1 ends first and frees its slot for r2
+        eng.submit(f"r{i}", p, n, stream=i)
     got = {}
     while len(got) < 3:
         key, d = eng.next_result()
         got[key] = d.response_ids
         if key != "r0":
             eng.release(int(key[1:]))  # frees a slot for the third conversation
-    for i, p in enumerate(prompts):
-        assert got[f"r{i}"] == _hf(model, p, 7, stops), i
+    for i, (p, n) in enumerate(zip(prompts, (7, 3, 7))):
+        assert got[f"r{i}"] == _hf(model, p, n, stops), i
     # a second turn on conversation 0: only the ids after its kept context are prefilled
     first = prefilled = eng.prefilled_tokens
     follow = prompts[0] + got["r0"] + _prompt(tok, "And another?")[1:]
