@@ -21,7 +21,9 @@ import sys
 import tarfile
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PEERS = REPO.parent / "shared" / "peers"
+# ../shared/peers beside the checkout; a device machine's copy of the working tree may hold shared/ inside it
+PEERS = next((p for p in (REPO.parent / "shared" / "peers", REPO / "shared" / "peers") if p.is_dir()),
+             REPO.parent / "shared" / "peers")
 UNPACK = REPO / ".peer"          # git-ignored
 SITE = UNPACK / "site"            # pip --target folder for SpecForge's extra packages
 SPECFORGE_TAR = "specforge-40d8feff.tar.gz"

@@ -7,7 +7,9 @@ with the record's plain greedy response (same target, same dtype): `equal_fracti
 `prefix_fraction` is the mean share of the greedy response that matches before the first difference (bf16
 greedy may diverge once the verify forward's batch shape differs from plain decoding).
 z-lab's loop times itself with torch.cuda.synchronize (_cuda_time); without CUDA that timer is replaced by
-time.perf_counter (reported in `patches`).
+time.perf_counter. It crops its KV caches with DynamicCache.crop(absolute length), which newer transformers (5.24)
+refuses ("use a negative integer"); there its DynamicCache is a subclass that turns the length into the number of
+tokens to drop. Both only where needed, and reported in `patches`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,30 @@ def load_zlab_drafter(zlab_mod, drafter_dir: str, *, device, dtype):
     return model.to(device).eval(), {k: [str(x) for x in v] for k, v in keys.items()}
 
 
+def absolute_crop_cache(base):
+    """`base` (transformers' DynamicCache) when crop(positive length) works, else a subclass translating it."""
+    import torch
+
+    probe = base()
+    probe.update(torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1), 0)
+    try:
+        probe.crop(1)
+        return base, None
+    except ValueError:
+        pass
+
+    class AbsoluteCropCache(base):
+        def crop(self, max_length: int) -> None:
+            if max_length >= 0:   # the legacy meaning: keep the first max_length tokens
+                drop = self.get_seq_length() - max_length
+                if drop <= 0:
+                    return
+                max_length = -drop
+            super().crop(max_length)
+
+    return AbsoluteCropCache, "DynamicCache.crop(absolute length) -> crop(-tokens to drop) (transformers refuses it)"
+
+
 def score(zlab_mod, *, target, drafter, prompts: list[dict], stop_ids: list[int], device) -> dict:
     """Run z-lab's dflash_generate on every prompt; tau, equality with plain greedy, tokens/s."""
     import torch
@@ -88,6 +114,9 @@ def run(*, zlab_dir: pathlib.Path, target_dir: str, drafters: dict[str, str], pr
     if not torch.cuda.is_available():
         mod._cuda_time = time.perf_counter
         patches.append("_cuda_time -> time.perf_counter (no CUDA)")
+    mod.DynamicCache, why = absolute_crop_cache(mod.DynamicCache)
+    if why:
+        patches.append(why)
     tdtype = getattr(torch, dtype)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=tdtype).to(device).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)

@@ -234,3 +234,19 @@ def test_cpu_failure_reason_names_the_error(bench):
     tail = ("[rank0]:   File \"x.py\", line 1\nRuntimeError: Distributed package doesn't have NCCL built in\n"
             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====")
     assert bench.cpu_failure_reason(tail) == "RuntimeError: Distributed package doesn't have NCCL built in"
+
+
+def test_zlab_cache_crop_keeps_the_legacy_meaning():
+    """z-lab's loop calls DynamicCache.crop(absolute length); the cache the bench hands it keeps that meaning on
+    transformers versions that refuse a positive crop (and is transformers' own class where it works)."""
+    import zlab_loop
+    from transformers import DynamicCache
+
+    cls, _ = zlab_loop.absolute_crop_cache(DynamicCache)
+    c = cls()
+    c.update(torch.zeros(1, 1, 5, 2), torch.arange(10.0).view(1, 1, 5, 2), 0)
+    c.crop(3)
+    assert c.get_seq_length() == 3
+    assert torch.equal(c.layers[0].values, torch.arange(6.0).view(1, 1, 3, 2))
+    c.crop(7)   # longer than the cache: nothing to drop
+    assert c.get_seq_length() == 3
