@@ -97,7 +97,12 @@ def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None
         if rank == 0:
             echo(f"{url}: {st.shards + st.skipped} shards already on the store (fetched {st.shards} into "
                  f"{staging}); their samples are skipped")
-    if cfg.dry_run:
+    if cfg.dry_run:  # plans from the staging folder as it is: a dry run downloads nothing
+        from dflash.store import protocol as sp
+        num = len(sp.classify_keys(open_store(url).list_keys()).records)
+        if num and rank == 0:
+            echo(f"{url}: {num} shards committed on the store; the real run fetches them first and skips "
+                 f"their samples (this plan counts only what {staging} already holds)")
         return launch(dataclasses.replace(cfg, output=staging), num_procs=num_procs, echo=echo)
     stop = threading.Event()
     state: dict = {}

@@ -55,6 +55,9 @@ def test_extract_train_eval_on_the_store(setup, s3_server, tmp_path, monkeypatch
                    "--no-progress"])
     assert f"{url}: published" in out
     home_b = _env(s3_server, tmp_path / "node-b")  # every later command on a machine with no copy yet
+    plan = _invoke(monkeypatch, home_b, ["extract", "--model", model, "--data", data, "--output", url, *COMMON,
+                                         "--dry-run"])
+    assert "shards committed on the store; the real run fetches them first" in plan
     info = json.loads(_invoke(monkeypatch, home_b, ["cache", "info", url, "--json"]))
     assert info["samples"] == NUM_GOOD
     assert "ok:" in _invoke(monkeypatch, home_b, ["cache", "verify", url])
