@@ -218,6 +218,23 @@ def _fetch_array(store: Store, key_dir: str, out_dir: str, *, label: str, tap_po
     return len(index_raw) + sum(len(p) for p in parts)
 
 
+def drop_conflicts(local: str, have_local: dict[str, cm.CommitRecord], records: list[cm.CommitRecord]) -> None:
+    """The store is the truth: a local shard whose name the store commits with other content (this folder's
+    unpublished shard, while another machine resumed the same URL and reused the name) is uncommitted here
+    (its samples are extracted again) and the store's shard is fetched in its place. Without this the two
+    would disagree silently: the local samples never reach the store, the store's are skipped here."""
+    from dflash.cache.repair import ShardFault, drop_shards
+    bad = [ShardFault(shard=r.shard, rank=r.rank, sample_ids=have_local[r.shard].sample_ids,
+                      problem=f"shard {r.shard} is committed on the store with other samples")
+           for r in records if r.shard in have_local and have_local[r.shard] != r]
+    if bad:
+        log.warning("%s: %d local shards conflict with the store's (first: %s); using the store's", local,
+                    len(bad), bad[0].problem)
+        drop_shards(local, bad)
+        for f in bad:
+            del have_local[f.shard]
+
+
 def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
                 num_threads: int = DEFAULT_THREADS) -> SyncStats:
     """Mirror the committed shards of `url` into the local folder (see the module docstring); `taps` = layer
@@ -246,10 +263,11 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
     else:
         # first, so a fetch killed midway leaves a cache (totals lagging the logs: a note), not a bare folder
         cm.write_manifest_atomic(local, cm.build_manifest(fp, []), tag="fetch")
-    have_local = {r.shard for r in cm.read_commit_logs(local)}
+    have_local = {r.shard: r for r in cm.read_commit_logs(local)}
     with ThreadPoolExecutor(num_threads) as pool:
         listing = sp.classify_keys(store.list_keys())
         records = read_records(store, listing, pool=pool)
+        drop_conflicts(local, have_local, records)
         todo = [r for r in records if r.shard not in have_local]
 
         def stage(r: cm.CommitRecord) -> str:

@@ -165,3 +165,21 @@ def test_server_stopped_mid_read_and_for_a_write_then_both_resume(s3_env, tmp_pa
     publish_cache(local=str(tmp_path / "more"), url=url)
     fetch_cache(url=url, local=str(tmp_path / "m2"))
     same_reads(tmp_path / "more", tmp_path / "m2")
+
+
+def test_unpublished_local_shard_with_a_name_the_store_committed_elsewhere_yields_to_the_store(s3_env, tmp_path):
+    """Machine A is killed with a shard committed locally but not yet published; machine B resumes the same
+    URL and commits other samples under that shard name; A fetches again: the store wins (A's shard is
+    uncommitted locally so its samples get extracted again), A's mirror equals the store."""
+    url = s3_env.create_bucket("dflash-conflict") + "/c"
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_cache(a, storage="bf16", num_samples=6)
+    publish_cache(local=str(a), url=url)
+    fetch_cache(url=url, local=str(b))
+    make_cache(b, storage="bf16", num_samples=6, seed=1, first_id=100)   # B's new shards, published
+    publish_cache(local=str(b), url=url)
+    make_cache(a, storage="bf16", num_samples=6, seed=2, first_id=200)   # A's, same names, never published
+    fetch_cache(url=url, local=str(a))
+    fetch_cache(url=url, local=str(tmp_path / "truth"))
+    same_reads(tmp_path / "truth", a)
+    assert not {200, 202} & set(CacheReader(a).index.sample_id.tolist())  # to be extracted again
