@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import json
 import os
 import pathlib
+import shutil
 import signal
 import statistics
 import subprocess
@@ -200,7 +202,8 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict) 
                               timeout=args.blocker_timeout)
             blockers[name] = {"returncode": t["returncode"], "wall_s": t["wall_s"], "log": t["log"],
                               "timed_out": t["timed_out"], "train_losses": t["train_losses"],
-                              "stopped_at": cpu_failure_reason(t["log_tail"]) if t["returncode"] else None}
+                              "stopped_at": cpu_failure_reason(pathlib.Path(t["log"]).read_text(errors="replace"))
+                              if t["returncode"] else None}
         out["specforge_cpu"] = {"runs_on_cpu_unmodified": blockers["as_on_gpu"]["returncode"] == 0,
                                 "blockers": blockers}
         run = run_specforge(args, model=model, work=work, recipe=dataclasses.replace(recipe, attention_backend="sdpa"),
@@ -237,6 +240,10 @@ def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathli
                                        num_workers=0 if args.cpu else 2)]
     env = peer_env.specforge_env(sf, cpu=args.cpu)
     env["PEER_CPU_DIST"] = level
+    # SpecForge reuses a processed dataset keyed by the data file's path, not its content: a rerun in this work
+    # folder would train on the earlier file's samples
+    shutil.rmtree(work / f"specforge_cache_{name}", ignore_errors=True)
+    shutil.rmtree(outdir, ignore_errors=True)
     logf = work / f"specforge_{name}.log"
     t = time.perf_counter()
     with logf.open("w") as f:
@@ -259,10 +266,15 @@ def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathli
             "train_losses": [float(x) for x in losses], "log": str(logf), "log_tail": "\n".join(lines[-25:])}
 
 
-def cpu_failure_reason(log_tail: str) -> str:
-    """The line of a failed SpecForge run that says why (the last RuntimeError/...Error line)."""
-    errs = [ln.strip() for ln in log_tail.splitlines() if "Error" in ln and ":" in ln and "elastic" not in ln]
-    return errs[-1] if errs else log_tail.splitlines()[-1] if log_tail else ""
+def cpu_failure_reason(log: str) -> str:
+    """The line of a failed SpecForge run's log that says why: the last 'SomethingError: message' line of the
+    worker (torchrun's own ChildFailedError report, which follows it, says nothing of the cause)."""
+    errs = [ln.strip().removeprefix("[rank0]:").strip() for ln in log.splitlines()
+            if re.search(r"\b\w*(Error|Exception): ", ln) and "ChildFailedError" not in ln and "elastic" not in ln]
+    lines = log.strip().splitlines()
+    if lines and lines[-1].endswith("(timeout)"):
+        return lines[-1]
+    return errs[-1] if errs else (lines[-1] if lines else "")
 
 
 def load_checks(*, specforge_dir: str, dflash_dir: str) -> dict:
@@ -452,8 +464,10 @@ def format_table(result: dict) -> str:
                      f"{f(result.get(f'zlab_loop_tau_{who}')):>9} {f(walls.get(who), '{:.1f}'):>8} "
                      f"{f(tps.get(who), '{:.0f}'):>8}")
     ag = result.get("training_set", {}).get("agreement", {})
-    lines.append(f"token ids agree: {ag.get('ids_equal')}/{ag.get('num_candidates')}, masks {ag.get('masks_equal')}; "
-                 f"kept {ag.get('kept')}; steps {result.get('training_set', {}).get('steps')}")
+    ts = result.get("training_set", {})
+    lines.append(f"token ids agree: {ag.get('ids_equal')}/{ag.get('num_candidates')}; masks equal "
+                 f"{ag.get('masks_equal')}, differ only by the newline after <|im_end|> "
+                 f"{ag.get('masks_eot_newline_only')}; trained on {ts.get('samples')} samples, {ts.get('steps')} steps")
     lines.append(f"time_to_peer_tau_ratio {f(result.get('time_to_peer_tau_ratio'))}; checks {result.get('checks')}")
     return "\n".join(lines)
 

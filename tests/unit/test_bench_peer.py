@@ -231,7 +231,7 @@ def test_summary_numbers_and_checks(bench):
 
 
 def test_cpu_failure_reason_names_the_error(bench):
-    tail = ("[rank0]:   File \"x.py\", line 1\nRuntimeError: Distributed package doesn't have NCCL built in\n"
+    tail = ("[rank0]:   File \"x.py\", line 1\n[rank0]: RuntimeError: Distributed package doesn't have NCCL built in\n"
             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====")
     assert bench.cpu_failure_reason(tail) == "RuntimeError: Distributed package doesn't have NCCL built in"
 
