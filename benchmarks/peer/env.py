@@ -37,7 +37,9 @@ NEEDED = {"yunchang": "yunchang", "datasets": "datasets", "dill": "dill", "multi
           "xxhash": "xxhash", "pandas": "pandas", "dateutil": "python-dateutil"}
 # Versions pinned for the GPU machine's .whl/ (python 3.12, manylinux2014_x86_64), the ones checked here on CPU.
 WHEELS = {"yunchang": "0.6.4", "datasets": "5.2.0", "dill": "0.4.1", "multiprocess": "0.70.19", "xxhash": "4.1.0",
-          "pandas": "3.1.1", "python-dateutil": "4.0.0"}
+          "pandas": "3.1.1", "python-dateutil": "4.0.0", "pyarrow": "26.0.1"}
+# Installed distributions datasets 5.2 needs newer than the project does (pyarrow >= 14 there).
+MIN_VERSIONS = {"pyarrow": (24,)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,10 +98,23 @@ def unpack(*, peers: pathlib.Path = PEERS, dest: pathlib.Path = UNPACK) -> dict[
 
 
 def missing_modules(*, site: pathlib.Path = SITE) -> list[str]:
-    """Distributions of NEEDED whose module is importable neither from the running env nor from `site`."""
+    """Distributions of NEEDED whose module is importable neither from the running env nor from `site`, and those
+    of MIN_VERSIONS older than needed."""
+    from importlib.metadata import PackageNotFoundError, version
+
     importlib.invalidate_caches()  # SITE may have been created by this process after an earlier look
     path = [str(site), *sys.path]
-    return [dist for mod, dist in NEEDED.items() if importlib.machinery.PathFinder.find_spec(mod, path) is None]
+    out = [dist for mod, dist in NEEDED.items() if importlib.machinery.PathFinder.find_spec(mod, path) is None]
+    for dist, least in MIN_VERSIONS.items():
+        if (site / dist).is_dir():
+            continue  # installed into SITE by an earlier call
+        try:
+            have = tuple(int(x) for x in version(dist).split(".")[:len(least)])
+        except (PackageNotFoundError, ValueError):
+            have = ()
+        if have < least:
+            out.append(dist)
+    return out
 
 
 def install(dists: list[str], *, wheels: str | None, site: pathlib.Path = SITE) -> list[str]:
