@@ -129,6 +129,8 @@ def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None
     pub = state.get("pub") or Publisher(local=staging, url=url, ranks=[rank] if torchrun else None)
     st = pub.finish()
     if rank == 0:
-        echo(f"{url}: published {st.shards} shards ({st.bytes / 1e6:.1f} MB), {st.skipped} already there"
+        # the store's write rate while busy, to hold against the run's (docs/multinode.md, throughput model)
+        rate = f" at {st.bytes / st.seconds / 1e6:.1f} MB/s" if st.seconds > 0 else ""
+        echo(f"{url}: published {st.shards} shards ({st.bytes / 1e6:.1f} MB{rate}), {st.skipped} already there"
              + (f", {st.orphans_removed} orphan objects removed" if st.orphans_removed else ""))
     return result

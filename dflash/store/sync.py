@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -50,6 +51,8 @@ class SyncStats:
     bytes: int
     """Payload bytes moved."""
     orphans_removed: int = 0
+    seconds: float = 0.0
+    """Wall time spent moving shards (publish: in publish_new passes; fetch: the whole call)."""
 
 
 def read_store_manifest(store: Store) -> dict | None:
@@ -112,6 +115,7 @@ class Publisher:
         move at once, in phases (data objects, array zarr.json, group zarr.json, records) so that the
         requests run in parallel while each shard keeps the protocol's order; a kill between phases
         leaves orphans, never a record before its objects."""
+        t0 = time.perf_counter()
         todo = [r for r in cm.read_commit_logs(self.local)
                 if (self.ranks is None or r.rank in self.ranks) and r.shard not in self.remote]
         phases: list[list[tuple[str, str]]] = [[], [], []]
@@ -131,7 +135,8 @@ class Publisher:
                                                     r.to_line().encode(), create=True), todo))  # the commits
         self.remote.update(r.shard for r in todo)
         self.stats = dataclasses.replace(self.stats, shards=self.stats.shards + len(todo),
-                                         bytes=self.stats.bytes + moved)
+                                         bytes=self.stats.bytes + moved,
+                                         seconds=self.stats.seconds + (time.perf_counter() - t0 if todo else 0))
         return len(todo)
 
     def finish(self) -> SyncStats:
@@ -239,6 +244,7 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
                 num_threads: int = DEFAULT_THREADS) -> SyncStats:
     """Mirror the committed shards of `url` into the local folder (see the module docstring); `taps` = layer
     ids to fetch (None = all). Returns what this call moved; already mirrored shards are skipped."""
+    t0 = time.perf_counter()
     store = open_store(url)
     manifest = read_store_manifest(store)
     if manifest is None:
@@ -304,4 +310,5 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
             os.rename(stage(r), dest)
             cm.append_commit_line(local, r.rank, r)
     cm.write_manifest_atomic(local, cm.build_manifest(fp, records), tag="fetch")
-    return SyncStats(shards=len(todo), skipped=len(records) - len(todo), bytes=moved)
+    return SyncStats(shards=len(todo), skipped=len(records) - len(todo), bytes=moved,
+                     seconds=time.perf_counter() - t0)

@@ -53,7 +53,7 @@ def test_extract_train_eval_on_the_store(setup, s3_server, tmp_path, monkeypatch
     out = _invoke(monkeypatch, _env(s3_server, tmp_path / "node-a"),
                   ["extract", "--model", model, "--data", data, "--output", url, *COMMON, "--gpus", "1",
                    "--no-progress"])
-    assert f"{url}: published" in out
+    assert f"{url}: published" in out and " MB/s), 0 already there" in out
     home_b = _env(s3_server, tmp_path / "node-b")  # every later command on a machine with no copy yet
     plan = _invoke(monkeypatch, home_b, ["extract", "--model", model, "--data", data, "--output", url, *COMMON,
                                          "--dry-run"])
