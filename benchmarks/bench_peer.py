@@ -19,8 +19,16 @@ Stages (each timed; the result JSON is rewritten after each, --resume continues 
      prompts per eval set (tau, outputs equal to plain greedy)
 Result: benchmarks/results/peer_specforge_h200.json (GPU) or peer_specforge_tiny_cpu.json (--tiny).
 
-GPU:  python benchmarks/bench_peer.py --gguf-parts A B --wheels .whl --workdir DIR
-CPU:  python benchmarks/bench_peer.py --tiny   (SpecForge steps take ~1.5 min each on a loaded 2-core box)
+GPU (three calls on one warm machine, each under the 10-minute limit; the result JSON outside the repo copy):
+  python benchmarks/bench_peer.py --gguf-parts A B --wheels .whl --workdir /tmp/peer --json /tmp/peer.json \
+      --stop-after dflash                       # a-f: generate, training set, eval caches, dflash extract + train
+  ... the same --resume --stop-after specforge  # g: SpecForge's online training
+  ... the same --resume                         # h-i: dflash eval and z-lab's loop for both drafters
+  .whl holds SpecForge's extra packages (env.WHEELS): pip download --no-deps --only-binary=:all:
+  --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 yunchang==0.6.4
+  datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 pandas==3.1.1 python-dateutil==4.0.0 -d .whl
+CPU:  python benchmarks/bench_peer.py --tiny --model ~/.cache/dflash/smollm2-135m-instruct --workdir DIR
+  (about 20 minutes on a loaded 2-core box; a SpecForge micro-step takes 1-1.5 min there: its bf16 CPU target)
 """
 
 from __future__ import annotations
@@ -398,7 +406,9 @@ def main(argv=None) -> dict:
     result = bq.result_header(args, bench="peer_specforge", device=device, argv=argv, target_dtype=dtype,
                               recipe=dataclasses.asdict(recipe), peers={k: str(v) for k, v in args.peers.items()})
     result["config"] = {k: v for k, v in result["config"].items() if k not in ("peers",)}
-    st = bq.Stages(result, out_json, earlier=bq.earlier_result(args, out_json))
+    earlier = bq.earlier_result(args, out_json)
+    result["calls"] = bq.call_history(earlier, result["date"], result["command"])
+    st = bq.Stages(result, out_json, earlier=earlier)
     try:
         model = args.model or st.run("a_target", lambda: bq.target_folder(args, work))
         result["target"] = model
