@@ -48,10 +48,10 @@ def test_sigkill_then_resume_is_exact(tmp_path, monkeypatch):
     """)
     env = dict(os.environ, DFLASH_NO_PROGRESS="1")
     proc = subprocess.Popen([sys.executable, "-c", script], env=env)
-    deadline = time.time() + 60
+    deadline = time.time() + 240  # a hang guard only: under .ci/run -n 2 this process shares the cores
     while not checkpoint_path(run, 6).exists():
         assert proc.poll() is None, "training exited before the kill"
-        assert time.time() < deadline, "no checkpoint after 60 s"
+        assert time.time() < deadline, "no checkpoint after 240 s"
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
