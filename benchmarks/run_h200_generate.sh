@@ -9,9 +9,9 @@
 #               user turn of every ShareGPT conversation regenerated (--turns first)
 #   bench       (carry part-b + data) the SmolLM2 folder, bench_generate, whole-conversation regeneration
 #   regen       continue the whole-conversation regeneration
-#   whole       (carry part-b + data) the SmolLM2 folder, bench_generate_whole (static round-by-round vs
-#               continuous batching, 512 conversations), then the whole-conversation regeneration on the
-#               continuous backend (WHOLE)
+#   whole       (carry part-b + data) the SmolLM2 folder, the slot decoder's GPU test, bench_generate_whole
+#               (static round-by-round vs the continuous backend's slot decoder, 512 conversations), then the
+#               whole-conversation regeneration on the continuous backend (WHOLE)
 #   wholemore   continue WHOLE (the model folder must still be on the warm machine, else carry part-b again)
 # Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
 set -u
@@ -83,6 +83,8 @@ case "$stage" in
   whole)
     model || exit 1
     cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
+      -k slot 2>&1 | tail -n 5
     timeout 330 python3 benchmarks/bench_generate_whole.py --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
       --conversations 512 --chunk 256 --stop-after 150 --out "$LOGS/generate_whole_h200.json" 2>&1 \
       | grep -v "Loading weights" | tail -n 40 || rc=$?
