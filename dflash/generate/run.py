@@ -53,8 +53,9 @@ class RegenerateConfig:
     chunk_conversations: int = 1024
     """Conversations per committed shard (the unit of resume)."""
     backend: str = "auto"
-    """"eager" / "static" (round-by-round batches, dflash.generate.decode), "continuous" (transformers'
-    continuous batching, dflash.generate.continuous) or "auto" (static on CUDA, eager elsewhere)."""
+    """"eager" / "static" (round-by-round batches, dflash.generate.decode), "continuous" (one request per turn,
+    dflash.generate.continuous: the slot decoder of dflash.generate.slots, or transformers' continuous batching
+    for models it does not support) or "auto" (static on CUDA, eager elsewhere)."""
     window: int = 2048
     """continuous backend: most conversations in flight (chunks are admitted in order while fewer are)."""
     template_kwargs: dict = field(default_factory=dict)

@@ -188,8 +188,6 @@ class SlotEngine:
 
     def __init__(self, model, *, stop_ids, slots: int, cache_len: int, compile: bool = True,
                  prefill_tokens: int = 16384) -> None:
-        import torch
-
         self.dec = SlotDecoder(model, slots=slots, cache_len=cache_len, compile=compile)
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.slots = [_Slot() for _ in range(slots)]
@@ -197,9 +195,6 @@ class SlotEngine:
         self.waiting: deque = deque()
         self.results: deque = deque()
         self.prefill_tokens = prefill_tokens
-        self.tok = torch.zeros(slots, dtype=torch.long)
-        self.pos = torch.zeros(slots, dtype=torch.long)
-        self.in_flight = 0
         self.min_prefill_rows = max(1, slots // 16)
         """Rows waiting before a prefill runs while others decode (prefill rarely, not after every finish)."""
         self.prefilled_tokens = 0
@@ -207,7 +202,6 @@ class SlotEngine:
 
     def submit(self, key: str, prompt_ids: list[int], budget: int, *, stream=None) -> None:
         assert len(prompt_ids) + budget <= self.dec.cache_len, "prompt + budget exceed the slot length"
-        self.in_flight += 1
         s = self.by_stream.get(stream) if stream is not None else None
         if s is None:
             self.waiting.append((key, list(prompt_ids), int(budget), stream))
@@ -247,8 +241,7 @@ class SlotEngine:
                                                    stop_reason="eos" if stop else "length")))
             # ctx already holds every fed token (the decode step appends it); the last one was never fed
             slot.key, slot.out = None, []
-            self.in_flight -= 1
-            if slot.stream is not None and slot.stream not in self.by_stream:
+            if slot.stream not in self.by_stream:
                 self.slots[s] = _Slot()  # an anonymous request: free at once
 
     def _prefill(self) -> None:
