@@ -3,14 +3,13 @@
 # warm machine. Inputs travel in .assets/ (git-ignored): smollm2.gguf.part-a / part-b (scripts/split_gguf.sh),
 # sharegpt_users.jsonl.gz (the package's 17,392 conversations, user turns kept, assistant turns blanked to ".":
 # they are regenerated), and the prompt files of scripts/make_quality_assets.py. Stages:
-#   stash       (carry .whl + part-a) install wheels, keep part-a; quant4 GPU tests and timing; bench_train
-#               (27B drafter shape through the one training driver) as train_h200_driver.json
+#   stash       (carry .whl + part-a) install wheels, keep part-a; the fused-CE and fused-target GPU tests,
+#               bench_fused_ce (27B drafter head)
 #   firstturns  (carry part-b + data) the SmolLM2 folder; the GPU generate test; bench_eval_overhead; the first
 #               user turn of every ShareGPT conversation regenerated (--turns first)
 #   bench       (carry part-b + data) the SmolLM2 folder, bench_generate, whole-conversation regeneration
 #   regen       continue the whole-conversation regeneration
-#   whole       (carry part-b + data) the SmolLM2 folder, the slot decoder's GPU test, bench_generate_whole
-#               (static round-by-round vs the continuous backend's slot decoder, 512 conversations), then the
+#   whole       (carry part-b + data) the SmolLM2 folder, the slot decoder's GPU test, then the
 #               whole-conversation regeneration on the continuous backend (WHOLE)
 #   wholemore   continue WHOLE (the model folder must still be on the warm machine, else carry part-b again)
 # Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
@@ -48,18 +47,11 @@ case "$stage" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl || exit 1
     mkdir -p "$ASSETS" && cp .assets/smollm2.gguf.part-a "$ASSETS/" || exit 1
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/unit/test_quant4.py 2>&1 \
-      | tail -n 5
-    timeout 90 python3 benchmarks/bench_quant_probe.py --device cuda --time-only --time-tokens 16384 \
-      --out "$LOGS/quant_timing_h200.json" 2>&1 | tail -n 12
-    for t in tests/gpu/test_quant4*.py tests/gpu/test_target_kernels_gpu.py; do
-      [ -f "$t" ] && timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning "$t" 2>&1 | tail -n 5
+    for t in tests/gpu/test_fused_ce_gpu.py tests/gpu/test_target_fused_gpu.py; do
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning "$t" 2>&1 | tail -n 8
     done
-    timeout 280 python3 benchmarks/bench_train_real.py --workloads real 2>&1 | tail -n 6 || rc=$?
-    cp benchmarks/results/train_real_lengths_h200.json "$LOGS/" 2>/dev/null
-    timeout "$(left 585)" python3 benchmarks/bench_train.py --profile-steps 0 --result-name h200_driver 2>&1 \
-      | tail -n 25 || rc=$?
-    cp benchmarks/results/train_h200_driver.json "$LOGS/" 2>/dev/null ;;
+    timeout "$(left 400)" python3 benchmarks/bench_fused_ce.py 2>&1 | tail -n 3 > "$LOGS/fused_ce_h200.log"
+    cat "$LOGS/fused_ce_h200.log" ;;
   firstturns)
     model || exit 1
     timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
@@ -85,9 +77,6 @@ case "$stage" in
     cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
     timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
       -k slot 2>&1 | tail -n 5
-    timeout 330 python3 benchmarks/bench_generate_whole.py --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
-      --conversations 512 --chunk 256 --stop-after 150 --out "$LOGS/generate_whole_h200.json" 2>&1 \
-      | grep -v "Loading weights" | tail -n 40 || rc=$?
     generate "$(left 585)" "$WHOLE" --backend continuous --turns all --max-new-tokens 256 --max-length 2048 \
       --chunk-conversations 1024 --window 2048 || rc=$? ;;
   wholemore) model || exit 1
