@@ -96,7 +96,10 @@ def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: st
                         max_length=max_length, batch_tokens=batch_tokens, show_progress=False)
     res = launch(cfg, num_procs=1, echo=lambda *a, **k: None)
     log(f"extract {out.name}: {res.num_samples} samples, {res.num_tokens} tokens")
-    return {"samples": res.num_samples, "tokens": res.num_tokens, "bytes": res.bytes_written, "path": str(out)}
+    # the timing splits (driver.ExtractResult) let bench_storage4's tau stage compare storages' extraction rates
+    return {"samples": res.num_samples, "tokens": res.num_tokens, "bytes": res.bytes_written, "path": str(out),
+            "seconds": round(res.seconds, 3), "loop_seconds": round(res.loop_seconds, 3),
+            "drain_seconds": round(res.drain_seconds, 3), "committed_before": res.num_committed_before}
 
 
 def first_records(src: str, n: int, out: pathlib.Path) -> str:
