@@ -6,7 +6,7 @@ server may hold), data under a temp dir, credentials from an S3 identities file.
 up to 64 may exist (the defaults; the benchmark asks for more): each bucket is a weed collection that
 grabs its own volumes, and weed's default 8 x 30 GB runs out at the second bucket. `stop()`/`start()` let
 a test take the server away mid-run and bring it back on the same ports and data (fault tests; a restart
-takes ~5-25 s here). Tests import the `s3_server` fixture from here.
+takes ~5-25 s here). Tests import the `s3_server` fixture from here, and `make_cache` (a small random cache).
 """
 
 from __future__ import annotations
@@ -124,6 +124,29 @@ class SeaweedServer:
         url = obstore.sign(store, "PUT", "", expires_in=datetime.timedelta(seconds=60))
         urllib.request.urlopen(urllib.request.Request(url, method="PUT"), timeout=30).close()
         return f"s3://{name}"
+
+
+TAPS = (1, 3, 5, 7, 9)  # make_cache's taps and hidden size
+D = 64
+
+
+def make_cache(path, *, storage="fp8", num_samples=12, seed=0, shard_tokens=200, first_id=0):
+    """A cache of random samples (ids first_id, +2, ...); on an existing cache, appends to it."""
+    import numpy as np
+    import torch
+
+    from dflash.cache import CacheWriter, Fingerprint
+    fp = Fingerprint(target="m", target_config_hash="h", num_target_layers=12, hidden_size=D,
+                     target_dtype="bfloat16", tokenizer_hash="t", chat_template_hash="c", tap_layer_ids=TAPS,
+                     storage=storage)
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(20, 60, num_samples)
+    T = int(lengths.sum())
+    with CacheWriter(path, fp, shard_tokens=shard_tokens, chunk_bytes=D * 32) as w:
+        w.append(sample_ids=first_id + np.arange(num_samples) * 2, lengths=lengths,
+                 input_ids=rng.integers(0, 1000, T).astype(np.int32), loss_mask=rng.integers(0, 2, T).astype(np.uint8),
+                 hidden=torch.from_numpy(rng.standard_normal((T, len(TAPS), D)).astype(np.float32)))
+    return fp
 
 
 @pytest.fixture(scope="module")

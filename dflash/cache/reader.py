@@ -6,6 +6,8 @@ The index comes from the commit logs and each shard's small `samples` array; hid
 until a read. Reads go straight to the shard files (shardfile.py): per sample and tap one pread of the
 contiguous token chunks, a crc32c check per chunk, one copy into the caller's (pinned) buffer. Threads help
 on fast disks because pread, crc32c and numpy copies release the GIL. The store stays plain zarr.
+A cache URL (s3://...) is read the same way through dflash.store.direct: the same byte ranges, each one
+ranged GET, no local copy (parallel requests: num_threads defaults to 16 there, 1 for a local folder).
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from dflash.cache import commit as cm
 from dflash.cache.format import Fingerprint, decode_bf16, decode_stored, stored_layout
-from dflash.cache.shardfile import ArrayFile
+from dflash.cache.shardfile import ArrayFile, ByteRanges, FileRanges
 from dflash.errors import CacheFormatError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -86,13 +90,70 @@ class PackedBuffers:
                    group_scales=e((tokens, num_taps, L.group_width), L.group_torch_dtype) if L.group_width else None)
 
 
+class ShardSource(Protocol):
+    """Where a reader's cache lives: its manifest, commit records and shard files (a folder or a store)."""
+
+    default_threads: int
+    """read_many's parallel requests when the caller does not say."""
+
+    def manifest(self) -> dict: ...
+
+    def records(self) -> list[cm.CommitRecord]:
+        """Committed shards, sorted by (rank, seq)."""
+        ...
+
+    def open_array(self, shard: str, name: str, label: str) -> ArrayFile: ...
+
+    def ranges(self, a: ArrayFile) -> AbstractContextManager[ByteRanges]:
+        """The byte ranges of `a`'s shard file, open for the duration of the with block."""
+        ...
+
+
+class LocalShards:
+    """ShardSource of a local cache folder: preads of the shard files."""
+
+    default_threads = 1  # the loader runs its own reader threads; more help only on fast NVMe (bench_cache)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def manifest(self) -> dict:
+        return cm.read_manifest(self.path)
+
+    def records(self) -> list[cm.CommitRecord]:
+        return cm.read_commit_logs(self.path)
+
+    def open_array(self, shard: str, name: str, label: str) -> ArrayFile:
+        return ArrayFile.open(os.path.join(self.path, cm.SHARDS, shard, name), label)
+
+    @contextmanager
+    def ranges(self, a: ArrayFile):
+        fd = os.open(a.path, os.O_RDONLY)
+        try:
+            yield FileRanges(fd)
+        finally:
+            os.close(fd)
+
+
+def open_source(path: str) -> ShardSource:
+    """LocalShards for a folder; for a cache URL the store's direct reads (dflash.store.direct)."""
+    from dflash.store.url import is_store_url
+    if is_store_url(path):
+        from dflash.store.direct import StoreShards
+        return StoreShards(path)
+    return LocalShards(path)
+
+
 class CacheReader:
-    def __init__(self, path, *, verify: bool = True, num_threads: int = 1) -> None:
-        """verify: check the crc32c of every chunk read. num_threads: parallel preads in read_many."""
+    def __init__(self, path, *, verify: bool = True, num_threads: int | None = None) -> None:
+        """path: a cache folder or a cache URL (s3://...: read by ranged GETs, nothing copied locally).
+        verify: check the crc32c of every chunk read. num_threads: parallel reads in read_many (None: 1 for a
+        folder, 16 for a URL, where each read is a request with its latency)."""
         self.path = os.fspath(path)
         self.verify = verify
-        self.num_threads = num_threads
-        self.manifest = cm.read_manifest(self.path)
+        self.source = open_source(self.path)
+        self.num_threads = self.source.default_threads if num_threads is None else num_threads
+        self.manifest = self.source.manifest()
         self.fingerprint = Fingerprint.from_json(self.manifest["fingerprint"])
         self.tap_layer_ids = self.fingerprint.tap_layer_ids
         self.storage = self.fingerprint.storage
@@ -103,13 +164,25 @@ class CacheReader:
         self._arrays: OrderedDict[tuple[int, str], ArrayFile] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
-        self.index = self._build_index(cm.read_commit_logs(self.path))
+        self.index = self._build_index(self.source.records())
+
+    def _map(self, fn, items: list) -> list:
+        """fn over items, on the read pool when there is one worth having."""
+        if self.num_threads > 1 and len(items) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="dflash-cache-read")
+            return list(self._pool.map(fn, items))
+        return [fn(x) for x in items]
 
     def _build_index(self, records: list[cm.CommitRecord]) -> SampleIndex:
         names = [r.shard for r in records]
+
+        def samples_of(s: int) -> np.ndarray:  # on a store: 3 requests per shard, in parallel
+            a = self._array(s, "samples", names)
+            with self.source.ranges(a) as src:
+                return a.read_all(verify=self.verify, src=src)
         cols: list[np.ndarray] = []
-        for s, r in enumerate(records):
-            samples = self._array(s, "samples", names).read_all(verify=self.verify)
+        for s, (r, samples) in enumerate(zip(records, self._map(samples_of, list(range(len(records)))))):
             if samples.shape != (r.num_samples, 4) or tuple(samples[:, 0].tolist()) != r.sample_ids:
                 raise CacheFormatError(f"shard {r.shard}: samples array disagrees with its commit line "
                                        f"in commits/{cm.log_name(r.rank)}")
@@ -133,7 +206,7 @@ class CacheReader:
                 self._arrays.move_to_end(key)
                 return a
         sname = (names or self.index.shard_names)[shard]
-        a = ArrayFile.open(os.path.join(self.path, cm.SHARDS, sname, name), f"shard {sname} array {name}")
+        a = self.source.open_array(sname, name, f"shard {sname} array {name}")
         with self._lock:
             self._arrays[key] = a
             while len(self._arrays) > _ARRAY_CACHE:
@@ -211,20 +284,12 @@ class CacheReader:
                 if dst is None:
                     continue
                 a = self._array(s, name)
-                fd = os.open(a.path, os.O_RDONLY)
-                try:
-                    n += a.read_rows(fd, o, o + p1 - p0, (k, 0), dst[p0:p1, kk:kk + 1, :],
+                with self.source.ranges(a) as src:
+                    n += a.read_rows(src, o, o + p1 - p0, (k, 0), dst[p0:p1, kk:kk + 1, :],
                                      verify=self.verify, scratch=self._scratch())
-                finally:
-                    os.close(fd)
             return n
 
-        if self.num_threads > 1 and len(tasks) > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="dflash-cache-read")
-            nbytes = sum(self._pool.map(task, tasks))
-        else:
-            nbytes = sum(task(t) for t in tasks)
+        nbytes = sum(self._map(task, tasks))
         with self._lock:
             self.bytes_read += nbytes
         hidden = out.hidden[:T]
@@ -276,11 +341,8 @@ class CacheReader:
         for name, dst in names:
             a = self._array(s, name)
             tmp = np.empty((L, *a.chunk_shape[1:]), a.dtype) if dst is None else dst
-            fd = os.open(a.path, os.O_RDONLY)
-            try:
-                n = a.read_rows(fd, off, off + L, (0,) * (len(a.shape) - 1), tmp, verify=self.verify)
-            finally:
-                os.close(fd)
+            with self.source.ranges(a) as src:
+                n = a.read_rows(src, off, off + L, (0,) * (len(a.shape) - 1), tmp, verify=self.verify)
             if dst is None:
                 scales_TK[:] = tmp[:, pos]
                 nbytes += n

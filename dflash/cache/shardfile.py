@@ -19,6 +19,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import crc32c
 import numpy as np
@@ -223,6 +224,48 @@ def write_array(array_dir: str, *, shape: Sequence[int], dtype: str, chunk_shape
     return w.finish(shape=shape, dtype=dtype, chunk_shape=chunk_shape)
 
 
+def parse_metadata(raw: bytes, label: str) -> dict:
+    """An array's zarr.json bytes -> dict; CacheFormatError naming the array when it is not JSON."""
+    try:
+        meta = json.loads(raw)
+        meta["shape"]  # noqa: B018  (the one key every caller needs before ArrayFile.parse checks the rest)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CacheFormatError(f"{label}: cannot read zarr.json: {e}") from e
+    return meta
+
+
+def index_nbytes(meta: dict, label: str = "array") -> int:
+    """Bytes of the shard index at the end of an array's shard file: 16 per inner chunk plus its crc32c."""
+    try:
+        shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+    except (KeyError, IndexError, TypeError) as e:
+        raise CacheFormatError(f"{label}: unsupported zarr layout (expected one crc32c shard per array)") from e
+    return int(np.prod([s // c for s, c in zip(shard, inner)])) * 16 + CRC_BYTES
+
+
+class ByteRanges(Protocol):
+    """Byte ranges of one shard file, wherever it lives (a local file, an object on a store)."""
+
+    def read_at(self, offset: int, length: int, scratch: np.ndarray | None) -> np.ndarray:
+        """uint8 [<= length]: the bytes at [offset, offset + length) (fewer only at the end of the file);
+        may be a view of `scratch` (valid until the next call with it)."""
+        ...
+
+
+class FileRanges:
+    """ByteRanges of an open local file: one pread per range, into the caller's scratch."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def read_at(self, offset: int, length: int, scratch: np.ndarray | None) -> np.ndarray:
+        # reuse the caller's scratch: a fresh multi-MB np.empty is a fresh mmap, and first-touch page
+        # faults cost more than the disk read on VMs (0.2 GB/s measured)
+        buf = scratch[:length] if scratch is not None and len(scratch) >= length else np.empty(length, np.uint8)
+        return buf[:os.preadv(self.fd, [buf], offset)]
+
+
 @dataclass
 class ArrayFile:
     """A parsed shard file of one array: metadata + inner-chunk index. Cheap to keep; holds no fd."""
@@ -239,28 +282,12 @@ class ArrayFile:
     def open(cls, array_dir: str, label: str) -> ArrayFile:
         try:
             with open(os.path.join(array_dir, "zarr.json"), "rb") as f:
-                meta = json.loads(f.read())
-        except (OSError, ValueError) as e:
+                meta_raw = f.read()
+        except OSError as e:
             raise CacheFormatError(f"{label}: cannot read zarr.json: {e}") from e
-        shape = tuple(meta["shape"])
-        try:
-            (codec,) = meta["codecs"]
-            cfg = codec["configuration"]
-            ok = (codec["name"] == "sharding_indexed" and cfg["index_location"] == "end"
-                  and [c["name"] for c in cfg["codecs"]] == ["bytes", "crc32c"]
-                  and cfg["codecs"][0].get("configuration", {}).get("endian", "little") == "little"
-                  and [c["name"] for c in cfg["index_codecs"]] == ["bytes", "crc32c"])
-            chunk_shape = tuple(cfg["chunk_shape"])
-            shard_shape = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
-            ok = ok and shard_shape[0] >= shape[0] and shard_shape[1:] == shape[1:]
-        except (KeyError, ValueError, TypeError):
-            ok = False
-        if not ok:
-            raise CacheFormatError(f"{label}: unsupported zarr layout (expected one crc32c shard per array)")
-        grid = tuple(s // c for s, c in zip(shard_shape, chunk_shape))
-        path = os.path.join(array_dir, shard_file_relpath(len(shape)))
-        n = int(np.prod(grid))
-        size = n * 16 + CRC_BYTES
+        meta = parse_metadata(meta_raw, label)
+        path = os.path.join(array_dir, shard_file_relpath(len(meta["shape"])))
+        size = index_nbytes(meta, label)
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -270,11 +297,36 @@ class ArrayFile:
                 os.close(fd)
         except OSError as e:
             raise CacheFormatError(f"{label}: cannot read shard file: {e}") from e
+        return cls.parse(meta, raw, file_size=end, path=path, label=label)
+
+    @classmethod
+    def parse(cls, meta: dict, index_raw: bytes, *, file_size: int, path: str, label: str) -> ArrayFile:
+        """From the array's parsed zarr.json (parse_metadata) and the last index_nbytes(meta) bytes of its shard
+        file of `file_size` bytes: the one check of layout, index crc and bounds, for files and store objects."""
+        try:
+            (codec,) = meta["codecs"]
+            cfg = codec["configuration"]
+            ok = (codec["name"] == "sharding_indexed" and cfg["index_location"] == "end"
+                  and [c["name"] for c in cfg["codecs"]] == ["bytes", "crc32c"]
+                  and cfg["codecs"][0].get("configuration", {}).get("endian", "little") == "little"
+                  and [c["name"] for c in cfg["index_codecs"]] == ["bytes", "crc32c"])
+            shape = tuple(meta["shape"])
+            chunk_shape = tuple(cfg["chunk_shape"])
+            shard_shape = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+            ok = ok and shard_shape[0] >= shape[0] and shard_shape[1:] == shape[1:]
+        except (KeyError, ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise CacheFormatError(f"{label}: unsupported zarr layout (expected one crc32c shard per array)")
+        grid = tuple(s // c for s, c in zip(shard_shape, chunk_shape))
+        n = int(np.prod(grid))
+        size = n * 16 + CRC_BYTES
+        raw = bytes(index_raw)
         if len(raw) != size or crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
             raise CacheFormatError(f"{label}: shard index checksum mismatch (file {path} truncated or corrupted)")
         index = np.frombuffer(raw[:-4], dtype="<u8").reshape(n, 2)
         present = index[:, 0] != MISSING
-        if present.any() and int((index[present, 0] + index[present, 1]).max()) > end - size:
+        if present.any() and int((index[present, 0] + index[present, 1]).max()) > file_size - size:
             raise CacheFormatError(f"{label}: shard index points past the end of {path}")
         return cls(path=path, label=label, shape=shape, dtype=np.dtype(meta["data_type"]).newbyteorder("<"),
                    chunk_shape=chunk_shape, grid=grid, index=index)
@@ -282,10 +334,12 @@ class ArrayFile:
     def chunk_name(self, lin: int) -> str:
         return f"{self.label} chunk {tuple(int(c) for c in np.unravel_index(lin, self.grid))}"
 
-    def read_rows(self, fd: int, start: int, stop: int, rest: tuple[int, ...], out: np.ndarray,
+    def read_rows(self, src: int | ByteRanges, start: int, stop: int, rest: tuple[int, ...], out: np.ndarray,
                   *, verify: bool, scratch: np.ndarray | None = None) -> int:
         """Copy rows [start, stop) of the chunk column `rest` (grid coords of axes 1..) into out
-        [stop-start, *chunk_shape[1:]]. Contiguous chunks are read with one pread. Returns bytes read."""
+        [stop-start, *chunk_shape[1:]]. Contiguous chunks are read with one request of `src` (an fd of the
+        shard file: one pread; or a ByteRanges, e.g. one ranged GET of an object). Returns bytes read."""
+        src = FileRanges(src) if isinstance(src, int) else src
         cr = self.chunk_shape[0]
         c0, c1 = start // cr, -(-stop // cr)
         lins = [int(np.ravel_multi_index((c, *rest), self.grid)) for c in range(c0, c1)]
@@ -302,10 +356,8 @@ class ArrayFile:
             while j < len(lins) and self.index[lins[j], 0] == self.index[lins[j - 1], 0] + self.index[lins[j - 1], 1]:
                 j += 1
             run_len = int(self.index[lins[j - 1], 0] + self.index[lins[j - 1], 1] - off)
-            # reuse the caller's scratch: a fresh multi-MB np.empty is a fresh mmap, and first-touch page
-            # faults cost more than the disk read on VMs (0.2 GB/s measured)
-            buf = scratch[:run_len] if scratch is not None and len(scratch) >= run_len else np.empty(run_len, np.uint8)
-            got = os.preadv(fd, [buf], int(off))
+            buf = src.read_at(int(off), run_len, scratch)
+            got = len(buf)
             nread += got
             if got != run_len:
                 raise CacheFormatError(f"{self.chunk_name(lins[i])}: short read ({got} of {run_len} bytes)")
@@ -329,16 +381,18 @@ class ArrayFile:
         a, b = max(start, c * cr), min(stop, (c + 1) * cr)
         out[a - start:b - start] = chunk[a - c * cr:b - c * cr]
 
-    def read_all(self, *, verify: bool = True) -> np.ndarray:
-        """The whole array (small arrays: samples, input_ids)."""
+    def read_all(self, *, verify: bool = True, src: ByteRanges | None = None) -> np.ndarray:
+        """The whole array (small arrays: samples, input_ids), from `src` (default: the local shard file)."""
         out = np.empty(self.shape, self.dtype)
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = os.open(self.path, os.O_RDONLY) if src is None else -1
         try:
             for rest in np.ndindex(*self.grid[1:]):
                 sl = tuple(slice(r * c, (r + 1) * c) for r, c in zip(rest, self.chunk_shape[1:]))
-                self.read_rows(fd, 0, self.shape[0], tuple(rest), out[(slice(None), *sl)], verify=verify)
+                self.read_rows(FileRanges(fd) if src is None else src, 0, self.shape[0], tuple(rest),
+                               out[(slice(None), *sl)], verify=verify)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         return out
 
     def verify_all(self) -> list[str]:

@@ -81,6 +81,26 @@ class Store:
             raise StoreError(f"{self.url.url}: object {key} vanished while reading it ({e.__class__.__name__})"
                              ) from e
 
+    def get_range(self, key: str, *, start: int, end: int):
+        """Bytes [start, end) of an object (fewer at its end), as obstore's zero-copy buffer (np.frombuffer
+        views it without a copy: the reader checks the crc on it and copies once, into its destination)."""
+        import obstore
+        try:
+            return self.call(f"GET {key} range", obstore.get_range, key, start=start, end=end)
+        except FileNotFoundError as e:
+            raise StoreError(f"{self.url.url}: object {key} vanished while reading it ({e.__class__.__name__})"
+                             ) from e
+
+    def get_tail(self, key: str, length: int) -> tuple[bytes, int] | None:
+        """(the last `length` bytes, the object's size) in one request, or None when it does not exist."""
+        import obstore
+        try:
+            result = self.call(f"GET {key} tail", obstore.get, key, options={"range": {"suffix": length}})
+            return bytes(result.bytes()), int(result.meta["size"])
+        except FileNotFoundError as e:
+            check_not_missing_bucket(self.url.url, e)
+            return None
+
     def size(self, key: str) -> int:
         import obstore
         try:

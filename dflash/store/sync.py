@@ -29,7 +29,7 @@ import numpy as np
 
 from dflash.cache import commit as cm
 from dflash.cache.format import Fingerprint
-from dflash.cache.shardfile import ArrayFile, shard_file_relpath, write_json_file
+from dflash.cache.shardfile import ArrayFile, index_nbytes, shard_file_relpath, write_json_file
 from dflash.errors import CacheFormatError, CacheNotFoundError
 from dflash.store import protocol as sp
 from dflash.store.objects import Store, open_store
@@ -166,13 +166,6 @@ def orphan_rank(key: str) -> int:
     return cm.parse_shard_name(key.split("/")[1])[0]
 
 
-def _index_nbytes(meta: dict) -> int:
-    """Bytes of the shard index at the end of an array's shard file (shardfile.py: 16 per inner chunk + crc)."""
-    shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
-    inner = meta["codecs"][0]["configuration"]["chunk_shape"]
-    return int(np.prod([s // c for s, c in zip(shard, inner)])) * 16 + 4
-
-
 def _fetch_array(store: Store, key_dir: str, out_dir: str, *, label: str, tap_positions: list[int] | None) -> int:
     """One array into out_dir: zarr.json, then its shard file; with tap_positions only the inner chunks of
     those taps (and the index) are fetched, into a sparse file of the object's size."""
@@ -192,7 +185,7 @@ def _fetch_array(store: Store, key_dir: str, out_dir: str, *, label: str, tap_po
             raise CacheFormatError(f"{store.url.url}/{key}: committed shard object missing")
         return n
     size = store.size(key)
-    tail = _index_nbytes(meta)
+    tail = index_nbytes(meta, label)
     (index_raw,) = store.get_ranges(key, starts=[size - tail], ends=[size])
     with open(path, "wb") as f:
         f.truncate(size)

@@ -9,33 +9,14 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from store_server import s3_env, s3_server  # noqa: F401  (fixtures)
+from store_server import make_cache, s3_env, s3_server  # noqa: F401  (fixtures)
 
-from dflash.cache import CacheReader, CacheWriter, Fingerprint
+from dflash.cache import CacheReader
 from dflash.cache import commit as cm
 from dflash.errors import CacheMismatchError, CacheNotFoundError, StoreError
 from dflash.store import protocol as sp
 from dflash.store.objects import open_store, zarr_store
 from dflash.store.sync import fetch_cache, publish_cache
-
-TAPS = (1, 3, 5, 7, 9)
-D = 64
-
-
-def make_cache(path, *, storage="fp8", num_samples=12, seed=0, shard_tokens=200, first_id=0):
-    """A cache of random samples (ids first_id, +2, ...); on an existing cache, appends to it."""
-    fp = Fingerprint(target="m", target_config_hash="h", num_target_layers=12, hidden_size=D,
-                     target_dtype="bfloat16", tokenizer_hash="t", chat_template_hash="c", tap_layer_ids=TAPS,
-                     storage=storage)
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(20, 60, num_samples)
-    T = int(lengths.sum())
-    with CacheWriter(path, fp, shard_tokens=shard_tokens, chunk_bytes=D * 32) as w:
-        w.append(sample_ids=first_id + np.arange(num_samples) * 2, lengths=lengths,
-                 input_ids=rng.integers(0, 1000, T).astype(np.int32), loss_mask=rng.integers(0, 2, T).astype(np.uint8),
-                 hidden=torch.from_numpy(rng.standard_normal((T, len(TAPS), D)).astype(np.float32)))
-    return fp
-
 
 def same_reads(a, b, taps=None):
     with CacheReader(a) as ra, CacheReader(b) as rb:
