@@ -22,6 +22,9 @@ them apart, so no padding is spent on ragged sequences.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,13 +159,29 @@ class DFlashDrafter(nn.Module):
         """Run the norms, RoPE and SiLU-gating as torch.compile'd fused kernels (training on CUDA). Same math;
         results differ from eager by float rounding only. Weights, names and exports are unchanged."""
         self.elementwise_compiled = True
+        self._bind_elementwise(compiled_op)
+
+    @contextlib.contextmanager
+    def eager_elementwise(self) -> Iterator[None]:
+        """The eager element-wise ops for the duration (evaluation: the floats of an exported, uncompiled
+        drafter, and no recompiles for new shapes); compiled ones are bound again after."""
+        if not self.elementwise_compiled:
+            yield
+            return
+        self._bind_elementwise(lambda fn: fn)
+        try:
+            yield
+        finally:
+            self._bind_elementwise(compiled_op)
+
+    def _bind_elementwise(self, wrap) -> None:
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.norm_fn = compiled_op(rms_norm)
+                m.norm_fn = wrap(rms_norm)
             elif isinstance(m, DFlashAttention):
-                m.rope_fn = compiled_op(apply_rope)
+                m.rope_fn = wrap(apply_rope)
             elif isinstance(m, DFlashMLP):
-                m.act_fn = compiled_op(silu_mul)
+                m.act_fn = wrap(silu_mul)
 
     def context(self, target_hidden_TKD: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(concat taps)) -> [T, D]. Taps are concatenated in target_layer_ids order."""

@@ -359,3 +359,24 @@ def test_compiled_elementwise_matches_eager_forward_and_backward():
     for name in grads[0]:
         scale = grads[0][name].abs().max().item()
         assert (grads[1][name] - grads[0][name]).abs().max().item() <= 1e-5 * scale + 1e-9, name
+
+
+def test_eager_elementwise_rebinds_the_eager_ops_for_its_duration():
+    """Evaluation runs a compiled training drafter's element-wise ops eagerly (the exported drafter's floats);
+    the compiled kernels are bound again after, also when the body raises."""
+    from dflash.compiled import compiled_op
+    from dflash.drafter.model import apply_rope, rms_norm, silu_mul
+
+    model = tiny_model(seed=3)
+    with model.eager_elementwise():  # never compiled: nothing to swap
+        assert model.norm.norm_fn is rms_norm
+    model.compile_elementwise()
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    compiled = (compiled_op(rms_norm), compiled_op(apply_rope), compiled_op(silu_mul))
+    assert (model.norm.norm_fn, attn.rope_fn, mlp.act_fn) == compiled
+    with pytest.raises(RuntimeError, match="inside"):
+        with model.eager_elementwise():
+            assert (model.norm.norm_fn, attn.q_norm.norm_fn, attn.rope_fn, mlp.act_fn) == (
+                rms_norm, rms_norm, apply_rope, silu_mul)
+            raise RuntimeError("inside")
+    assert (model.norm.norm_fn, attn.rope_fn, mlp.act_fn) == compiled and model.elementwise_compiled
