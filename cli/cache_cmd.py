@@ -22,6 +22,12 @@ class CacheArg(click.ParamType):
 
 CACHE = CacheArg()
 
+store_mirror_option = click.option(
+    "--store-mirror", is_flag=True,
+    help="For a cache URL (s3://...): read it through a full local copy under $DFLASH_HOME/store (fetched once, "
+         "then read at disk speed) instead of ranged GETs straight from the store (the default: no local copy).")
+"""train, eval and sweep: the reader_path choice of dflash.store.resolve."""
+
 @click.group("cache")
 def command() -> None:
     """Inspect and verify a hidden-state cache."""

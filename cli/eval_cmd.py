@@ -4,6 +4,8 @@ import json
 
 import click
 
+from cli.cache_cmd import store_mirror_option
+
 
 @click.command("eval")
 @click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False),
@@ -17,15 +19,17 @@ import click
 @click.option("--chunk-anchors", default=256, show_default=True, type=int, help="Anchors per drafter forward.")
 @click.option("--limit", default=None, type=int, help="Evaluate only the first N sequences.")
 @click.option("--device", default=None, help="cuda / cpu (default: cuda when available).")
+@store_mirror_option
 @click.option("--dtype", default=None, type=click.Choice(["bfloat16", "float16", "float32"]),
               help="Drafter dtype (default: bfloat16 on GPU, float32 on CPU).")
-def command(drafter_dir, cache_dir, model_path, as_json, approximate, chunk_anchors, limit, device, dtype) -> None:
+def command(drafter_dir, cache_dir, model_path, as_json, approximate, chunk_anchors, limit, device, store_mirror,
+            dtype) -> None:
     """Exact greedy tau: walk the accept chain of every cached response (per source and overall)."""
     from dflash.eval.evaluate import EvalConfig, evaluate_cache, format_result
 
-    from dflash.store.resolve import local_cache
+    from dflash.store.resolve import reader_path
 
-    cache_dir = local_cache(cache_dir)  # a URL (s3://...) -> its local mirror; local paths unchanged
+    cache_dir = reader_path(cache_dir, mirror=store_mirror)  # a URL is read directly unless --store-mirror
     cfg = EvalConfig(chunk_anchors=chunk_anchors, approximate=approximate, device=device, dtype=dtype, limit=limit)
     res = evaluate_cache(drafter_dir=drafter_dir, cache_dir=cache_dir, model=model_path, cfg=cfg,
                          progress=not as_json)

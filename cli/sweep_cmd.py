@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from cli.cache_cmd import store_mirror_option
 from dflash.errors import ConfigError
 
 
@@ -19,9 +20,11 @@ from dflash.errors import ConfigError
 @click.option("--approximate", is_flag=True, help="Allow an eval cache not marked target_greedy (approximate tau).")
 @click.option("--eval-limit", type=int, help="Evaluate only the first N sequences of the eval cache.")
 @click.option("--resume", is_flag=True, help="Continue the sweep in --output: every run from its newest checkpoint.")
+@store_mirror_option
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="Compute device; auto = CUDA when available.")
-def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limit, resume, device) -> None:
+def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limit, resume, store_mirror,
+            device) -> None:
     """Train every run of the sweep SPEC (YAML: base, grid, runs) from one read of the cache per device.
 
     Runs that share the data stream (batch_tokens, grad_accum, shuffle seed, ...) train side by side:
@@ -33,10 +36,10 @@ def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limi
 
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
-    from dflash.store.resolve import local_cache
+    from dflash.store.resolve import reader_path
 
-    cache = local_cache(cache)  # a URL (s3://...) -> its local mirror; local paths unchanged
-    eval_cache = None if eval_cache is None else local_cache(eval_cache)
+    cache = reader_path(cache, mirror=store_mirror)  # a URL is read directly unless --store-mirror
+    eval_cache = None if eval_cache is None else reader_path(eval_cache, mirror=store_mirror)
     s = load_sweep_spec(spec, cache=cache, model=model, output=output)
     import logging
 

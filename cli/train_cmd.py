@@ -10,6 +10,7 @@ import dataclasses
 
 import click
 
+from cli.cache_cmd import store_mirror_option
 from dflash.errors import ConfigError
 from dflash.train.config import TrainConfig, field_docs
 
@@ -67,10 +68,11 @@ def config_options(fn):
               help="Local processes to spawn, one per GPU (on a CPU-only machine: gloo processes). Not needed "
                    "under torchrun, which sets the world itself.")
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its newest checkpoint (exactly).")
+@store_mirror_option
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="Compute device; auto = CUDA when available.")
 @config_options
-def command(cache, model, output, config_path, gpus, resume, device, **flags) -> None:
+def command(cache, model, output, config_path, gpus, resume, store_mirror, device, **flags) -> None:
     """Train a DFlash drafter on a hidden-state cache; a finished run exports it to OUTPUT/drafter/.
 
     Only the target's embedding and LM head are loaded (frozen). Each optimizer step covers
@@ -83,9 +85,9 @@ def command(cache, model, output, config_path, gpus, resume, device, **flags) ->
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
     cfg = load_train_config(config_path, dict(cache=cache, model=model, output=output, **flags))
-    from dflash.store.resolve import local_caches
+    from dflash.store.resolve import reader_paths
 
-    cfg = local_caches(cfg)  # cache URLs (s3://...) -> their local mirrors; local paths unchanged
+    cfg = reader_paths(cfg, mirror=store_mirror)  # URLs read directly, or via local mirrors (--store-mirror)
     dev = None if device == "auto" else device
     from dflash.train.launch import launch
 

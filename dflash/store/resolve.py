@@ -1,7 +1,11 @@
-"""Where the commands meet the store: a cache argument that is a URL becomes a local folder.
+"""Where the commands meet the store: what a cache argument that is a URL becomes.
 
-- Readers (train, eval, sweep, cache info/verify): `local_cache(url)` mirrors the committed shards into
-  mirror_folder(url) (incremental: a rerun fetches only new shards) and returns that folder.
+- Readers (train, eval, sweep): `reader_path(url)` is the URL itself: CacheReader reads it directly with
+  ranged GETs (dflash.store.direct), nothing is copied locally. With `mirror=True` (`--store-mirror`) it is
+  `local_cache(url)` instead: the committed shards mirrored into mirror_folder(url) (incremental: a rerun
+  fetches only new shards), read back at local disk speed every epoch, at the cost of a full local copy.
+- `dflash cache verify URL` checks the mirror (every byte has to come over anyway, and the checks are the
+  local ones); `dflash cache info URL` reads the store's manifest and records only.
 - `dflash extract --output URL`: `extract_to_store` extracts into the URL's local staging folder (the same
   folder), after fetching what the store already holds (so a resume, on any machine, node count or scratch
   folder, skips every sample committed on the store), and publishes each rank's shards when the run ends.
@@ -40,6 +44,14 @@ def local_cache(path, *, taps: tuple[int, ...] | None = None, root: str | None =
     return local
 
 
+def reader_path(path, *, mirror: bool = False, root: str | None = None) -> str:
+    """What a reader opens for a cache argument: a folder as given; a URL as given (direct reads), or with
+    mirror=True its local read-through mirror (local_cache)."""
+    if mirror and is_store_url(path):
+        return local_cache(path, root=root)
+    return os.fspath(path)
+
+
 def store_notes(path) -> tuple[list[str], list[str]]:
     """(notes, problems) of a cache URL's listing by the protocol (local paths: none): orphans and unknown
     keys are notes (readers never see them; the next extract resume deletes the orphans), committed shards
@@ -61,11 +73,12 @@ def store_notes(path) -> tuple[list[str], list[str]]:
     return notes, problems
 
 
-def local_caches(cfg):
-    """A TrainConfig with its cache and eval_cache URLs replaced by their local mirrors."""
+def reader_paths(cfg, *, mirror: bool = False):
+    """A TrainConfig with its cache and eval_cache through reader_path (URLs unchanged unless mirror)."""
     import dataclasses
-    return dataclasses.replace(cfg, cache=local_cache(cfg.cache),
-                               eval_cache=None if cfg.eval_cache is None else local_cache(cfg.eval_cache))
+    return dataclasses.replace(cfg, cache=reader_path(cfg.cache, mirror=mirror),
+                               eval_cache=None if cfg.eval_cache is None else reader_path(cfg.eval_cache,
+                                                                                          mirror=mirror))
 
 
 PUBLISH_EVERY = 0.5  # seconds between publish passes while extraction runs (a local log read; no LIST)

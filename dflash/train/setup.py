@@ -69,7 +69,10 @@ def cache_in_progress(cache: str) -> str | None:
     import socket
 
     from dflash.locks import LOCK_FILE, pid_alive, read_lock_holder
+    from dflash.store.url import is_store_url
 
+    if is_store_url(cache):  # read directly from the store: no local lock files to look at
+        return None
     # the run lock of dflash extract (LOCK_FILE) and the per-rank CacheWriter locks (LOCK_FILE-rank-R)
     names = sorted(n for n in os.listdir(cache) if n == LOCK_FILE or n.startswith(LOCK_FILE + "-"))
     for name in names:

@@ -61,12 +61,18 @@ def test_extract_train_eval_on_the_store(setup, s3_server, tmp_path, monkeypatch
     info = json.loads(_invoke(monkeypatch, home_b, ["cache", "info", url, "--json"]))
     assert info["samples"] == NUM_GOOD
     assert "ok:" in _invoke(monkeypatch, home_b, ["cache", "verify", url])
-    _invoke(monkeypatch, home_b, ["train", "--cache", url, "--model", model, "--output", str(tmp_path / "run"),
+    home_c = _env(s3_server, tmp_path / "node-c")  # train and eval read the store directly: no local copy
+    _invoke(monkeypatch, home_c, ["train", "--cache", url, "--model", model, "--output", str(tmp_path / "run"),
                                   "--config", "configs/train_tiny.yaml", "--steps", "2", "--device", "cpu"])
-    res = json.loads(_invoke(monkeypatch, home_b, ["eval", "--drafter", str(tmp_path / "run" / "drafter"),
+    res = json.loads(_invoke(monkeypatch, home_c, ["eval", "--drafter", str(tmp_path / "run" / "drafter"),
                                                    "--cache", url, "--model", model, "--approximate", "--json",
                                                    "--device", "cpu"]))
     assert res["overall"]["num_sequences"] == NUM_GOOD and res["tau"] >= 1.0
+    assert not (tmp_path / "node-c" / "store").exists()
+    mirrored = json.loads(_invoke(monkeypatch, home_c, ["eval", "--drafter", str(tmp_path / "run" / "drafter"),
+                                                        "--cache", url, "--model", model, "--approximate",
+                                                        "--json", "--device", "cpu", "--store-mirror"]))
+    assert mirrored["overall"] == res["overall"] and (tmp_path / "node-c" / "store").is_dir()
     fetch_cache(url=url, local=str(tmp_path / "check"))
     assert _content(tmp_path / "check") == _content(ref)
 
