@@ -17,6 +17,7 @@ import torch
 from dflash.cache import CacheReader
 from dflash.cache import commit as cm
 from helpers_extract import tiny_target_and_data
+from helpers_procs import popen_signalable
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_GOOD = 24
@@ -263,7 +264,7 @@ def test_sigint_says_what_was_committed_and_how_to_resume(tiny, ref_cache, tmp_p
         # SIGSTOP as soon as 2 commits are seen, so the run cannot finish between that check and the SIGINT; a
         # poll that lagged past the last commit (a loaded machine) interrupts nothing: try a fresh output
         out = tmp_path / f"cache{attempt}"
-        p = subprocess.Popen(extract_args(model, data, out), cwd=ROOT, stdout=subprocess.PIPE,
+        p = popen_signalable(extract_args(model, data, out), cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
         wait_for(lambda: (out / "commits").is_dir() and len(ids_committed(out)) >= 2, p)
         p.send_signal(signal.SIGSTOP)
@@ -287,6 +288,22 @@ def test_sigint_says_what_was_committed_and_how_to_resume(tiny, ref_cache, tmp_p
     assert r.returncode == 0, r.stderr
     assert f"{committed} samples were already in the cache" in r.stdout
     assert content(out) == content(ref_cache)
+
+
+def test_signalled_cli_starts_with_sigint_at_its_default_even_if_pytest_ignores_it():
+    # The state of a test run started as a background job of a script (`bash .ci/run > log &`): the SIGINT
+    # test above then saw its extraction ignore the signal and finish (rc 0, all samples committed).
+    probe = [sys.executable, "-c",
+             "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        plain = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+        p = popen_signalable(probe, stdout=subprocess.PIPE, text=True)
+        reset = p.communicate(timeout=60)[0].strip()
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert plain == "False"  # POSIX: an ignored signal stays ignored across fork and exec
+    assert reset == "True" and p.returncode == 0
 
 
 @pytest.fixture
