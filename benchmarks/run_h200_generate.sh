@@ -9,8 +9,9 @@
 #               user turn of every ShareGPT conversation regenerated (--turns first)
 #   bench       (carry part-b + data) the SmolLM2 folder, bench_generate, whole-conversation regeneration
 #   regen       continue the whole-conversation regeneration
-#   whole       (carry part-b + data) the SmolLM2 folder, the slot decoder's GPU test, then the
-#               whole-conversation regeneration on the continuous backend (WHOLE)
+#   whole       (carry part-b + data) the SmolLM2 folder, the slot decoder's GPU test, probe_slots (decode forms,
+#               prefill, kernel profile) -> slot_probe_h200.json, then the whole-conversation regeneration on the
+#               continuous backend (WHOLE) with the faster decode attention
 #   wholemore   continue WHOLE (the model folder must still be on the warm machine, else carry part-b again)
 # Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
 set -u
@@ -35,8 +36,10 @@ generate() {  # $1: seconds, $2: output, rest: options
   local t=$1 out=$2; shift 2
   cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
   timeout "$t" python3 -m cli.main generate --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
-    --output "$out" --batch-size 512 --stop-after $(( t - 25 )) "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
-    | grep -v "^generate: " | tail -n 20
+    --output "$out" --batch-size 512 --stop-after $(( t - 40 )) "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
+    > /tmp/generate.log
+  grep -v "^generate: " /tmp/generate.log | tail -n 15
+  grep "^generate: " /tmp/generate.log | tail -n 1   # the last progress line: turns, rates
   python3 benchmarks/pack_regen.py "$out" "$LOGS" --prefix "$(basename "$out" .jsonl.gz)"
 }
 
@@ -72,16 +75,27 @@ case "$stage" in
       || rc=$? ;;
   regen) generate "$(left 585)" "$REGEN" --turns all --max-new-tokens 256 --max-length 2048 \
            --chunk-conversations 512 || rc=$? ;;
-  whole)
+  whole)  # the slot decoder: GPU test, probe (benchmarks/probe_slots.py), then regeneration on the faster form
     model || exit 1
     cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
     timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
       -k slot 2>&1 | tail -n 5
-    generate "$(left 585)" "$WHOLE" --backend continuous --turns all --max-new-tokens 256 --max-length 2048 \
-      --chunk-conversations 1024 --window 2048 || rc=$? ;;
+    timeout 300 python3 benchmarks/probe_slots.py --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
+      --parts decode,prefill,profile --out "$LOGS/slot_probe_h200.json" 2>&1 | grep -v "Loading weights" | tail -n 4
+    python3 - "$LOGS/slot_probe_h200.json" > "$ASSETS/slot_attention" <<'PY' || echo bmm > "$ASSETS/slot_attention"
+import json, sys
+d = json.load(open(sys.argv[1]))["decode_ms"]
+ms = {a: d.get(f"{a}/reduce-overhead/kv2048", {}).get("ms") for a in ("bmm", "sdpa")}
+ok = {a: v for a, v in ms.items() if v}
+print(min(ok, key=ok.get) if ok else "bmm")
+PY
+    echo "slot attention: $(cat "$ASSETS/slot_attention")"
+    DFLASH_SLOT_ATTENTION=$(cat "$ASSETS/slot_attention") generate "$(left 585)" "$WHOLE" --backend continuous \
+      --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 --window 2048 || rc=$? ;;
   wholemore) model || exit 1
-    generate "$(left 585)" "$WHOLE" --backend continuous --turns all --max-new-tokens 256 --max-length 2048 \
-      --chunk-conversations 1024 --window 2048 || rc=$? ;;
+    DFLASH_SLOT_ATTENTION=$(cat "$ASSETS/slot_attention" 2>/dev/null || echo bmm) generate "$(left 585)" "$WHOLE" \
+      --backend continuous --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 \
+      --window 2048 || rc=$? ;;
   *) echo "usage: $0 stash|firstturns|bench|regen|whole|wholemore" >&2; exit 2 ;;
 esac
 exit $rc

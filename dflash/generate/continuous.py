@@ -18,10 +18,11 @@ batchings can); in fp32 on CPU the responses equal HF generate's (tests).
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from dflash.errors import DflashError
+from dflash.errors import ConfigError, DflashError
 from dflash.generate.dialog import ConversationRun, DialogRules, chunk_records, new_chunk_stats
 from dflash.generate.decode import Decoded, split_at_stop
 
@@ -43,7 +44,14 @@ class ContinuousConfig:
     request_timeout: float = 600.0
     """Seconds without any finished request before the run is declared stuck."""
     cuda_graphs: bool | None = None
-    """transformers' use_cuda_graph (None: its own choice)."""
+    """transformers' use_cuda_graph (None: its own choice); False also keeps the slot decoder's step eager."""
+    slot_attention: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_ATTENTION", "bmm"))
+    """The slot decoder's decode attention: "bmm" (scores as one batched matmul) or "sdpa" (with a mask);
+    benchmarks/probe_slots.py times both (the environment variable is that probe's switch)."""
+
+    def __post_init__(self) -> None:
+        if self.slot_attention not in ("bmm", "sdpa"):
+            raise ConfigError(f"slot_attention={self.slot_attention!r} (DFLASH_SLOT_ATTENTION): choose bmm or sdpa")
 
 
 class ContinuousEngine:
@@ -164,4 +172,4 @@ def open_engine(model, *, stop_ids, cfg: ContinuousConfig, log=None):
             log(f"continuous backend: {e}; using transformers' continuous batching instead")
         return ContinuousEngine(model, stop_ids=stop_ids, cfg=cfg)
     return SlotEngine(model, stop_ids=stop_ids, slots=cfg.max_requests, cache_len=cfg.max_length,
-                      compile=cfg.cuda_graphs is not False)
+                      compile=cfg.cuda_graphs is not False, decode_bmm=cfg.slot_attention == "bmm")

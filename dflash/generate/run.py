@@ -186,12 +186,17 @@ def in_order(process_chunk: Callable[[list[Conversation], Callable[[int, int], N
     return run
 
 
+class _OutOfTime(Exception):
+    """stop_after passed while chunks were in flight (raised from on_batch, caught by run_chunks)."""
+
+
 def run_chunks(*, cfg, convs: list[Conversation], out, process_chunks: ProcessChunks, read_skips: SkipCounter,
                progress: bool, t0: float, stop_after: float | None = None) -> RegenerateStats:
     """Process the uncommitted chunks, commit each as it finishes, merge at the end; totals over all chunks.
     cfg: RegenerateConfig or EndpointConfig (chunk_conversations, turn_mode, output).
     stop_after: seconds since t0 within which the run must end: no chunk is started unless it fits, judged by
-    the slowest chunk so far, start to commit (a time-limited device call ends cleanly instead of being killed)."""
+    the slowest chunk so far, start to commit, and chunks still in flight at that time are dropped uncommitted
+    (a rerun redoes them): a time-limited device call ends cleanly instead of being killed."""
     from tqdm import tqdm
 
     size = cfg.chunk_conversations
@@ -208,6 +213,8 @@ def run_chunks(*, cfg, convs: list[Conversation], out, process_chunks: ProcessCh
     start = time.perf_counter()
 
     def on_batch(rows: int, tokens: int) -> None:
+        if stop_after is not None and time.perf_counter() - t0 > stop_after:
+            raise _OutOfTime
         counts["tokens"] += tokens
         bar.update(rows)
         dt = max(time.perf_counter() - start, 1e-9)
@@ -220,11 +227,14 @@ def run_chunks(*, cfg, convs: list[Conversation], out, process_chunks: ProcessCh
         return True
 
     todo = [(i, chunk) for i, chunk in enumerate(chunks) if i not in out.committed]
-    for i, records, stats in process_chunks(todo, on_batch, may_start):
-        out.commit(i, records, stats)
-        slowest = max(slowest, time.perf_counter() - started[i])
-        counts["records"] += len(records)
-        bar.update(planned[i] - stats["turns"])  # turns that ended early were planned but never decoded
+    try:
+        for i, records, stats in process_chunks(todo, on_batch, may_start):
+            out.commit(i, records, stats)
+            slowest = max(slowest, time.perf_counter() - started[i])
+            counts["records"] += len(records)
+            bar.update(planned[i] - stats["turns"])  # turns that ended early were planned but never decoded
+    except _OutOfTime:
+        log.info("generate: --stop-after reached with chunks in flight; they are redone by the next run")
     bar.close()
     totals = new_chunk_stats()
     for i in sorted(out.committed):
@@ -328,6 +338,10 @@ def _regenerate_open(cfg: RegenerateConfig, *, out, convs, read_skips, model_dir
                                   todo, on_batch, may_start, engine=engine, rules=rules, meta=meta,
                                   window=ccfg.window))
         finally:
+            if getattr(engine, "counters", None):
+                from dflash.generate.slots import counters_line
+
+                echo(counters_line(engine.counters, slots=len(engine.slots)))
             engine.close()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     # one static shape for the whole job: no prompt is wider than max_length, so its padded width is at most

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,6 +55,30 @@ def query_positions(pos_BT, *, groups: int):
     return pos_BT.repeat(1, groups)
 
 
+def kv_bucket(n: int, *, cache_len: int, smallest: int = 256) -> int:
+    """Positions attention reads for contexts of at most n ids: the next power of two from `smallest`, capped at
+    cache_len (few distinct sizes, so few compiled decode graphs; on average well under the full cache)."""
+    b = smallest
+    while b < n:
+        b *= 2
+    return min(b, cache_len)
+
+
+def prefill_batches(lengths: list[int], *, budget: int, spread: float = 2.0) -> list[list[int]]:
+    """Indices of `lengths` grouped into prefill batches: shortest first, each padded batch (rows x longest) within
+    `budget` ids (a row longer than the budget alone), and no row more than `spread` x the batch's shortest, so
+    padding stays under half the work while short rows still share a call (an eager prefill has a fixed cost)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        b = out[-1] if out else None
+        if b and (len(b) + 1) * lengths[i] <= budget and lengths[i] <= spread * max(lengths[b[0]], 1):
+            b.append(i)
+        else:
+            out.append([i])
+    return out
+
+
 def visible_mask(pos_BQ, *, cache_len: int):
     """[B, 1, Q, L] bool: key j visible to a query at position p iff j <= p (causal within a prefill too)."""
     import torch
@@ -77,10 +102,20 @@ class _Slot:
     """Tokens generated for the current request."""
 
 
+def counters_line(c: dict, *, slots: int) -> str:
+    """One line of SlotEngine.counters: where the engine's time went."""
+    occ = c["decode_rows"] / (c["decode_steps"] * slots) if c["decode_steps"] else 0.0
+    ms = 1000 * c["decode_s"] / c["decode_steps"] if c["decode_steps"] else 0.0
+    pad = c["prefill_tokens"] / c["prefill_padded_tokens"] if c["prefill_padded_tokens"] else 1.0
+    return (f"slot engine: {c['decode_steps']:,} decode steps in {c['decode_s']:.1f} s ({ms:.1f} ms each, "
+            f"{occ:.0%} of {slots} slots busy), {c['prefill_calls']:,} prefills of {c['prefill_rows']:,} rows in "
+            f"{c['prefill_s']:.1f} s ({c['prefill_tokens']:,} ids, {pad:.0%} of the padded batches)")
+
+
 class SlotDecoder:
     """The model's layers over a per-slot KV cache: prefill(ids per slot) and a fixed-shape decode step."""
 
-    def __init__(self, model, *, slots: int, cache_len: int, compile: bool) -> None:
+    def __init__(self, model, *, slots: int, cache_len: int, compile: bool, decode_bmm: bool = True) -> None:
         import torch
 
         check_supported(model.config)
@@ -100,22 +135,37 @@ class SlotDecoder:
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.device = p.device
+        self.decode_bmm = decode_bmm
         self._decode = self._forward_all
-        self._compiled_ok = False
+        self._compiled = self._compiled_ok = False
         if compile and p.device.type == "cuda":
             torch._dynamo.mark_static_address(self.k)
             torch._dynamo.mark_static_address(self.v)
+            # one graph per kv_len bucket (a handful: kv_bucket's powers of two)
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
             self._decode = torch.compile(self._forward_all, mode="reduce-overhead", dynamic=False, fullgraph=False)
+            self._compiled = True
 
-    def _layers(self, h_BTH, pos_BT, slot_B, *, full: bool):
+    def _attend(self, qg, kc, vc, mask, *, bmm: bool):
+        """Attention of the G x T query rows of each KV head over that head's keys; bmm: the scores as one
+        batched matmul + softmax (decode rows are few per head: no kernel choice, fuses under compile)."""
         import torch
         import torch.nn.functional as F
 
+        if not bmm:
+            return F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scaling)
+        s = torch.matmul(qg, kc.transpose(-1, -2)) * self.scaling
+        s = s.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(vc.dtype)
+        return torch.matmul(s, vc)
+
+    def _layers(self, h_BTH, pos_BT, slot_B, *, kv_len: int, decode: bool):
+        """decode: every slot in slot order (views of the cache, no gather); else the rows slot_B. Attention reads
+        the first kv_len positions of each slot: every query position must be below it."""
         inner = self.model.model
         B, T, _ = h_BTH.shape
         D, Hk, G, L = self.head_dim, self.kv_heads, self.groups, self.cache_len
         cos, sin = inner.rotary_emb(h_BTH, pos_BT)
-        mask = visible_mask(query_positions(pos_BT, groups=G), cache_len=L)
+        mask = visible_mask(query_positions(pos_BT, groups=G), cache_len=kv_len)
         wpos = pos_BT.clamp(max=L - 1)  # padding rows of a prefill past the end write garbage no query reads
         rows = slot_B[:, None].expand(B, T)
         for li, layer in enumerate(inner.layers):
@@ -129,38 +179,41 @@ class SlotDecoder:
             q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             self.k[li][rows, :, wpos] = k.transpose(1, 2)
             self.v[li][rows, :, wpos] = v
-            kc = self.k[li] if full else self.k[li][slot_B]
-            vc = self.v[li] if full else self.v[li][slot_B]
+            kc = self.k[li][:, :, :kv_len] if decode else self.k[li][slot_B, :, :kv_len]
+            vc = self.v[li][:, :, :kv_len] if decode else self.v[li][slot_B, :, :kv_len]
             qg = q.reshape(B, Hk, G * T, D)  # head h = kv*G + g (repeat_kv's order): rows g*T + t of kv head
-            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scaling)
+            o = self._attend(qg, kc, vc, mask, bmm=decode and self.decode_bmm)
             o = o.reshape(B, Hk * G, T, D).transpose(1, 2).reshape(B, T, Hk * G * D)
             h_BTH = h_BTH + attn.o_proj(o)
             h_BTH = h_BTH + layer.mlp(layer.post_attention_layernorm(h_BTH))
         return inner.norm(h_BTH)
 
-    def _forward_all(self, tok_S1, pos_S1):
+    def _forward_all(self, tok_S1, pos_S1, kv_len: int):
         import torch
 
         slot_S = torch.arange(self.slots, device=tok_S1.device)
-        h = self._layers(self.model.model.embed_tokens(tok_S1), pos_S1, slot_S, full=True)
+        h = self._layers(self.model.model.embed_tokens(tok_S1), pos_S1, slot_S, kv_len=kv_len, decode=True)
         return self.model.lm_head(h[:, -1]).argmax(-1)
 
-    def decode(self, tok_S, pos_S):
-        """One token for every slot: tok_S fed at position pos_S; returns the greedy next token per slot."""
+    def decode(self, tok_S, pos_S, *, kv_len: int | None = None):
+        """One token for every slot: tok_S fed at position pos_S; returns the greedy next token per slot.
+        kv_len (default cache_len; kv_bucket of the longest live context) bounds the positions attention reads:
+        a slot whose position is not below it gets a meaningless token."""
         import torch
 
+        kv_len = self.cache_len if kv_len is None else kv_len
         with torch.no_grad():
-            if self._decode is self._forward_all or self._compiled_ok:
-                return self._decode(tok_S[:, None], pos_S[:, None])
+            if not self._compiled or self._compiled_ok:
+                return self._decode(tok_S[:, None], pos_S[:, None], kv_len)
             try:  # the first compiled call: a compiler failure falls back to the same step uncompiled
-                out = self._decode(tok_S[:, None], pos_S[:, None])
+                out = self._decode(tok_S[:, None], pos_S[:, None], kv_len)
                 self._compiled_ok = True
                 return out
             except Exception as e:  # noqa: BLE001 - any inductor/dynamo failure; the eager step is exact
                 log.warning("slot decoder: compiling the decode step failed (%s: %s); running it uncompiled",
                             type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self._decode = self._forward_all
-                return self._decode(tok_S[:, None], pos_S[:, None])
+                self._decode, self._compiled = self._forward_all, False
+                return self._decode(tok_S[:, None], pos_S[:, None], kv_len)
 
     def prefill(self, slot_ids: list[int], ids: list[list[int]], starts: list[int]):
         """ids[b] written into slot slot_ids[b] from position starts[b]; returns the greedy token after each."""
@@ -176,7 +229,7 @@ class SlotDecoder:
         with torch.no_grad():
             slot_B = torch.tensor(slot_ids, device=self.device)
             h = self._layers(self.model.model.embed_tokens(tok.to(self.device)), pos.to(self.device), slot_B,
-                             full=False)
+                             kv_len=kv_bucket(max(s + T for s in starts), cache_len=self.cache_len), decode=False)
             return self.model.lm_head(h[torch.arange(B, device=self.device), last]).argmax(-1)
 
 
@@ -187,8 +240,8 @@ class SlotEngine:
     prefilled; release(S) frees the slot (the conversation is over)."""
 
     def __init__(self, model, *, stop_ids, slots: int, cache_len: int, compile: bool = True,
-                 prefill_tokens: int = 16384) -> None:
-        self.dec = SlotDecoder(model, slots=slots, cache_len=cache_len, compile=compile)
+                 decode_bmm: bool = True, prefill_tokens: int = 16384) -> None:
+        self.dec = SlotDecoder(model, slots=slots, cache_len=cache_len, compile=compile, decode_bmm=decode_bmm)
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.slots = [_Slot() for _ in range(slots)]
         self.by_stream: dict = {}
@@ -197,8 +250,11 @@ class SlotEngine:
         self.prefill_tokens = prefill_tokens
         self.min_prefill_rows = max(1, slots // 16)
         """Rows waiting before a prefill runs while others decode (prefill rarely, not after every finish)."""
-        self.prefilled_tokens = 0
-        """Ids prefilled so far (a later turn on a kept slot adds only its new ids)."""
+        self.counters = dict(decode_steps=0, decode_rows=0, decode_s=0.0, prefill_calls=0, prefill_rows=0,
+                             prefill_tokens=0, prefill_padded_tokens=0, prefill_s=0.0)
+        """Where the time goes (each call ends in a host copy of its tokens, so the seconds include the GPU's):
+        decode_rows / (decode_steps x slots) is the slot occupancy; prefill_tokens counts ids prefilled (a later
+        turn on a kept slot adds only its new ids), prefill_padded_tokens what the padded batches computed."""
 
     def submit(self, key: str, prompt_ids: list[int], budget: int, *, stream=None) -> None:
         assert len(prompt_ids) + budget <= self.dec.cache_len, "prompt + budget exceed the slot length"
@@ -245,16 +301,19 @@ class SlotEngine:
                 self.slots[s] = _Slot()  # an anonymous request: free at once
 
     def _prefill(self) -> None:
-        todo = sorted((s for s, sl in enumerate(self.slots) if sl.key is not None and sl.todo),
-                      key=lambda s: len(self.slots[s].todo))
-        while todo:
-            batch = []
-            while todo and (not batch or (len(batch) + 1) * len(self.slots[todo[0]].todo) <= self.prefill_tokens):
-                batch.append(todo.pop(0))
+        todo = [s for s, sl in enumerate(self.slots) if sl.key is not None and sl.todo]
+        for group in prefill_batches([len(self.slots[s].todo) for s in todo], budget=self.prefill_tokens):
+            batch = [todo[j] for j in group]
+            t0 = time.perf_counter()
             nxt = self.dec.prefill(batch, [self.slots[s].todo for s in batch],
                                    [len(self.slots[s].ctx) for s in batch]).tolist()
+            c = self.counters
+            c["prefill_s"] += time.perf_counter() - t0
+            c["prefill_calls"] += 1
+            c["prefill_rows"] += len(batch)
+            c["prefill_padded_tokens"] += len(batch) * max(len(self.slots[s].todo) for s in batch)
             for s, t in zip(batch, nxt):
-                self.prefilled_tokens += len(self.slots[s].todo)
+                c["prefill_tokens"] += len(self.slots[s].todo)
                 self.slots[s].ctx.extend(self.slots[s].todo)
                 self.slots[s].todo = []
                 self._emit(int(t), s)
@@ -268,8 +327,14 @@ class SlotEngine:
         tok = [sl.out[-1] if sl.key is not None and not sl.todo else 0 for sl in self.slots]
         pos = [len(sl.ctx) for sl in self.slots]
         dev = self.dec.device
+        t0 = time.perf_counter()
+        kv_len = kv_bucket(max(pos[s] for s in live) + 1, cache_len=self.dec.cache_len)
         nxt = self.dec.decode(torch.tensor(tok).to(dev, non_blocking=True),
-                              torch.tensor(pos).to(dev, non_blocking=True)).tolist()
+                              torch.tensor(pos).to(dev, non_blocking=True), kv_len=kv_len).tolist()
+        c = self.counters
+        c["decode_s"] += time.perf_counter() - t0
+        c["decode_steps"] += 1
+        c["decode_rows"] += len(live)
         for s in live:
             self.slots[s].ctx.append(self.slots[s].out[-1])
             self._emit(int(nxt[s]), s)

@@ -59,6 +59,38 @@ def test_buckets_and_batches():
     assert [x.tolist() for x in b] == [[3, 1, 0], [2]]
 
 
+def test_stop_after_drops_chunks_still_in_flight(tmp_path):
+    """run_chunks' time limit: a committed chunk stays, the chunk in flight when the limit passes is dropped
+    uncommitted (the processor is stopped, nothing half-written) and the next run redoes it."""
+    import time
+    from types import SimpleNamespace
+
+    from dflash.generate.dialog import new_chunk_stats
+    from dflash.generate.run import run_chunks
+
+    convs = [SimpleNamespace(num_generated=lambda mode: 1) for _ in range(4)]
+    cfg = SimpleNamespace(chunk_conversations=2, turn_mode="all", output=str(tmp_path / "o.jsonl.gz"))
+    stopped = []
+
+    def chunks(todo, on_batch, may_start):
+        try:
+            for i, chunk in todo:
+                assert may_start(i)
+                on_batch(len(chunk), 10)
+                if i == 1:
+                    time.sleep(0.3)  # past the limit: this chunk's next batch must not come back
+                    on_batch(1, 10)
+                    raise AssertionError("on_batch returned after the time limit")
+                yield i, [{"r": i}], new_chunk_stats() | {"records": 1, "turns": len(chunk)}
+        finally:
+            stopped.append(True)
+
+    out = ShardedOutput(cfg.output, job={"model": "m"})
+    st = run_chunks(cfg=cfg, convs=convs, out=out, process_chunks=chunks, read_skips=SkipCounter(), progress=False,
+                    t0=time.perf_counter(), stop_after=0.2)
+    assert not st.complete and sorted(out.committed) == [0] and stopped == [True]
+
+
 def test_sharded_output_commit_resume_and_job_check(tmp_path):
     out = tmp_path / "o.jsonl.gz"
     job = {"model": "m", "options": {"a": 1}}

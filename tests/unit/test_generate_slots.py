@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dflash.errors import ConfigError
-from dflash.generate.slots import SlotEngine, check_supported, query_positions, visible_mask
+from dflash.generate.slots import (SlotDecoder, SlotEngine, check_supported, counters_line, kv_bucket,
+                                  prefill_batches, query_positions, visible_mask)
 
 
 def test_query_rows_and_mask():
@@ -17,6 +18,52 @@ def test_query_rows_and_mask():
     assert m.shape == (2, 1, 6, 6)
     assert m[0, 0, 0].tolist() == [True] * 4 + [False] * 2  # position 3 sees keys 0..3
     assert m[1, 0, 1].tolist() == [True, True] + [False] * 4
+
+
+def test_kv_bucket():
+    assert [kv_bucket(n, cache_len=2048) for n in (1, 256, 257, 700, 1025, 2048)] == [256, 256, 512, 1024, 2048,
+                                                                                          2048]
+    assert kv_bucket(300, cache_len=300) == 300  # capped at the cache
+
+
+def test_prefill_batches_bound_padding_and_budget():
+    lengths = [500, 10, 12, 30, 900, 11, 3000]
+    got = prefill_batches(lengths, budget=2048)
+    assert sorted(i for b in got for i in b) == list(range(len(lengths)))
+    assert got == [[1, 5, 2], [3], [0, 4], [6]]  # 10,11,12 | 30 | 500,900 | 3000 alone (over the budget)
+    for b in got:
+        longest = max(lengths[i] for i in b)
+        assert len(b) == 1 or (len(b) * longest <= 2048 and longest <= 2 * min(lengths[i] for i in b))
+
+
+def test_counters_line():
+    c = dict(decode_steps=10, decode_rows=40, decode_s=0.5, prefill_calls=2, prefill_rows=6, prefill_tokens=300,
+             prefill_padded_tokens=400, prefill_s=0.1)
+    assert counters_line(c, slots=8) == ("slot engine: 10 decode steps in 0.5 s (50.0 ms each, 50% of 8 slots busy), "
+                                         "2 prefills of 6 rows in 0.1 s (300 ids, 75% of the padded batches)")
+
+
+def test_decode_attention_forms_and_kv_buckets_agree():
+    """The batched-matmul decode attention equals SDPA's, and reading only a kv_len bucket equals reading the
+    whole cache for every slot whose position is below it (tiny random Llama, fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval()
+    outs = []
+    for bmm in (False, True):
+        dec = SlotDecoder(model, slots=3, cache_len=512, compile=False, decode_bmm=bmm)
+        ids = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40, 300)]
+        first = dec.prefill([0, 1, 2], ids, [0, 0, 0])
+        pos = torch.tensor([len(x) for x in ids])
+        steps = [dec.decode(first, pos, kv_len=512)]
+        steps.append(dec.decode(first, pos + 1, kv_len=512))
+        small = dec.decode(first, pos + 1, kv_len=256)  # rows 0 and 1 are below 256: same tokens
+        outs.append(torch.stack(steps))
+        assert small[:2].tolist() == steps[1][:2].tolist()
+    assert outs[0].tolist() == outs[1].tolist()
 
 
 def test_unsupported_models_are_refused():
@@ -62,10 +109,10 @@ def test_slot_engine_equals_hf_generate(smollm2_dir, min_prefill_rows):
     for i, (p, n) in enumerate(zip(prompts, (7, 3, 7))):
         assert got[f"r{i}"] == _hf(model, p, n, stops), i
     # a second turn on conversation 0: only the ids after its kept context are prefilled
-    first = prefilled = eng.prefilled_tokens
+    first = eng.counters["prefill_tokens"]
     follow = prompts[0] + got["r0"] + _prompt(tok, "And another?")[1:]
     eng.submit("r0b", follow, 6, stream=0)
     key, d = eng.next_result()
-    prefilled = eng.prefilled_tokens - first
+    prefilled = eng.counters["prefill_tokens"] - first
     assert key == "r0b" and d.response_ids == _hf(model, follow, 6, stops)
     assert prefilled == len(follow) - len(prompts[0]) - len(got["r0"]) + 1  # the last response token was not fed
