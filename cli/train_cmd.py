@@ -88,6 +88,11 @@ def command(cache, model, output, config_path, gpus, resume, store_mirror, devic
     from dflash.store.resolve import reader_paths
 
     cfg = reader_paths(cfg, mirror=store_mirror)  # URLs read directly, or via local mirrors (--store-mirror)
+    from dflash.store.resolve import train_store_line
+
+    line = train_store_line(cfg, gpus=gpus)  # None for a folder (or a mirror)
+    if line:
+        click.echo(line)
     dev = None if device == "auto" else device
     from dflash.train.launch import launch
 

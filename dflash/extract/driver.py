@@ -25,6 +25,7 @@ from dflash.dtypes import DTYPES, default_dtype, dtype_of
 from dflash.errors import ConfigError, DflashError
 from dflash.extract.plan import PlannedBatch
 from dflash.extract.progress import BYTES, PADDED, SAMPLES, TOKENS, WAIT_S, ProgressReporter, RankCounters
+from dflash.store.throughput import StoreRate
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class ExtractConfig:
     DESIGN.md). Ignored on CPU and for targets without Gated-DeltaNet layers."""
     dry_run: bool = False
     """Print the plan (samples, tokens, bytes, ETA) and stop."""
+    store_rate: StoreRate | None = None
+    """Set by dflash.store.resolve.extract_to_store for `--output URL`: the store's probed write rate; the plan
+    then prints the throughput line (dflash.store.throughput) against the ETA's tokens/s."""
     repair: bool = False
     """Resume over a damaged cache: verify every committed shard (reads all of it), uncommit and delete those
     that fail, and extract their samples again. Without it a resume refuses when a committed shard is missing,
@@ -193,6 +197,13 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
         echo(pre.tokenize_text)
         if pre.fingerprint_note:
             echo(pre.fingerprint_note)
+        if cfg.store_rate is not None and plan.num_tokens_todo:
+            from dflash.store.throughput import throughput_line
+
+            echo(throughput_line(what="written", bytes_per_token=pre.cache_bytes.total / plan.num_tokens_todo,
+                                 ranks=world_size, rate=cfg.store_rate,
+                                 tokens_per_s=None if eta is None or eta.seconds <= 0
+                                 else plan.num_tokens_todo / world_size / eta.seconds))
     check_free_space(cfg.output, needed_bytes=pre.cache_bytes.total)  # run_rank removes a folder it created
     if cfg.dry_run:
         return _result(cfg, pre, torch.zeros(5, dtype=torch.float64), t0, world_size, dry_run=True)

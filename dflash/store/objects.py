@@ -121,6 +121,31 @@ class Store:
             raise
         return True
 
+    def get_tagged(self, key: str) -> tuple[bytes, str] | None:
+        """(bytes, e_tag) of an object, or None when it does not exist: the version put_if needs."""
+        import obstore
+        try:
+            result = self.call(f"GET {key}", obstore.get, key)
+            return bytes(result.bytes()), str(result.meta["e_tag"])
+        except FileNotFoundError as e:
+            check_not_missing_bucket(self.url.url, e)
+            return None
+
+    def put_if(self, key: str, data, *, e_tag: str | None) -> str | None:
+        """A conditional PUT: create (e_tag=None: If-None-Match *) or replace the version `e_tag` (If-Match);
+        returns the new e_tag, or None when the object is not in the expected state (another writer won)."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+        mode = "create" if e_tag is None else {"e_tag": e_tag}
+        try:
+            return str(self.call(f"PUT {key}", obstore.put, key, data, mode=mode)["e_tag"])
+        except FileNotFoundError:
+            return None  # replacing a version that was deleted meanwhile
+        except StoreError as e:
+            if isinstance(e.__cause__, (AlreadyExistsError, PreconditionError)):
+                return None
+            raise
+
     def delete(self, keys: list[str]) -> None:
         import obstore
         for i in range(0, len(keys), 1000):  # S3 DeleteObjects takes at most 1000 keys

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from dflash.cache import commit as cm
 
 RECORD_SUFFIX = ".json"
+LEASE_KEY = "extract-lease.json"  # the running extraction's lease (dflash.store.lease): part of the layout
 _RECORD_RE = re.compile(r"^rank-(\d+)/(.+)\.json$")
 
 
@@ -46,6 +47,8 @@ class StoreListing:
     missing: tuple[str, ...]
     """Committed shards with no objects at all: faults."""
     has_manifest: bool
+    has_lease: bool
+    """An extraction lease is in place (a run is writing, or died without releasing it)."""
     strays: tuple[str, ...]
     """Keys the protocol does not know (reported as notes; never read, never deleted)."""
 
@@ -55,11 +58,13 @@ def classify_keys(keys: Iterable[str]) -> StoreListing:
     records: dict[str, str] = {}
     objects: dict[str, list[str]] = {}
     strays: list[str] = []
-    has_manifest = False
+    has_manifest = has_lease = False
     for key in keys:
         head, _, rest = key.partition("/")
         if key == cm.MANIFEST:
             has_manifest = True
+        elif key == LEASE_KEY:
+            has_lease = True
         elif head == cm.COMMITS and (m := _RECORD_RE.match(rest)) and cm.parse_shard_name(m.group(2)):
             rank, seq = cm.parse_shard_name(m.group(2))
             if rank == int(m.group(1)):
@@ -74,7 +79,8 @@ def classify_keys(keys: Iterable[str]) -> StoreListing:
     missing = tuple(s for s in sorted(records) if s not in objects)
     return StoreListing(records=dict(sorted(records.items())),
                         shard_objects={s: tuple(sorted(v)) for s, v in sorted(objects.items())},
-                        orphans=orphans, missing=missing, has_manifest=has_manifest, strays=tuple(sorted(strays)))
+                        orphans=orphans, missing=missing, has_manifest=has_manifest, has_lease=has_lease,
+                        strays=tuple(sorted(strays)))
 
 
 def upload_order(relpaths: Iterable[str]) -> list[str]:

@@ -67,6 +67,14 @@ def store_notes(path) -> tuple[list[str], list[str]]:
         notes.append(f"{len(got.orphans)} objects of {len(shards)} uncommitted shards ({', '.join(shards[:3])}"
                      f"{', ...' if len(shards) > 3 else ''}): a killed publisher's; readers ignore them, the "
                      "next dflash extract --output of this URL deletes them")
+    if got.has_lease:
+        import time
+
+        from dflash.store.lease import read_lease
+        found = read_lease(open_store(path))
+        if found is not None:
+            notes.append(f"an extraction holds the lease {sp.LEASE_KEY}: {found[0].describe(now=time.time())}; "
+                         "the totals may still grow")
     if got.strays:
         notes.append(f"{len(got.strays)} objects outside the cache layout (first {got.strays[0]}); ignored")
     problems = [f"shard {s}: committed (record {got.records[s]}) but no objects on the store" for s in got.missing]
@@ -81,13 +89,70 @@ def reader_paths(cfg, *, mirror: bool = False):
                                                                                           mirror=mirror))
 
 
+def train_store_line(cfg, *, gpus: int) -> str | None:
+    """The throughput line (dflash.store.throughput) of training from a cache URL read directly: bytes per
+    token of the read taps against ranged GETs of committed shards' hidden objects. None for a folder, and
+    on ranks other than 0 under torchrun (one line per job)."""
+    if not is_store_url(cfg.cache) or os.environ.get("RANK", "0") != "0":
+        return None
+    from dflash.cache.format import TOKEN_BYTES, Fingerprint, stored_layout
+    from dflash.cache.shardfile import shard_file_relpath
+    from dflash.store import protocol as sp
+    from dflash.store.objects import open_store
+    from dflash.store.sync import read_store_manifest
+    from dflash.store.throughput import PROBE_OBJECTS, probe_read, throughput_line
+
+    store = open_store(cfg.cache)
+    manifest = read_store_manifest(store)
+    if manifest is None:
+        return None  # the reader says so, with its error
+    fp = Fingerprint.from_json(manifest["fingerprint"])
+    taps = len(cfg.taps) if cfg.taps else len(fp.tap_layer_ids)
+    shards = sorted(sp.classify_keys(store.list_keys(f"{cm.COMMITS}/")).records)[:PROBE_OBJECTS]
+    rate = probe_read(store, [f"{sp.shard_prefix(s)}hidden/{shard_file_relpath(3)}" for s in shards])
+    if rate is None:
+        return None
+    ranks = int(os.environ.get("WORLD_SIZE", gpus))
+    return throughput_line(what="read", ranks=ranks, rate=rate, tokens_per_s=None,
+                           bytes_per_token=stored_layout(fp.storage, fp.hidden_size).hidden_bytes_per_token(taps)
+                           + TOKEN_BYTES)
+
+
 PUBLISH_EVERY = 0.5  # seconds between publish passes while extraction runs (a local log read; no LIST)
 
 
 def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None = None):
     """Run `launch(cfg)` with cfg.output = URL through the URL's local staging folder (module docstring);
     a publisher thread stores each shard soon after its local commit, so a killed run loses no more on the
-    store than in the staging folder."""
+    store than in the staging folder. The run holds the URL's extraction lease (dflash.store.lease) from
+    before its first store request to its end: a second run into the URL stops with one line."""
+    import contextlib
+    import dataclasses
+
+    from dflash.store.objects import open_store
+
+    url = cfg.output
+    torchrun = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = int(os.environ["RANK"]) if torchrun else 0
+    from dflash.store.lease import ExtractLease, job_owner_id, wait_for_job_lease
+    from dflash.store.throughput import probe_write_read
+
+    store = open_store(url)
+    if rank != 0:  # rank 0 holds the job's lease (and renews it); the others start once it names their job
+        if not cfg.dry_run:
+            wait_for_job_lease(store, owner=job_owner_id())
+        return _extract_to_store(cfg, num_procs=num_procs, echo=echo, root=root, torchrun=torchrun, rank=rank,
+                                 lease=None)
+    with contextlib.ExitStack() as held:
+        lease = None if cfg.dry_run else held.enter_context(
+            ExtractLease(store, owner=job_owner_id(), purpose=f"dflash extract --output {url}"))
+        # the plan's throughput line (a dry run probes too: a few seconds, objects deleted after)
+        cfg = dataclasses.replace(cfg, store_rate=probe_write_read(store)[0])
+        return _extract_to_store(cfg, num_procs=num_procs, echo=echo, root=root, torchrun=torchrun, rank=rank,
+                                 lease=lease)
+
+
+def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, lease):
     import dataclasses
     import threading
 
@@ -97,8 +162,6 @@ def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None
 
     url = cfg.output
     staging = mirror_folder(url, root=root)
-    torchrun = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    rank = int(os.environ["RANK"]) if torchrun else 0
     if read_store_manifest(open_store(url)) is not None and not cfg.dry_run:
         os.makedirs(staging, exist_ok=True)
         lock = cm.CacheLock(staging)
@@ -123,6 +186,8 @@ def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None
     def publish_loop() -> None:
         try:
             while not stop.wait(PUBLISH_EVERY):
+                if lease is not None:
+                    lease.check()  # a run that lost its lease stores nothing more
                 if "pub" not in state and os.path.exists(os.path.join(staging, cm.MANIFEST)):
                     state["pub"] = Publisher(local=staging, url=url, ranks=[rank] if torchrun else None)
                 if "pub" in state:
@@ -139,6 +204,8 @@ def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None
         thread.join()
     if "error" in state:
         raise state["error"]
+    if lease is not None:
+        lease.check()
     pub = state.get("pub") or Publisher(local=staging, url=url, ranks=[rank] if torchrun else None)
     st = pub.finish()
     if rank == 0:
