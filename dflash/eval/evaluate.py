@@ -5,8 +5,10 @@ then `dflash extract`); on any other cache the accept chain follows a path the t
 so the number is only an approximation and is refused unless `approximate=True`.
 tau of one sequence = mean tokens per target step along its accept chain (tau.py); tau of a source = mean
 over its sequences; overall = mean over all sequences (method doc 6: per prompt, then over prompts).
-Tradeoff: sequences are evaluated one at a time (anchors chunked within a sequence), which keeps memory
-bounded by chunk_anchors x block size queries; eval sets are small (hundreds of prompts).
+L(a) at every anchor comes from dflash.eval.batched: chunks of <= chunk_anchors blocks over consecutive
+sequences, each chunk's sequences read from the cache when it runs (memory: one chunk's sequences and
+chunk_anchors x block size query rows). Held-out eval during training (heldout.py) runs the same plan on the
+same sequences held on the device, so the two agree bit for bit at the same dtype and chunk_anchors.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ log = logging.getLogger(__name__)
 class EvalConfig:
     """How `dflash eval` runs."""
 
-    chunk_anchors: int = 256
-    """Anchors per masked drafter forward (memory ~ chunk_anchors x block_size queries x context)."""
+    chunk_anchors: int | None = None
+    """Blocks per masked drafter forward (memory ~ chunk_anchors x block_size query rows); None =
+    batched.DEFAULT_CHUNK_ANCHORS, what held-out eval uses (the same value gives the same forwards)."""
     approximate: bool = False
     """Allow a cache that is not marked target_greedy (tau is then only an approximation)."""
     device: str | None = None
@@ -40,8 +43,8 @@ class EvalConfig:
     """Evaluate only the first `limit` sequences of the cache (by sample id)."""
 
     def __post_init__(self) -> None:
-        if self.chunk_anchors < 1:
-            raise ConfigError(f"chunk_anchors={self.chunk_anchors}: must be >= 1 (256 is a good default)")
+        if self.chunk_anchors is not None and self.chunk_anchors < 1:
+            raise ConfigError(f"chunk_anchors={self.chunk_anchors}: must be >= 1 (or unset for the default)")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit={self.limit}: must be >= 1")
         if self.dtype is not None:
@@ -110,6 +113,23 @@ class EvalResult:
                 "overall": self.overall.to_json(), "sources": [s.to_json() for s in self.per_source]}
 
 
+def chain_stats(accept_T: np.ndarray, *, lengths: np.ndarray, spans: np.ndarray, names: list[str],
+                block_size: int) -> tuple[TauStats, list[TauStats]]:
+    """Walk every sequence's accept chain over L(a) (packed int64 [T], batched.accept_lengths_chunks) and
+    gather (overall, per source in first-seen order); names[i] = sequence i's source."""
+    from dflash.eval.tau import walk_accept_chain
+
+    overall = TauStats(name="overall", block_size=block_size)
+    groups: dict[str, TauStats] = {}
+    off = 0
+    for i, ((start, end), n) in enumerate(zip(np.asarray(spans).tolist(), np.asarray(lengths).tolist())):
+        steps = walk_accept_chain(accept_T[off: off + n], start, end) if end > start else []
+        overall.add(steps, end - start)
+        groups.setdefault(names[i], TauStats(name=names[i], block_size=block_size)).add(steps, end - start)
+        off += n
+    return overall, list(groups.values())
+
+
 def source_of_sample_ids(sources: list[dict], sample_ids: np.ndarray) -> list[str]:
     """Name (file name) of the data source each sample id came from.
 
@@ -171,7 +191,8 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
 
     from dflash.cache import CacheReader
     from dflash.drafter.export import load_drafter
-    from dflash.eval.tau import sequence_steps
+    from dflash.eval.batched import DEFAULT_CHUNK_ANCHORS, accept_lengths_chunks, forward_only, plan_chunks
+    from dflash.eval.tau import response_spans
     from dflash.target.check import DRAFTER_HINT, check_drafter_matches
     from dflash.target.head import embedding_and_head
 
@@ -187,11 +208,6 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
     log.info("drafter dtype %s (%s)", dtype_name, "given" if cfg.dtype else "default for " + device)
     dtype = dtype_of(dtype_name)
     drafter, dcfg = load_drafter(drafter_dir, device=device, dtype=dtype)
-    drafter.eval()
-    # Each anchor chunk has its own context length; compiled flex attention would recompile for every new
-    # shape. The chunked dense SDPA path has no compile step and is exact, and eval is forward-only.
-    drafter.attn_backend = "dense"
-    log.info("drafter attention backend dense for eval (varying chunk shapes; no recompiles)")
     embed_VD, head_VD, info = embedding_and_head(model, dtype=dtype)
     check_drafter_matches(dcfg, num_target_layers=num_target_layers, hidden_size=info.hidden_size,
                           vocab_size=info.vocab_size)
@@ -203,19 +219,26 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
 
     n = len(reader) if cfg.limit is None else min(cfg.limit, len(reader))
     names = source_of_sample_ids(list(fp.sources), reader.index.sample_id[:n])
-    overall = TauStats(name="overall", block_size=dcfg.block_size)
-    groups: dict[str, TauStats] = {}
-    for i in tqdm(range(n), desc="eval", unit="seq", disable=not progress):
-        s = reader.read(i, taps=dcfg.target_layer_ids, dequantize=True, device=device)
-        steps = sequence_steps(drafter, embed_VD=embed_VD, lm_head_VD=head_VD,
-                               input_ids_T=torch.from_numpy(s.input_ids.astype(np.int64)),
-                               hidden_TKD=s.hidden, loss_mask_T=s.loss_mask, mask_token_id=dcfg.mask_token_id,
-                               chunk_anchors=cfg.chunk_anchors)
-        tokens = int(s.loss_mask.astype(bool).sum())
-        overall.add(steps, tokens)
-        groups.setdefault(names[i], TauStats(name=names[i], block_size=dcfg.block_size)).add(steps, tokens)
+    meta = reader.read_many(list(range(n)), taps=())  # ids and masks only: lengths and response spans
+    lengths = meta.lengths.astype(np.int64)
+    spans = response_spans(meta.loss_mask, lengths=lengths)
+    chunks = plan_chunks(lengths=lengths, spans=spans, chunk_anchors=cfg.chunk_anchors or DEFAULT_CHUNK_ANCHORS,
+                         block_size=dcfg.block_size)
+    bar = tqdm(total=n, desc="eval", unit="seq", disable=not progress)
+
+    def fetch(chunk):
+        s = reader.read_many(list(chunk.seqs), taps=dcfg.target_layer_ids, dequantize=True, device=device)
+        bar.update(chunk.first_seq + chunk.num_seqs - bar.n)
+        return s.hidden.to(device), torch.from_numpy(s.input_ids.astype(np.int64)).to(device)
+
+    with forward_only(drafter):
+        accept_T = accept_lengths_chunks(drafter, chunks, fetch=fetch, embed_VD=embed_VD, lm_head_VD=head_VD,
+                                         dtype=dtype, lengths=lengths)
+    bar.close()
+    overall, per_source = chain_stats(accept_T, lengths=lengths, spans=spans, names=names,
+                                      block_size=dcfg.block_size)
     reader.close()
-    return EvalResult(overall=overall, per_source=list(groups.values()), target_greedy=fp.target_greedy,
+    return EvalResult(overall=overall, per_source=per_source, target_greedy=fp.target_greedy,
                       drafter=str(drafter_dir), cache=str(cache_dir), block_size=dcfg.block_size,
                       dtype=dtype_name, seconds=time.perf_counter() - t0)
 
