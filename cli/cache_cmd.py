@@ -39,9 +39,10 @@ def command() -> None:
 def info(cache: str, as_json: bool) -> None:
     """Samples, tokens, loss tokens, taps, dtype, shards and bytes of CACHE."""
     from dflash.cache.verify import cache_info
-    from dflash.store.resolve import local_cache
+    from dflash.store.resolve import store_cache_info
+    from dflash.store.url import is_store_url
 
-    d = cache_info(local_cache(cache))
+    d = store_cache_info(cache) if is_store_url(cache) else cache_info(cache)  # a URL: nothing fetched
     if as_json:
         click.echo(json.dumps(d))
         return

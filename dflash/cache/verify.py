@@ -130,10 +130,17 @@ def verify_shard(path: str, r: cm.CommitRecord, fp: Fingerprint, rep: VerifyRepo
 def cache_info(path) -> dict:
     """Summary for `dflash cache info`: totals from the commit logs, bytes from the directory."""
     path = os.fspath(path)
-    manifest = cm.read_manifest(path)
-    fp = Fingerprint.from_json(manifest["fingerprint"])
-    t = cm.totals(cm.read_commit_logs(path))
     on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(path) for f in fs)
+    return cache_summary(path=path, manifest=cm.read_manifest(path), records=cm.read_commit_logs(path),
+                         bytes_on_disk=on_disk, being_written_by=_live_writer(path))
+
+
+def cache_summary(*, path: str, manifest: dict, records: list[cm.CommitRecord], bytes_on_disk: int,
+                  being_written_by: str | None) -> dict:
+    """cache_info's dict from what any location provides (a folder here; a store in dflash.store.resolve)."""
+    fp = Fingerprint.from_json(manifest["fingerprint"])
+    t = cm.totals(records)
+    on_disk = bytes_on_disk
     return {"path": path, "samples": t["samples"], "tokens": t["tokens"], "loss_tokens": t["loss_tokens"],
             "tap_layer_ids": list(fp.tap_layer_ids), "num_taps": len(fp.tap_layer_ids),
             "hidden_size": fp.hidden_size, "storage": fp.storage, "storage_format": storage_description(fp.storage),
@@ -144,7 +151,7 @@ def cache_info(path) -> dict:
             "bytes_per_token": (t["bytes"] / t["tokens"]) if t["tokens"] else None,
             "target": fp.target, "target_greedy": fp.target_greedy, "target_dtype": fp.target_dtype,
             "max_length": fp.max_length, "num_target_layers": fp.num_target_layers,
-            "sources": [s.get("path") for s in fp.sources], "being_written_by": _live_writer(path)}
+            "sources": [s.get("path") for s in fp.sources], "being_written_by": being_written_by}
 
 
 def _live_writer(path: str) -> str | None:

@@ -122,7 +122,9 @@ def read_lease(store: Store) -> tuple[Lease, str] | None:
         return Lease(owner="?", host="?", pid=0, purpose="unreadable", acquired=0.0, renewed=0.0, ttl_s=0.0), tag
 
 
-def _verdict(store: Store, owner: str) -> tuple[LeaseVerdict, tuple[Lease, str] | None]:
+def lease_verdict(store: Store, owner: str) -> tuple[LeaseVerdict, tuple[Lease, str] | None]:
+    """judge_lease on the store's lease as found now (with its version), checking the holder's PID when it
+    is on this host."""
     from dflash.locks import pid_alive
     found = read_lease(store)
     host = socket.gethostname()
@@ -154,7 +156,7 @@ class ExtractLease:
     def acquire(self) -> ExtractLease:
         """Take the lease, or LockedError (one line) while another live run holds it."""
         for _ in range(5):  # each lost race re-reads: another run just took or renewed it
-            verdict, found = _verdict(self.store, self.owner)
+            verdict, found = lease_verdict(self.store, self.owner)
             if verdict.kind == "held":
                 raise held_error(self.store, found[0], verdict)
             now = time.time()
@@ -228,7 +230,7 @@ def wait_for_job_lease(store: Store, *, owner: str, timeout: float = WAIT_FOR_RA
     when another live run holds it, or after `timeout` without rank 0 taking it."""
     deadline = time.monotonic() + timeout
     while True:
-        verdict, found = _verdict(store, owner)
+        verdict, found = lease_verdict(store, owner)
         if verdict.kind == "mine":
             return
         if verdict.kind == "held":

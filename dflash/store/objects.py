@@ -153,13 +153,17 @@ class Store:
 
     def list_keys(self, prefix: str | None = None) -> list[str]:
         """Every key under the cache (or under `prefix` inside it), relative to the cache prefix."""
+        return [key for key, _ in self.list_sizes(prefix)]
+
+    def list_sizes(self, prefix: str | None = None) -> list[tuple[str, int]]:
+        """(key, size in bytes) of every object under the cache (or `prefix` inside it): one LIST."""
         import obstore
         try:
             batches = self.call("LIST", lambda c: list(obstore.list(c, prefix=prefix, chunk_size=1000)))
         except FileNotFoundError as e:
             check_not_missing_bucket(self.url.url, e)
             return []
-        return [m["path"] for batch in batches for m in batch]
+        return [(m["path"], int(m["size"])) for batch in batches for m in batch]
 
 
 STREAM_CHUNK = 8 << 20  # bytes per local write while streaming a GET into a file

@@ -52,6 +52,23 @@ def reader_path(path, *, mirror: bool = False, root: str | None = None) -> str:
     return os.fspath(path)
 
 
+def store_cache_info(url: str) -> dict:
+    """`dflash cache info URL` from the store itself (manifest, commit records, one LIST for the bytes; no
+    shard is fetched); being_written_by names a live extraction lease."""
+    import time
+
+    from dflash.cache.verify import cache_summary
+    from dflash.store.direct import StoreShards
+    from dflash.store.lease import lease_verdict
+
+    src = StoreShards(url)
+    manifest, records = src.manifest(), src.records()
+    verdict, found = lease_verdict(src.store, owner="")  # "held": a live (or not yet expired) extraction
+    return cache_summary(path=url, manifest=manifest, records=records,
+                         bytes_on_disk=sum(n for _, n in src.store.list_sizes()),
+                         being_written_by=found[0].describe(now=time.time()) if verdict.kind == "held" else None)
+
+
 def store_notes(path) -> tuple[list[str], list[str]]:
     """(notes, problems) of a cache URL's listing by the protocol (local paths: none): orphans and unknown
     keys are notes (readers never see them; the next extract resume deletes the orphans), committed shards

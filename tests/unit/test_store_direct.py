@@ -100,3 +100,29 @@ def test_the_training_loader_streams_a_url_like_the_folder(s3_env, tmp_path, hom
     for (ia, ha, xa), (ib, hb, xb) in zip(a, b):
         assert ia == ib and torch.equal(ha, hb) and torch.equal(xa, xb)
     assert not home.exists()
+
+
+def test_cache_info_of_a_url_reads_no_shard_and_names_a_running_extraction(s3_env, tmp_path, home):
+    import json
+    import time
+
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from dflash.cache.verify import cache_info
+    from dflash.store.lease import Lease
+    url = published(s3_env, tmp_path, "dflash-direct-info")
+
+    def info() -> dict:
+        res = CliRunner().invoke(cli, ["cache", "info", url, "--json"])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)
+    got, want = info(), cache_info(tmp_path / "local")
+    for k in ("samples", "tokens", "loss_tokens", "shards", "shard_bytes", "tap_layer_ids", "storage"):
+        assert got[k] == want[k], k
+    assert got["bytes_on_disk"] >= got["shard_bytes"] and got["being_written_by"] is None
+    now = time.time()
+    open_store(url).put(sp.LEASE_KEY, Lease(owner="j", host="node-b", pid=7, purpose="dflash extract",
+                                            acquired=now, renewed=now, ttl_s=300.0).to_bytes())
+    assert info()["being_written_by"].startswith("PID 7 on host node-b (dflash extract")
+    assert not home.exists()
