@@ -16,7 +16,9 @@ from cli.cache_cmd import store_mirror_option
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--approximate", is_flag=True,
               help="Allow a cache whose responses are not the target's greedy outputs (tau is then approximate).")
-@click.option("--chunk-anchors", default=256, show_default=True, type=int, help="Anchors per drafter forward.")
+@click.option("--chunk-anchors", default=None, type=int,
+              help="Blocks per drafter forward (default: held-out eval's, dflash.eval.batched.DEFAULT_CHUNK_ANCHORS; "
+                   "the same value gives bit-identical tau).")
 @click.option("--limit", default=None, type=int, help="Evaluate only the first N sequences.")
 @click.option("--device", default=None, help="cuda / cpu (default: cuda when available).")
 @store_mirror_option

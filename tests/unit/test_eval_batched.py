@@ -89,29 +89,29 @@ def per_anchor_reference(dr, embed, head, y, feats, a, end):
     return int((d[: len(ref)] == ref).long().cumprod(0).sum())
 
 
-@pytest.mark.parametrize("backend", ["dense", "flex"])
-def test_packed_chunks_equal_per_anchor_reference(backend):
+def check_packed_chunks(backend, device):
     """Three sequences packed, chunks that split a sequence and join others: L at every anchor equals the
-    per-anchor reference (fp32), in the dense backend and in flex attention (eager on CPU; compiled on CUDA)."""
-    dr = tiny_drafter(0)
+    per-anchor reference (fp32). backend None = forward_only's choice for the device."""
+    dr = tiny_drafter(0).to(device)
     V, D = 48, 32
     g = torch.Generator().manual_seed(2)
-    embed, head = torch.randn(V, D, generator=g), torch.randn(V, D, generator=g)
+    embed, head = torch.randn(V, D, generator=g).to(device), torch.randn(V, D, generator=g).to(device)
     lengths = np.array([23, 9, 30])
     spans = np.array([[4, 23], [3, 8], [6, 30]])
-    feats = torch.randn(int(lengths.sum()), 2, D, generator=g)
-    y = torch.randint(0, V - 1, (int(lengths.sum()),), generator=g)
+    feats = torch.randn(int(lengths.sum()), 2, D, generator=g).to(device)
+    y = torch.randint(0, V - 1, (int(lengths.sum()),), generator=g).to(device)
     offs = np.concatenate([[0], np.cumsum(lengths)])
     # make drafts often right: y[a+1] = the drafter's own first draft at a for most anchors
     for i, (s, e) in enumerate(spans.tolist()):
         for a in range(s, e - 1):
             if a % 4:
                 ys, fs = y[offs[i]:offs[i + 1]], feats[offs[i]:offs[i + 1]]
-                block = torch.full((4,), V - 1)
+                block = torch.full((4,), V - 1, device=device)
                 block[0] = ys[a]
-                q = a + torch.arange(4)
+                q = a + torch.arange(4, device=device)
                 with torch.no_grad():
-                    out = dr.eval()(embed[block], dr.context(fs[:a]), q_pos=q, kv_pos=torch.cat([torch.arange(a), q]))
+                    out = dr.eval()(embed[block], dr.context(fs[:a]), q_pos=q,
+                                    kv_pos=torch.cat([torch.arange(a, device=device), q]))
                 y[offs[i] + a + 1] = draft_argmax(out[1:2], head)[0]
     ref = np.zeros(int(lengths.sum()), dtype=np.int64)
     for i, (s, e) in enumerate(spans.tolist()):
@@ -129,8 +129,22 @@ def test_packed_chunks_equal_per_anchor_reference(backend):
 
         dr.train()
         with forward_only(dr):
-            dr.attn_backend = backend  # forward_only picks the device's; here both are checked on CPU
+            if backend is not None:
+                dr.attn_backend = backend  # both backends checked on CPU
             L = accept_lengths_chunks(dr, chunks, fetch=fetch, embed_VD=embed, lm_head_VD=head, dtype=torch.float32,
                                       lengths=lengths)
         assert dr.training and dr.attn_backend == "auto", "forward_only restores mode and backend"
         assert L.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_packed_chunks_equal_per_anchor_reference(backend):
+    """Dense SDPA and flex attention (eager on CPU; forward_only picks compiled flex on CUDA)."""
+    check_packed_chunks(backend, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_chunks_equal_per_anchor_reference_on_cuda():
+    """The GPU path: forward_only's backend on CUDA (compiled flex attention)."""
+    check_packed_chunks(None, torch.device("cuda"))
