@@ -113,8 +113,11 @@ class TrainConfig:
     eval_cache: str | None = None
     """Target-greedy eval cache (`dflash generate` + `dflash extract`): exact held-out tau every `eval_every`
     steps and at the end, on rank 0, into metrics.jsonl (heldout_* fields) and TensorBoard. None = off."""
-    eval_every: int = 500
-    """Optimizer steps between held-out evaluations (such a step is also a log step)."""
+    eval_every: int = 200
+    """Optimizer steps between held-out evaluations (such a step is also a log step). By FLOPs one evaluation
+    of the all-anchor schedule (eval.batched) is ~2-3 training steps at the GPU defaults (SmolLM2 reference:
+    244 eval sequences = ~1M block rows forward-only, against ~150K rows forward+backward per step), so 200
+    should keep it near 1-2% of training time; bench_eval_overhead.py measures it (issue 14: <= 5%)."""
     eval_limit: int | None = None
     """Evaluate only the first N sequences of the eval cache; None = all."""
 
