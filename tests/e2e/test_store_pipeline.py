@@ -10,6 +10,7 @@ extraction are made once for all three."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,6 +59,10 @@ def test_extract_train_eval_on_the_store(setup, s3_server, tmp_path, monkeypatch
     plan = _invoke(monkeypatch, home_b, ["extract", "--model", model, "--data", data, "--output", url, *COMMON,
                                          "--dry-run"])
     assert "shards committed on the store; the real run fetches them first" in plan
+    (line,) = [ln for ln in plan.splitlines() if ln.startswith("store throughput:")]  # the probe vs the ETA
+    assert re.search(r"[\d,]+ B/token written x \d+ ranks?; the store gave [\d,]+ MB/s \(8 x 4 MB PUT", line), line
+    assert "the expected" in line and "tok/s per rank needs" in line
+    assert not [k for k in open_store(url).list_keys() if k.startswith("_probe")]
     info = json.loads(_invoke(monkeypatch, home_b, ["cache", "info", url, "--json"]))
     assert info["samples"] == NUM_GOOD
     assert "ok:" in _invoke(monkeypatch, home_b, ["cache", "verify", url])

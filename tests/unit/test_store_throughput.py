@@ -1,12 +1,7 @@
 """The throughput line (dflash.store.throughput): the model as a pure function with the 27B fp8 numbers, the
-probes on a real S3 server (SeaweedFS on localhost), and the line in `extract --dry-run --output URL` and in
-training from a URL."""
+probes on a real S3 server (SeaweedFS on localhost), and the line of training from a URL. The line in
+`dflash extract --dry-run --output URL` is checked by tests/e2e/test_store_pipeline.py (it has the model)."""
 
-import json
-import re
-
-import pytest
-from click.testing import CliRunner
 from store_server import make_cache, s3_env, s3_server  # noqa: F401  (fixtures)
 
 from dflash.store.objects import open_store
@@ -48,20 +43,3 @@ def test_probes_measure_and_clean_up(s3_env, tmp_path):
     # 2 taps x (64 fp8 + 4 B scale) + 5 B ids and mask, read by 2 ranks
     assert "141 B/token read x 2 ranks" in line and "ranged GETs" in line and "per 1,000 tok/s" in line
     assert train_store_line(TrainConfig(cache=str(tmp_path / "local"), model="m", output="o"), gpus=1) is None
-
-
-def test_extract_dry_run_on_a_url_prints_the_line(s3_env, tmp_path, smollm2_dir, monkeypatch):
-    url = s3_env.create_bucket("dflash-probe-cli") + "/c"
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
-                                                     {"role": "assistant", "content": f"answer {i} " * 20}]}) + "\n"
-                            for i in range(8)))
-    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
-    from cli.main import cli
-    res = CliRunner().invoke(cli, ["extract", "--model", str(smollm2_dir), "--data", str(data), "--output", url,
-                                   "--storage", "fp8", "--gpus", "1", "--dry-run", "--device", "cpu"])
-    assert res.exit_code == 0, res.output
-    (line,) = [ln for ln in res.output.splitlines() if ln.startswith("store throughput:")]
-    assert re.search(r"[\d,]+ B/token written x 1 rank; the store gave [\d,]+ MB/s \(8 x 4 MB PUT", line), line
-    assert "the expected" in line and "tok/s per rank needs" in line  # against the plan's ETA
-    assert not open_store(url).list_keys()  # the probe's objects are gone, a dry run stores nothing
