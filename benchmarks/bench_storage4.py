@@ -69,7 +69,8 @@ from common import machine_info, package_version  # noqa: E402
 ISSUE_BOUND = 14_340  # issue 16: <= 0.28 x bf16's 51,200 hidden bytes per token, all in
 BF16_HIDDEN_27B = 5 * 5120 * 2
 INT4 = "int4"
-TAU_STEPS = 80  # 8000 records (~2.3M tokens): ~558 s at the H200 rates, one call; --steps 360: ~1,050 s, two calls
+TAU_STEPS = 100  # 8000 records (2.55M tokens) at the H200 rates: ~654 s fresh (2 calls), ~537 s with --model and
+# --eval-cache from an earlier run (1 call); --steps 400: ~1,000 s (2 calls)
 TAU_TINY_STEPS = 2
 
 
@@ -244,24 +245,25 @@ class H200Rates:
 
     plan_s: float = 10.0
     """The extraction dry run that counts the training tokens (tokenization of the records on the host)."""
-    convert_target_s: float = 40.0
-    """GGUF parts -> HF folder (quality_smollm2_partial_h200.json a_target 42 s, warm 26 s)."""
-    generate_eval_s: float = 45.0
-    """Target-greedy MT-Bench (80) + HumanEval (164) responses at 256 new tokens, one load (19 + 19 s + load)."""
+    convert_target_s: float = 30.0
+    """GGUF -> HF folder (quality_reference_attempt_h200.json a_target 30.4 s)."""
+    generate_eval_s: float = 72.0
+    """Target-greedy MT-Bench (80) + HumanEval (164) responses at 256 new tokens (the same file: 37.7 + 34.0 s)."""
     extract_bf16_tok_s: float = 45_000.0
-    """bf16 extraction of 5.2M SmolLM2 tokens (30 GB) ran 45K tok/s, disk-bound: smaller storages scale by bytes."""
-    extract_max_tok_s: float = 94_000.0
-    """Extraction with the disk out of the way (565K tokens in 6.0 s end to end, quality_smollm2.json)."""
+    """bf16 extraction of 5.2M SmolLM2 tokens (30 GB) ran 45K tok/s, bound by ~260 MB/s to the disk (same file);
+    smaller storages scale by bytes up to extract_max_tok_s."""
+    extract_max_tok_s: float = 51_000.0
+    """fp8 extraction of the same 5.2M tokens ran 51K tok/s (half bf16's bytes: no longer bound by them)."""
     extract_setup_s: float = 15.0
     """Per extraction: tokenize the records, load the target, open the writer."""
-    train_tok_s: float = 56_000.0
-    """Training at bench_quality's GPU shape: 55.7-56.3K context tok/s (quality_smollm2.json)."""
+    train_tok_s: float = 85_000.0
+    """Training at bench_quality's GPU shape: 80-88K context tok/s, ~0.19 s per step (same file, steps 75-125)."""
     train_setup_s: float = 10.0
     """Per run: loader, drafter, target head, held-out evaluator."""
     train_first_extra_s: float = 30.0
     """The first run of a process also compiles (149.9 s vs 117 s for 400 steps, quality_smollm2.json)."""
-    eval_s: float = 12.0
-    """One held-out evaluation of the 244 eval sequences (eval_overhead_h200.json heldout_seconds_median 11.8)."""
+    eval_s: float = 20.0
+    """One held-out evaluation of the 244 eval sequences (19.8 s, quality_reference_attempt_h200.json)."""
 
 
 def tau_bytes_per_token(storage: str, *, hidden_size: int, num_taps: int) -> int:
@@ -271,12 +273,14 @@ def tau_bytes_per_token(storage: str, *, hidden_size: int, num_taps: int) -> int
 
 
 def tau_estimate(*, tokens: int, storages: tuple[str, ...], hidden_size: int, num_taps: int, seeds: int, steps: int,
-                 batch_tokens: int, eval_every: int, convert_target: bool,
+                 batch_tokens: int, eval_every: int, convert_target: bool, make_eval_cache: bool,
                  rates: H200Rates = H200Rates()) -> list[tuple[str, float]]:
     """(step, seconds) of the tau stage at the H200 rates, in run order."""
     disk_B_s = rates.extract_bf16_tok_s * tau_bytes_per_token("bf16", hidden_size=hidden_size, num_taps=num_taps)
     rows = [("convert target", rates.convert_target_s)] if convert_target else []
-    rows += [("plan (tokenize records)", rates.plan_s), ("generate eval responses", rates.generate_eval_s), ("extract eval cache", rates.extract_setup_s)]
+    rows.append(("plan (tokenize records)", rates.plan_s))
+    if make_eval_cache:
+        rows += [("generate eval responses", rates.generate_eval_s), ("extract eval cache", rates.extract_setup_s)]
     run_s = steps * batch_tokens / rates.train_tok_s + rates.train_setup_s + -(-steps // eval_every) * rates.eval_s
     for i, s in enumerate(storages):
         bpt = tau_bytes_per_token(s, hidden_size=hidden_size, num_taps=num_taps)
@@ -437,7 +441,7 @@ def tau_plan(args, *, model: str, data: str, work: pathlib.Path, device: torch.d
                      reserve_bytes=TAU_RESERVE_BYTES, delete=args.delete_caches)
     rows = tau_estimate(tokens=tokens, storages=args.storages, hidden_size=hidden, num_taps=taps, seeds=args.seeds,
                         steps=args.steps, batch_tokens=args.batch_tokens, eval_every=args.eval_every,
-                        convert_target=convert_target)
+                        convert_target=convert_target, make_eval_cache=not args.eval_cache)
     plan = {"samples": samples, "tokens": tokens, "skipped": res.skip_counts, "hidden_size": hidden, "taps": taps,
             "disk": dataclasses.asdict(disk), "disk_text": disk.describe(), "estimate_s": dict(rows),
             "estimate_text": format_estimate(rows, call_s=args.call_seconds)}
@@ -494,6 +498,23 @@ class TauStages:
         return out
 
 
+def reused_eval_cache(path: pathlib.Path) -> dict:
+    """--eval-cache: an eval cache an earlier bench_reference / tau run built (its cache_eval), checked to be
+    target-greedy and to hold both eval sets (held-out tau per set is keyed by their file names)."""
+    import bench_reference as br
+
+    from dflash.cache import CacheReader
+
+    with CacheReader(path) as r:
+        fp, n = r.fingerprint, len(r)
+    names = {pathlib.Path(src["path"]).name for src in fp.sources}
+    if not fp.target_greedy or not set(br.EVAL_SETS.values()) <= names:
+        raise SystemExit(f"--eval-cache {path}: needs a target-greedy cache of {sorted(br.EVAL_SETS.values())} "
+                         f"(bench_reference's cache_eval); it is target_greedy={fp.target_greedy}, sources "
+                         f"{sorted(names)}")
+    return {"path": str(path), "reused": True, "samples": n, "sources": sorted(names)}
+
+
 def _drop_cache(cache: pathlib.Path, storage: str, deleted: list) -> None:
     if cache.exists():
         shutil.rmtree(cache)
@@ -536,11 +557,16 @@ def tau_stage(args, device: torch.device, work: pathlib.Path, *, write, argv: li
                                       convert_target=not args.model), into=(result, "plan"))
     if "c_plan" in (earlier or {}).get("stage_out", {}):
         say(plan_text(result["plan"]))  # planned by the first call: shown again
-    st.run("d_generate_eval", lambda: bq.generate_all(args, model, br.eval_prompt_files(args), work, device.type, dtype))
     kw = dict(device=device.type, dtype=dtype, max_length=args.max_length, batch_tokens=args.extract_batch_tokens)
-    eval_cache = work / "cache_eval"
-    st.run("e_extract_eval", lambda: br.extract_cache(model, [str(work / f) for f in br.EVAL_SETS.values()],
-                                                      eval_cache, storage="bf16", **kw), into=(result, "eval_cache"))
+    if args.eval_cache:
+        eval_cache = pathlib.Path(args.eval_cache)
+        st.run("e_extract_eval", lambda: reused_eval_cache(eval_cache), into=(result, "eval_cache"))
+    else:
+        st.run("d_generate_eval", lambda: bq.generate_all(args, model, br.eval_prompt_files(args), work, device.type,
+                                                          dtype))
+        eval_cache = work / "cache_eval"
+        st.run("e_extract_eval", lambda: br.extract_cache(model, [str(work / f) for f in br.EVAL_SETS.values()],
+                                                          eval_cache, storage="bf16", **kw), into=(result, "eval_cache"))
     for s in args.storages:
         cache = work / f"cache_{s}"
         st.run(f"f_extract_{s}", lambda s=s, cache=cache: br.extract_cache(model, [data], cache, storage=s, **kw),
@@ -626,6 +652,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     t.add_argument("--storages", default=",".join(TAU_STORAGES), help="storages in run order (bf16 first)")
     t.add_argument("--eval-every", type=int, help="held-out tau every N steps (default: only at the end)")
     t.add_argument("--model", help="converted SmolLM2 HF folder (default: --gguf/--gguf-parts, else the package)")
+    t.add_argument("--eval-cache", help="reuse this target-greedy MT-Bench + HumanEval eval cache (an earlier "
+                   "bench_reference or tau run's cache_eval, same target) instead of generating one (~87 s)")
     t.add_argument("--resume", action="store_true", help="continue a cut call: same --workdir, finished steps kept")
     t.add_argument("--delete-caches", choices=("auto", "always", "never"), default="auto",
                    help="delete each cache once its runs are done: auto = only when they do not fit together")

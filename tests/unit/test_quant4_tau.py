@@ -75,7 +75,7 @@ def test_disk_plan_keeps_all_deletes_as_it_goes_or_refuses():
 def test_tau_estimate_at_h200_rates():
     r = b4.H200Rates()
     rows = b4.tau_estimate(tokens=2_300_000, storages=("bf16", "int4", "fp8"), hidden_size=576, num_taps=5, seeds=2,
-                           steps=100, batch_tokens=16384, eval_every=100, convert_target=True)
+                           steps=100, batch_tokens=16384, eval_every=100, convert_target=True, make_eval_cache=True)
     d = dict(rows)
     assert [n for n, _ in rows][:6] == ["convert target", "plan (tokenize records)", "generate eval responses",
                                         "extract eval cache", "extract bf16", "train bf16 seed 0"]
@@ -86,7 +86,12 @@ def test_tau_estimate_at_h200_rates():
     assert d["train int4 seed 1"] == pytest.approx(run)
     assert d["train bf16 seed 0"] == pytest.approx(run + r.train_first_extra_s)  # the first run compiles
     text = b4.format_estimate(rows, call_s=560)
-    assert f"total ~{sum(d.values()):.0f} s" in text and "2 call(s) of 560 s" in text  # 594 s
+    assert f"total ~{sum(d.values()):.0f} s" in text and "2 call(s) of 560 s" in text  # 654 s
+    reuse = dict(b4.tau_estimate(tokens=2_300_000, storages=("bf16", "int4", "fp8"), hidden_size=576, num_taps=5,
+                                 seeds=2, steps=100, batch_tokens=16384, eval_every=50, convert_target=False,
+                                 make_eval_cache=False))  # --model and --eval-cache: no conversion, no eval cache
+    assert set(d) - set(reuse) == {"convert target", "generate eval responses", "extract eval cache"}
+    assert reuse["train int4 seed 1"] == pytest.approx(run + r.eval_s)  # eval every 50 of 100 steps: twice
 
 
 def _metrics(run_dir):
@@ -146,3 +151,10 @@ def test_tau_stage_tiny_two_calls(tmp_path, smollm2_dir, monkeypatch, capsys):
     # the caches are gone once every run is done; the eval cache (bf16, target-greedy) stays
     assert sorted(tau["deleted"]) == ["bf16", "fp8", "int4"] and not list(work.glob("cache_[bfi]*"))
     assert json.loads((work / "cache_eval" / "manifest.json").read_text())["fingerprint"]["target_greedy"] is True
+    # --eval-cache takes that eval cache in a later run; a training cache (not target-greedy) is refused
+    assert b4.reused_eval_cache(work / "cache_eval")["sources"] == ["humaneval_greedy.jsonl", "mtbench_greedy.jsonl"]
+    sys.path.insert(0, str(HERE))
+    from train_helpers import tiny_cache, tiny_target
+
+    with pytest.raises(SystemExit, match="needs a target-greedy cache"):
+        b4.reused_eval_cache(tiny_cache(tmp_path / "train_cache", tiny_target(tmp_path / "t"), num_samples=2))
