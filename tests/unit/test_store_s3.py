@@ -131,10 +131,14 @@ def test_server_stopped_mid_read_and_for_a_write_then_both_resume(s3_env, tmp_pa
         s3_env.stop()
         return real_get(self, key, path)
     monkeypatch.setattr(objects.Store, "get_to_file", stop_then_get)
+    direct = CacheReader(url)  # a direct reader (train's default), opened while the server is up
     try:
         with pytest.raises(StoreError) as err:
             fetch_cache(url=url, local=str(tmp_path / "m"))
         assert "cannot reach" in one_line(err)
+        with pytest.raises(StoreError) as err:  # its next read, with the server gone
+            direct.read_many([0, 1], taps=[3])
+        assert "cannot reach" in one_line(err) and url in str(err.value)
         monkeypatch.setattr(objects.Store, "get_to_file", real_get)
         with pytest.raises(StoreError) as err:
             publish_cache(local=str(tmp_path / "more"), url=url)
@@ -142,6 +146,9 @@ def test_server_stopped_mid_read_and_for_a_write_then_both_resume(s3_env, tmp_pa
     finally:
         s3_env.start()
     assert fetch_cache(url=url, local=str(tmp_path / "m")).shards > 0  # the rerun completes the mirror
+    with CacheReader(tmp_path / "local") as want:  # the same reader reads again once the server is back
+        assert torch.equal(direct.read_many([0, 1], taps=[3]).hidden, want.read_many([0, 1], taps=[3]).hidden)
+    direct.close()
     same_reads(tmp_path / "local", tmp_path / "m")
     publish_cache(local=str(tmp_path / "more"), url=url)
     fetch_cache(url=url, local=str(tmp_path / "m2"))
