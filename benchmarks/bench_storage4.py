@@ -273,19 +273,20 @@ def tau_bytes_per_token(storage: str, *, hidden_size: int, num_taps: int) -> int
 
 
 def tau_estimate(*, tokens: int, storages: tuple[str, ...], hidden_size: int, num_taps: int, seeds: int, steps: int,
-                 batch_tokens: int, eval_every: int, convert_target: bool, make_eval_cache: bool,
+                 batch_tokens: int, eval_every: int, convert_target: bool, make_eval_cache: bool, seed0: int = 0,
                  rates: H200Rates = H200Rates()) -> list[tuple[str, float]]:
-    """(step, seconds) of the tau stage at the H200 rates, in run order."""
+    """(step, seconds) of the tau stage at the H200 rates, in run order; the steps are named as in the state file
+    (a_target: the GGUF conversion, c_plan: the dry run, d/e: the eval cache, f: extractions, g: trainings)."""
     disk_B_s = rates.extract_bf16_tok_s * tau_bytes_per_token("bf16", hidden_size=hidden_size, num_taps=num_taps)
-    rows = [("convert target", rates.convert_target_s)] if convert_target else []
-    rows.append(("plan (tokenize records)", rates.plan_s))
+    rows = [("a_target", rates.convert_target_s)] if convert_target else []
+    rows.append(("c_plan", rates.plan_s))
     if make_eval_cache:
-        rows += [("generate eval responses", rates.generate_eval_s), ("extract eval cache", rates.extract_setup_s)]
+        rows += [("d_generate_eval", rates.generate_eval_s), ("e_extract_eval", rates.extract_setup_s)]
     run_s = steps * batch_tokens / rates.train_tok_s + rates.train_setup_s + -(-steps // eval_every) * rates.eval_s
     for i, s in enumerate(storages):
         bpt = tau_bytes_per_token(s, hidden_size=hidden_size, num_taps=num_taps)
-        rows.append((f"extract {s}", rates.extract_setup_s + tokens / min(rates.extract_max_tok_s, disk_B_s / bpt)))
-        rows += [(f"train {s} seed {k}", run_s + (rates.train_first_extra_s if i == k == 0 else 0.0))
+        rows.append((f"f_extract_{s}", rates.extract_setup_s + tokens / min(rates.extract_max_tok_s, disk_B_s / bpt)))
+        rows += [(f"g_train_{s}_seed{seed0 + k}", run_s + (rates.train_first_extra_s if i == k == 0 else 0.0))
                  for k in range(seeds)]
     return rows
 
@@ -441,7 +442,7 @@ def tau_plan(args, *, model: str, data: str, work: pathlib.Path, device: torch.d
                      reserve_bytes=TAU_RESERVE_BYTES, delete=args.delete_caches)
     rows = tau_estimate(tokens=tokens, storages=args.storages, hidden_size=hidden, num_taps=taps, seeds=args.seeds,
                         steps=args.steps, batch_tokens=args.batch_tokens, eval_every=args.eval_every,
-                        convert_target=convert_target, make_eval_cache=not args.eval_cache)
+                        convert_target=convert_target, make_eval_cache=not args.eval_cache, seed0=args.seed)
     plan = {"samples": samples, "tokens": tokens, "skipped": res.skip_counts, "hidden_size": hidden, "taps": taps,
             "disk": dataclasses.asdict(disk), "disk_text": disk.describe(), "estimate_s": dict(rows),
             "estimate_text": format_estimate(rows, call_s=args.call_seconds)}
@@ -481,20 +482,31 @@ class StopAfter(Exception):
 
 
 class TauStages:
-    """bench_quality.Stages over the tau stage's state file, also writing the results file after each step."""
+    """bench_quality.Stages over the tau stage's state file, also writing the results file after each step.
+    With a budget (call_s, estimate_s: step -> seconds at the H200 rates, from the plan), a step not yet done
+    whose estimate would end the call past call_s seconds is left for the next call (StopAfter): a clean stop
+    between steps instead of a kill mid-extraction (which would lose that storage's extraction rate)."""
 
-    def __init__(self, stages, on_save, *, stop_after: str | None) -> None:
+    def __init__(self, stages, on_save, *, stop_after: str | None, call_s: float | None = None,
+                 clock=time.perf_counter, t0: float | None = None) -> None:
         self.stages, self.on_save, self.stop_after = stages, on_save, stop_after
+        self.call_s, self.clock, self.t0 = call_s, clock, clock() if t0 is None else t0
+        self.estimate_s: dict[str, float] = {}
 
     def run(self, name: str, fn, *, into: tuple[dict, str] | None = None):
         """Run (or recall) step `name`; its output also goes to into[0][into[1]] before the state is saved."""
+        est = self.estimate_s.get(name)
+        if (self.call_s is not None and est is not None and name not in self.stages.earlier.get("stage_out", {})
+                and self.clock() - self.t0 + est > self.call_s):
+            raise StopAfter(f"at {self.clock() - self.t0:.0f} s: {name} (~{est:.0f} s at the H200 rates) would end "
+                            f"past --call-seconds {self.call_s:.0f}")
         out = self.stages.run(name, fn)
         if into is not None:
             into[0][into[1]] = out
             self.stages.save()
         self.on_save(self.stages.result)
         if name == self.stop_after:
-            raise StopAfter(name)
+            raise StopAfter(f"after {name} (--stop-after)")
         return out
 
 
@@ -549,7 +561,9 @@ def tau_stage(args, device: torch.device, work: pathlib.Path, *, write, argv: li
                     deleted=r["deleted"], stage_seconds=r.get("stage_seconds"), summary=summ)
         return body, tau_top_fields(summ)
 
-    st = TauStages(bq.Stages(result, state, earlier=earlier), lambda r: write(*section(r)), stop_after=args.stop_after)
+    st = TauStages(bq.Stages(result, state, earlier=earlier), lambda r: write(*section(r)), stop_after=args.stop_after,
+                   call_s=args.call_seconds if device.type == "cuda" else None,  # the rates are the H200's
+                   t0=bq.T0)  # the call's clock starts at the imports
     model = st.run("a_target", lambda: args.model or bq.target_folder(args, work))
     data = st.run("b_train_data", lambda: br.first_records(tau_train_source(args, work), args.records,
                                                           work / f"train_first{args.records}.jsonl"))
@@ -557,6 +571,7 @@ def tau_stage(args, device: torch.device, work: pathlib.Path, *, write, argv: li
                                       convert_target=not args.model), into=(result, "plan"))
     if "c_plan" in (earlier or {}).get("stage_out", {}):
         say(plan_text(result["plan"]))  # planned by the first call: shown again
+    st.estimate_s = result["plan"]["estimate_s"]
     kw = dict(device=device.type, dtype=dtype, max_length=args.max_length, batch_tokens=args.extract_batch_tokens)
     if args.eval_cache:
         eval_cache = pathlib.Path(args.eval_cache)
@@ -658,7 +673,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     t.add_argument("--delete-caches", choices=("auto", "always", "never"), default="auto",
                    help="delete each cache once its runs are done: auto = only when they do not fit together")
     t.add_argument("--keep-caches", action="store_true", help="keep the caches after the last run")
-    t.add_argument("--call-seconds", type=float, default=560.0, help="one device call, for the printed estimate")
+    t.add_argument("--call-seconds", type=float, default=560.0, help="one device call: the estimate counts calls of "
+                   "it, and on CUDA a step that would end past it (at the H200-rate estimate) waits for --resume")
     t.add_argument("--stop-after", help="end the call after this step (a state-file stage name, e.g. c_plan to "
                    "print the plan and estimate only; g_train_int4_seed0); --resume continues")
     args, rest = p.parse_known_args(argv)
@@ -680,7 +696,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         try:
             out = tau_stage(args, device, work, write=write, argv=argv)
         except StopAfter as e:
-            say(f"stopped after {e} (--stop-after): continue with the same command and --resume")
+            say(f"stopped {e}: continue with the same command and --resume")
             return None
         print(format_tau(out, out["top"]), flush=True)
         print(json.dumps({**out["top"], "tau": out["summary"]}, default=str))

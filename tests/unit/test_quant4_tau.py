@@ -77,21 +77,44 @@ def test_tau_estimate_at_h200_rates():
     rows = b4.tau_estimate(tokens=2_300_000, storages=("bf16", "int4", "fp8"), hidden_size=576, num_taps=5, seeds=2,
                            steps=100, batch_tokens=16384, eval_every=100, convert_target=True, make_eval_cache=True)
     d = dict(rows)
-    assert [n for n, _ in rows][:6] == ["convert target", "plan (tokenize records)", "generate eval responses",
-                                        "extract eval cache", "extract bf16", "train bf16 seed 0"]
-    assert d["extract bf16"] == pytest.approx(r.extract_setup_s + 2_300_000 / r.extract_bf16_tok_s)
+    assert [n for n, _ in rows] == ["a_target", "c_plan", "d_generate_eval", "e_extract_eval", "f_extract_bf16",
+                                    "g_train_bf16_seed0", "g_train_bf16_seed1", "f_extract_int4", "g_train_int4_seed0",
+                                    "g_train_int4_seed1", "f_extract_fp8", "g_train_fp8_seed0", "g_train_fp8_seed1"]
+    assert d["f_extract_bf16"] == pytest.approx(r.extract_setup_s + 2_300_000 / r.extract_bf16_tok_s)
     # int4 writes ~0.27x bf16's bytes: no longer disk-bound, so it runs at the compute rate
-    assert d["extract int4"] == pytest.approx(r.extract_setup_s + 2_300_000 / r.extract_max_tok_s)
+    assert d["f_extract_int4"] == pytest.approx(r.extract_setup_s + 2_300_000 / r.extract_max_tok_s)
     run = 100 * 16384 / r.train_tok_s + r.train_setup_s + r.eval_s
-    assert d["train int4 seed 1"] == pytest.approx(run)
-    assert d["train bf16 seed 0"] == pytest.approx(run + r.train_first_extra_s)  # the first run compiles
+    assert d["g_train_int4_seed1"] == pytest.approx(run)
+    assert d["g_train_bf16_seed0"] == pytest.approx(run + r.train_first_extra_s)  # the first run compiles
     text = b4.format_estimate(rows, call_s=560)
     assert f"total ~{sum(d.values()):.0f} s" in text and "2 call(s) of 560 s" in text  # 654 s
     reuse = dict(b4.tau_estimate(tokens=2_300_000, storages=("bf16", "int4", "fp8"), hidden_size=576, num_taps=5,
                                  seeds=2, steps=100, batch_tokens=16384, eval_every=50, convert_target=False,
                                  make_eval_cache=False))  # --model and --eval-cache: no conversion, no eval cache
-    assert set(d) - set(reuse) == {"convert target", "generate eval responses", "extract eval cache"}
-    assert reuse["train int4 seed 1"] == pytest.approx(run + r.eval_s)  # eval every 50 of 100 steps: twice
+    assert set(d) - set(reuse) == {"a_target", "d_generate_eval", "e_extract_eval"}
+    assert reuse["g_train_int4_seed1"] == pytest.approx(run + r.eval_s)  # eval every 50 of 100 steps: twice
+
+
+def test_call_budget_stops_before_a_step_that_would_not_fit(tmp_path):
+    import bench_quality as bq
+
+    now = [0.0]
+    saved = []
+    st = b4.TauStages(bq.Stages({}, tmp_path / "state.json"), saved.append, stop_after=None, call_s=100.0,
+                      clock=lambda: now[0])
+    st.estimate_s = {"f_extract_bf16": 60.0, "g_train_bf16_seed0": 30.0}
+    assert st.run("f_extract_bf16", lambda: {"tokens": 1}) == {"tokens": 1}  # 0 + 60 <= 100
+    now[0] = 75.0
+    with pytest.raises(b4.StopAfter, match="g_train_bf16_seed0 .~30 s at the H200 rates. would end past"):
+        st.run("g_train_bf16_seed0", lambda: pytest.fail("must not run"))  # 75 + 30 > 100
+    assert st.run("c_plan", lambda: "no estimate: runs") == "no estimate: runs" and len(saved) == 2
+    # the next call (--resume) recalls the finished step whatever its estimate, then runs the one left over
+    earlier = json.loads((tmp_path / "state.json").read_text())
+    st2 = b4.TauStages(bq.Stages({}, tmp_path / "state.json", earlier=earlier), saved.append, stop_after=None,
+                       call_s=100.0, clock=lambda: now[0], t0=60.0)
+    st2.estimate_s = st.estimate_s
+    assert st2.run("f_extract_bf16", lambda: pytest.fail("done before")) == {"tokens": 1}
+    assert st2.run("g_train_bf16_seed0", lambda: "trained") == "trained"  # 15 + 30 <= 100
 
 
 def _metrics(run_dir):
