@@ -244,6 +244,11 @@ def parse_args(argv=None):
     ap.add_argument("--noise-start", type=float, default=0.1, help="peak relative feature noise of the noise run")
     ap.add_argument("--skip", default="", help="comma-separated runs not to train (all_fp8, all_noise, all_seed1, "
                     "n2000, ...)")
+    ap.add_argument("--storage", choices=["bf16", "fp8", "int4"], help="storage of the training caches (default "
+                    "fp8 on the GPU: a bf16 whole-conversation cache does not fit the H200 machine's 64 GiB disk; "
+                    "bf16 --tiny); the all_<other> runs compare another storage on all the data")
+    ap.add_argument("--drop-caches", action="store_true", help="delete each training cache once no later run "
+                    "needs it (caches are extracted just before their first run)")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--workdir", help="folder for model, data, caches and runs (default: a temp folder, removed)")
     ap.add_argument("--resume", action="store_true", help="continue a cut-short run (same --workdir and --json)")
@@ -259,8 +264,8 @@ def parse_args(argv=None):
             setattr(args, k, v)
     if args.tiny and "--train-prompts" not in rest:
         args.train_prompts = 12
-    mine = (dict(train_conversations=12, scaling="4,8", steps=8, eval_every=4) if args.tiny else
-            dict(train_conversations=100000, scaling="2000,8000", eval_every=500))  # > the package: all
+    mine = (dict(train_conversations=12, scaling="4,8", steps=8, eval_every=4, storage="bf16") if args.tiny else
+            dict(train_conversations=100000, scaling="2000,8000", eval_every=500, storage="fp8"))  # > package: all
     for k, v in mine.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -272,12 +277,76 @@ def parse_args(argv=None):
 
 
 def runs_plan(args) -> list[tuple[str, str, dict]]:
-    """(run name, cache name, train_once overrides); the reference first, so a cut run keeps it."""
-    plan = [("all_bf16", "train_bf16", {}), ("all_fp8", "train_fp8", {}),
-            ("all_noise", "train_bf16", {"noise_start": args.noise_start}), ("all_seed1", "train_bf16", {"seed": 1})]
+    """(run name, cache name, train_once overrides); the reference (all the data in --storage) first, so a cut run
+    keeps it; all_<other storage> compares a storage on the same data; subsets are in --storage."""
+    ref = args.storage
+    other = "bf16" if ref != "bf16" else "fp8"
+    plan = [(f"all_{ref}", f"train_{ref}", {}), (f"all_{other}", f"train_{other}", {}),
+            ("all_noise", f"train_{ref}", {"noise_start": args.noise_start}),
+            ("all_seed1", f"train_{ref}", {"seed": 1})]
     plan += [(f"n{n}", f"train_n{n}", {}) for n in map(int, args.scaling.split(","))]
     skip = set(filter(None, args.skip.split(",")))
     return [p for p in plan if p[0] not in skip]
+
+
+CHARS_PER_TOKEN = 3.0
+"""Disk estimate: SmolLM2 tokens per character of ShareGPT text measured 1 / 3.58 (16,388 regenerated first
+turns, template included); 3.0 errs towards more tokens."""
+
+
+def disk_plan(caches: dict, *, chars: dict, bytes_per_token: dict, free: int, drop: bool, order: list[str]) -> dict:
+    """Estimated bytes of each cache still to extract (caches: name -> (data files, storage); chars: data file ->
+    characters) and whether they fit in `free` bytes: all at once, or (drop) the largest that live together
+    when each cache is removed after its last run (`order`: cache names in first-use order)."""
+    est = {c: int(sum(chars[f] for f in files) / CHARS_PER_TOKEN * bytes_per_token[storage])
+           for c, (files, storage) in caches.items()}
+    need = max((est["eval"] if "eval" in est else 0) + est[c] for c in order) if drop and order else sum(est.values())
+    return {"estimated_bytes": est, "needed_bytes": need, "free_bytes": free, "fits": need <= free}
+
+
+def messages_of(path: str):
+    """The message dicts of every conversation in a data file, in order."""
+    from dflash.data.readers import iter_raw
+    from dflash.data.skips import Skip
+
+    for item in iter_raw(path):
+        if not isinstance(item, Skip):
+            yield from (m for m in item[1].get("messages", item[1].get("conversations", [])) if isinstance(m, dict))
+
+
+def text_chars(path: str) -> int:
+    """Characters of message contents in a conversation file (the disk estimate's token proxy)."""
+    return sum(len(str(m.get("content", ""))) for m in messages_of(path))
+
+
+def assistant_turns(path: str) -> int:
+    """Assistant messages in a conversation file: the regenerated responses a drafter learns from."""
+    return sum(1 for m in messages_of(path) if m.get("role", m.get("from")) in ("assistant", "gpt"))
+
+
+def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path) -> dict:
+    """disk_plan for this run (the caches not yet on disk); SystemExit with what to change when it does not fit."""
+    from transformers import AutoConfig
+
+    from dflash.cache.format import TOKEN_BYTES, stored_layout
+    from dflash.target.taps import default_tap_layer_ids
+
+    cfg = AutoConfig.from_pretrained(model)
+    taps = len(default_tap_layer_ids(cfg.num_hidden_layers))
+    todo = {c: v for c, v in caches.items() if not (work / f"cache_{c}" / "manifest.json").exists()}
+    files = {f for fs, _ in todo.values() for f in fs}
+    bpt = {st: stored_layout(st, cfg.hidden_size).hidden_bytes_per_token(taps) + TOKEN_BYTES
+           for st in {st for _, st in todo.values()}}
+    order = list(dict.fromkeys(c for _, c, _ in plan if c in todo))
+    d = disk_plan(todo, chars={f: text_chars(f) for f in files}, bytes_per_token=bpt,
+                  free=shutil.disk_usage(work).free, drop=args.drop_caches, order=order)
+    log(f"disk: ~{d['needed_bytes'] / 2**30:.1f} GiB needed for the caches still to extract, "
+        f"{d['free_bytes'] / 2**30:.1f} GiB free ({'fits' if d['fits'] else 'does NOT fit'})")
+    if not d["fits"]:
+        raise SystemExit(f"the caches need ~{d['needed_bytes'] / 2**30:.1f} GiB but {work} has "
+                         f"{d['free_bytes'] / 2**30:.1f} GiB free: pass --drop-caches, --skip runs (all_bf16 is the "
+                         "largest), or --storage int4")
+    return d
 
 
 def main(argv=None) -> dict:
@@ -308,21 +377,34 @@ def main(argv=None) -> dict:
         result["train_data_file"] = train_data
         st.run("c_generate_eval", lambda: bq.generate_all(args, model, {k: prompts[k] for k in EVAL_SETS}, work, device,
                                                            dtype))
-        caches = {"eval": ([str(work / f) for f in EVAL_SETS.values()], "bf16"), "train_bf16": ([train_data], "bf16"),
-                  "train_fp8": ([train_data], "fp8")}
-        for n in map(int, args.scaling.split(",")):
-            caches[f"train_n{n}"] = ([first_records(train_data, n, work / f"train_first{n}.jsonl")], "bf16")
-        result["caches"] = {}
-        for cname, (data, storage) in caches.items():
-            result["caches"][cname] = st.run(f"d_extract_{cname}", lambda data=data, storage=storage, cname=cname:
-                                             extract_cache(model, data, work / f"cache_{cname}", storage=storage, **kw))
-        result["train_samples"] = result["caches"]["train_bf16"]["samples"]
+        plan = runs_plan(args)
+        caches = {"eval": ([str(work / f) for f in EVAL_SETS.values()], "bf16")}
+        for _, cname, _ in plan:
+            if cname.startswith("train_n"):
+                n = int(cname[len("train_n"):])
+                caches[cname] = ([first_records(train_data, n, work / f"train_first{n}.jsonl")], args.storage)
+            else:
+                caches[cname] = ([train_data], cname[len("train_"):])
+        result["reference_storage"] = args.storage
+        result["disk"] = check_disk(args, model, caches, plan, work)
+        result.setdefault("caches", {})
+        result["caches"]["eval"] = st.run("d_extract_eval", lambda: extract_cache(model, caches["eval"][0],
+                                                                                   work / "cache_eval", storage="bf16",
+                                                                                   **kw))
         result["runs"], result["curves"] = {}, {}
-        for rname, cname, over in runs_plan(args):
+        for ri, (rname, cname, over) in enumerate(plan):
+            result["caches"][cname] = st.run(f"d_extract_{cname}", lambda cname=cname: extract_cache(
+                model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], **kw))
+            if cname == f"train_{args.storage}":
+                result["train_samples"] = result["caches"][cname]["samples"]
+                result["train_assistant_turns"] = assistant_turns(train_data)
             r = st.run(f"e_train_{rname}", lambda rname=rname, cname=cname, over=over: train_once(
                 args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}", device=device,
                 steps=args.steps, epochs=args.epochs, eval_cache=str(work / "cache_eval"), eval_every=args.eval_every,
                 log_every=None, **over))
+            if args.drop_caches and all(c != cname for _, c, _ in plan[ri + 1:]):
+                shutil.rmtree(work / f"cache_{cname}", ignore_errors=True)
+                log(f"dropped cache_{cname} (no later run reads it)")
             c = curve(r["metrics"])
             last = r["metrics"][-1] if r["metrics"] else {}
             result["runs"][rname] = {k: v for k, v in r.items() if k != "metrics"} | {
@@ -347,15 +429,16 @@ def main(argv=None) -> dict:
 def summarise(result: dict) -> None:
     """The top-level numbers of the issue from the runs finished so far."""
     runs = result.get("runs", {})
-    ref, fp8 = runs.get("all_bf16"), runs.get("all_fp8")
+    ref_name = f"all_{result.get('reference_storage', 'bf16')}"
+    ref, bf16, fp8 = runs.get(ref_name), runs.get("all_bf16"), runs.get("all_fp8")
     if ref:
         result["tau_mtbench"], result["tau_humaneval"] = ref["tau_mtbench"], ref["tau_humaneval"]
         taus = [t for t in (ref["tau_mtbench"], ref["tau_humaneval"]) if t]
         acc = ref.get("final_train_accept_len")
         result["train_acceptance_over_heldout"] = acc / statistics.mean(taus) if acc and taus else None
-    if ref and fp8:
+    if bf16 and fp8:
         for ds in ("mtbench", "humaneval"):
-            b, f = ref[f"tau_{ds}"], fp8[f"tau_{ds}"]
+            b, f = bf16[f"tau_{ds}"], fp8[f"tau_{ds}"]
             result[f"fp8_rel_diff_{ds}"] = (f - b) / b if b and f is not None else None
     if ref and runs.get("all_seed1"):
         result["seed_spread"] = {ds: (runs["all_seed1"][f"tau_{ds}"] - ref[f"tau_{ds}"]) / ref[f"tau_{ds}"]
@@ -367,7 +450,7 @@ def summarise(result: dict) -> None:
         ({"run": k, "samples": v["samples"], "tokens": v["tokens"], "steps": v["steps"],
           "tau_mtbench": v["tau_mtbench"], "tau_humaneval": v["tau_humaneval"],
           "train_accept_len": v["final_train_accept_len"]}
-         for k, v in runs.items() if k.startswith("n") or k == "all_bf16"), key=lambda r: r["samples"])
+         for k, v in runs.items() if k.startswith("n") or k == ref_name), key=lambda r: r["samples"])
     result["checks"] = {
         "tau_at_least_2_3": bool(ref and all((ref[f"tau_{ds}"] or 0) >= 2.3 for ds in ("mtbench", "humaneval"))),
         "train_over_heldout_at_most_1_6": result.get("train_acceptance_over_heldout") is not None

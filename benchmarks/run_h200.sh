@@ -12,8 +12,9 @@
 #       same command with --resume on the still-warm machine)
 #   bash benchmarks/run_h200.sh reference --gguf-parts PART... [--train-data FILE] [--resume]   # bench_reference:
 #       regenerated whole conversations (--train-data, carried in; else regenerated in the first calls), eval
-#       caches, 6 trainings with held-out tau every 500 steps (~3.5 device-hours estimated: ~21 calls; every
-#       call after the first adds --resume; a training cut at the limit continues from its last checkpoint)
+#       caches, trainings with held-out tau every 500 steps; the caches are fp8 (--storage; bf16 ones of all
+#       the data do not fit the 64 GiB disk: add --skip all_bf16 --drop-caches, the script says what fits); every
+#       call after the first adds --resume; a training cut at the limit continues from its last checkpoint
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
@@ -47,13 +48,7 @@ evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py -
 gpu_tests() { timeout "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
   tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py; }  # named files: no hypothesis there
 block_mask() { timeout "${1:-200}" python3 benchmarks/bench_block_mask.py; }
-sweep_then_reference() { local t=$1; shift; mkdir -p /tmp/bref
-              timeout "$t" python3 benchmarks/bench_reference.py --workdir /tmp/bref \
-                --json /tmp/bref/quality_reference_h200.json "$@"; }  # outside the synced tree: --resume reads it
-evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
-                   --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
-
-gpu_tests() { sweep "$1"; gpu_tests 120; }
+sweep_then_gpu_tests() { sweep "$1"; gpu_tests 120; }
 quality_parts() { quality "$1" "${QPARTS[@]}"; }
 # both NAME0 "CMD0 ARGS" NAME1 "CMD1 ARGS": two stages at once, GPU 0 and GPU 1, logs in $LOGS/NAME.log
 both() {

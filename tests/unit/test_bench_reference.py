@@ -60,7 +60,8 @@ def test_train_once_with_heldout_curve_summary_and_plot(tmp_path):
     assert cmp["tau_equal"] and cmp["sequences"] == 4 and cmp["dflash_eval_seconds"] > 0
     # summary numbers from runs shaped as main() records them
     base = {"samples": 12, "tokens": 600, "steps": 6, "final_train_accept_len": 2.0, "tokens_per_s": 1.0}
-    result = {"runs": {"all_bf16": base | {"tau_mtbench": 2.0, "tau_humaneval": 1.6},
+    result = {"reference_storage": "bf16",
+              "runs": {"all_bf16": base | {"tau_mtbench": 2.0, "tau_humaneval": 1.6},
                        "all_fp8": base | {"tau_mtbench": 2.01, "tau_humaneval": 1.6},
                        "n4": base | {"samples": 4, "tau_mtbench": 1.2, "tau_humaneval": 1.1}}}
     br.summarise(result)
@@ -87,3 +88,19 @@ def test_first_records_and_runs_plan(tmp_path):
     gpu = br.parse_args([])
     assert gpu.eval_every == 500 and gpu.epochs == 6 and gpu.steps is None and gpu.max_length == 2048
     assert gpu.scaling == "2000,8000" and gpu.block_size == 16 and gpu.num_anchors == 512
+    # the GPU reference is in fp8 (a bf16 whole-conversation cache does not fit the H200 machine's disk)
+    assert gpu.storage == "fp8" and [(p[0], p[1]) for p in br.runs_plan(gpu)] == [
+        ("all_fp8", "train_fp8"), ("all_bf16", "train_bf16"), ("all_noise", "train_fp8"), ("all_seed1", "train_fp8"),
+        ("n2000", "train_n2000"), ("n8000", "train_n8000")]
+
+
+def test_disk_plan():
+    caches = {"eval": (["e"], "bf16"), "train_fp8": (["t"], "fp8"), "train_n8000": (["s"], "fp8")}
+    chars = {"e": 300, "t": 30_000, "s": 6_000}  # 100, 10,000 and 2,000 tokens at 3 chars per token
+    bpt = {"bf16": 10, "fp8": 5}
+    d = br.disk_plan(caches, chars=chars, bytes_per_token=bpt, free=60_000, drop=False,
+                     order=["train_fp8", "train_n8000"])
+    assert d["estimated_bytes"] == {"eval": 1000, "train_fp8": 50_000, "train_n8000": 10_000}
+    assert d["needed_bytes"] == 61_000 and not d["fits"]
+    d = br.disk_plan(caches, chars=chars, bytes_per_token=bpt, free=60_000, drop=True, order=["train_fp8", "train_n8000"])
+    assert d["needed_bytes"] == 51_000 and d["fits"]  # the eval cache stays; each training cache goes after its run
