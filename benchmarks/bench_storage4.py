@@ -381,7 +381,9 @@ def tau_summary(runs: dict[str, dict], extracts: dict[str, dict]) -> dict:
            if e.get("committed_before") == 0 and e.get("tokens") and e["loop_seconds"] + e["drain_seconds"] > 0}
     train = {s: statistics.mean(v) for s in storages
              if (v := [r["tokens_per_s"] for r in runs.values() if r["storage"] == s and r.get("tokens_per_s")])}
-    out.update(extract_tok_s=ext, train_tok_s=train, ratios_shape=RATIO_SHAPE)
+    written = {s: e["bytes"] / e["tokens"] for s, e in extracts.items()
+               if e.get("committed_before") == 0 and e.get("bytes") and e.get("tokens")}
+    out.update(extract_tok_s=ext, train_tok_s=train, ratios_shape=RATIO_SHAPE, bytes_written_per_token=written)
     for kind, rates in (("extract", ext), ("train", train)):
         if INT4 in rates and "fp8" in rates:
             out[f"{kind}_ratio_vs_fp8"] = rates[INT4] / rates["fp8"]

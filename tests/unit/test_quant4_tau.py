@@ -22,7 +22,8 @@ def _run(storage, seed, mt, he, tok_s):
 
 
 def _extract(tokens, loop, drain, before=0):
-    return {"tokens": tokens, "loop_seconds": loop, "drain_seconds": drain, "committed_before": before}
+    return {"tokens": tokens, "loop_seconds": loop, "drain_seconds": drain, "committed_before": before,
+            "bytes": 7 * tokens}
 
 
 def test_tau_summary_means_signed_diffs_spread_and_ratios():
@@ -48,6 +49,7 @@ def test_tau_summary_means_signed_diffs_spread_and_ratios():
     assert s["extract_tok_s"] == pytest.approx({"bf16": 100.0, "fp8": 200.0, "int4": 250.0})
     assert s["extract_ratio_vs_fp8"] == pytest.approx(1.25) and s["extract_ratio_bf16_vs_fp8"] == pytest.approx(0.5)
     assert s["train_ratio_vs_fp8"] == pytest.approx(92.0 / 100.0)
+    assert s["bytes_written_per_token"] == {"bf16": 7.0, "fp8": 7.0, "int4": 7.0}
     top = b4.tau_top_fields(s)
     assert top["extract_ratio_vs_fp8_smollm2"] == s["extract_ratio_vs_fp8"]
     assert "extract_ratio_vs_fp8" not in top and "train_ratio_vs_fp8" not in top  # the 27B-shape fields stay theirs
@@ -171,6 +173,8 @@ def test_tau_stage_tiny_two_calls(tmp_path, smollm2_dir, monkeypatch, capsys):
     assert all(e[s]["committed_before"] == 0 and e[s]["tokens"] == e["bf16"]["tokens"] > 0 for s in e)
     assert got["extract_ratio_vs_fp8_smollm2"] == pytest.approx(rate["int4"] / rate["fp8"])
     assert "SmolLM2" in tau["summary"]["ratios_shape"] and tau["plan"]["tokens"] == e["bf16"]["tokens"]
+    bpt = tau["summary"]["bytes_written_per_token"]
+    assert bpt == {s: e[s]["bytes"] / e[s]["tokens"] for s in e} and bpt["int4"] < bpt["fp8"] < bpt["bf16"]
     # the caches are gone once every run is done; the eval cache (bf16, target-greedy) stays
     assert sorted(tau["deleted"]) == ["bf16", "fp8", "int4"] and not list(work.glob("cache_[bfi]*"))
     assert json.loads((work / "cache_eval" / "manifest.json").read_text())["fingerprint"]["target_greedy"] is True
