@@ -12,6 +12,9 @@ Also reported: the wall-clock ratio of B to A (K evaluations, evaluator build in
 the seconds of `dflash eval` (evaluate.evaluate_cache) and of HeldoutEvaluator.evaluate with their two taus
 (issue 14 target: overhead <= 5%).
 
+The evaluator (dflash.eval.batched) computes L at every anchor in a few large forwards and walks the chains
+on the host; `evaluator_plan` gives its forwards and block rows, `evaluator_vs_dflash_eval.tau_equal` must be true
+(dflash eval runs the same forwards).
 GPU (the lead): python benchmarks/bench_eval_overhead.py --gguf-parts A B --workdir DIR   (~4 min on the H200;
   or pass --train-cache/--eval-cache/--model of an earlier bench_reference run to skip generation/extraction)
 CPU: python benchmarks/bench_eval_overhead.py --tiny   (SmolLM2, a few prompts; numbers are not meaningful)
@@ -60,6 +63,23 @@ def parse_args(argv=None):
     return args
 
 
+def eval_plan(eval_cache, *, block_size: int) -> dict:
+    """The held-out evaluator's work: all-anchor schedule (dflash.eval.batched) of the eval cache."""
+    from dflash.cache import CacheReader
+    from dflash.eval.batched import DEFAULT_CHUNK_ANCHORS, plan_chunks
+    from dflash.eval.tau import response_spans
+
+    with CacheReader(str(eval_cache)) as reader:
+        meta = reader.read_many(list(range(len(reader))), taps=())
+    lengths = meta.lengths.astype("int64")
+    spans = response_spans(meta.loss_mask, lengths=lengths)
+    chunks = plan_chunks(lengths=lengths, spans=spans, chunk_anchors=DEFAULT_CHUNK_ANCHORS, block_size=block_size)
+    blocks = sum(c.num_blocks for c in chunks)
+    return {"schedule": "all anchors (dflash.eval.batched)", "chunk_anchors": DEFAULT_CHUNK_ANCHORS,
+            "forwards": len(chunks), "blocks": blocks, "block_rows": blocks * block_size,
+            "sequences": len(lengths), "tokens": int(lengths.sum())}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
@@ -94,6 +114,7 @@ def main(argv=None) -> dict:
     frac = ev_med / (ev_med + E * st_med)
     # the batched evaluator against dflash eval on the final drafter
     cmp = br.compare_evaluators(runs["with_eval"]["drafter"], eval_cache, model, device)
+    plan = eval_plan(eval_cache, block_size=qargs.block_size)
     result = {
         "bench": "eval_overhead", "tiny": args.tiny, "machine": machine, **bq.run_identity(device=device, argv=argv),
         "eval_every": E, "measure_every": args.measure_every, "steps": args.steps,
@@ -102,7 +123,7 @@ def main(argv=None) -> dict:
         "tokens_per_s": {k: v["tokens_per_s"] for k, v in runs.items()},
         "wall_s": {k: v["seconds"] for k, v in runs.items()},
         "wall_ratio_with_over_without": runs["with_eval"]["seconds"] / runs["no_eval"]["seconds"],
-        "evaluator_vs_dflash_eval": cmp, "prepare_seconds": round(prep_s, 1),
+        "evaluator_vs_dflash_eval": cmp, "evaluator_plan": plan, "prepare_seconds": round(prep_s, 1),
         "eval_cache": str(eval_cache), "train_cache": str(train_cache),
     }
     out_json.parent.mkdir(parents=True, exist_ok=True)
