@@ -78,7 +78,7 @@ case "$stage" in
   whole)  # the slot decoder: GPU test, probe (benchmarks/probe_slots.py), then regeneration on the faster form
     model || exit 1
     cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
       -k slot 2>&1 | tail -n 5
     timeout 300 python3 benchmarks/probe_slots.py --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
       --parts decode,prefill,profile --out "$LOGS/slot_probe_h200.json" 2>&1 | grep -v "Loading weights" | tail -n 4
