@@ -13,6 +13,9 @@ Parts (each appended to the JSON as it finishes, so a cut call keeps what ran):
   prefill  eager prefills of rows x ids shapes (a first turn, a later turn's new ids); ms per call
   engine   a bounded `dflash generate --backend continuous` run on real conversations: tok/s and the engine's
            counters line (decode/prefill split, slot occupancy)
+  host     the engine's own bookkeeping per decode step (no model: its decoder replaced by one that answers at
+           once with random tokens), 4,000 requests of 50-256 tokens; runs anywhere:
+           python benchmarks/probe_slots.py --parts host --model none --data none --out /tmp/host.json
 """
 
 from __future__ import annotations
@@ -56,6 +59,40 @@ def decoder(model, *, slots: int, cache_len: int, bmm: bool, mode: str | None):
     return dec
 
 
+def host_overhead(*, slots: int, cache_len: int, requests: int = 4000, results: int = 2000) -> dict:
+    """Host ms per decode step of SlotEngine's bookkeeping alone (see the module docstring, part host)."""
+    import random
+    from unittest import mock
+
+    from dflash.generate import slots as slots_mod
+
+    class InstantDecoder:
+        def __init__(self, model, *, slots, cache_len, **_):
+            self.slots, self.cache_len, self.device = slots, cache_len, torch.device("cpu")
+
+        def decode(self, tok, pos, *, kv_len=None):
+            return torch.randint(10, 1000, (self.slots,))
+
+        def prefill(self, slot_ids, ids, starts):
+            return torch.randint(10, 1000, (len(slot_ids),))
+
+    rng = random.Random(0)
+    with mock.patch.object(slots_mod, "SlotDecoder", InstantDecoder):
+        eng = slots_mod.SlotEngine(None, stop_ids=[0], slots=slots, cache_len=cache_len)
+    for i in range(requests):
+        eng.submit(f"r{i}", [rng.randint(10, 999) for _ in range(rng.randint(20, 400))], rng.randint(50, 256),
+                   stream=i)
+    t = time.perf_counter()
+    for _ in range(results):
+        key, _ = eng.next_result()
+        eng.release(int(key[1:]))
+    dt = time.perf_counter() - t
+    c = eng.counters
+    return {"seconds": round(dt, 3), "decode_steps": c["decode_steps"],
+            "host_ms_per_step": round(1000 * dt / c["decode_steps"], 3),
+            "occupancy": round(c["decode_rows"] / (c["decode_steps"] * slots), 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -78,6 +115,11 @@ def main() -> None:
         print(json.dumps(res)[-600:], flush=True)
 
     parts = args.parts.split(",")
+    if "host" in parts:
+        res["host"] = host_overhead(slots=args.slots, cache_len=args.cache_len)
+        save()
+        if parts == ["host"]:
+            return
     model, _ = load_target(args.model, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     S, L = args.slots, args.cache_len
     tok = torch.randint(100, 1000, (S,), device=dev)
