@@ -91,11 +91,11 @@ print(min(ok, key=ok.get) if ok else "bmm")
 PY
     echo "slot attention: $(cat "$ASSETS/slot_attention")"
     DFLASH_SLOT_ATTENTION=$(cat "$ASSETS/slot_attention") generate "$(left 585)" "$WHOLE" --backend continuous \
-      --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 --window 2048 || rc=$? ;;
+      --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 --window 1024 || rc=$? ;;
   wholemore) model || exit 1
     DFLASH_SLOT_ATTENTION=$(cat "$ASSETS/slot_attention" 2>/dev/null || echo bmm) generate "$(left 585)" "$WHOLE" \
       --backend continuous --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 \
-      --window 2048 || rc=$? ;;
+      --window 1024 || rc=$? ;;
   *) echo "usage: $0 stash|firstturns|bench|regen|whole|wholemore" >&2; exit 2 ;;
 esac
 exit $rc
