@@ -194,7 +194,7 @@ def accept_lengths_chunks(drafter, chunks: list[AnchorChunk], *,
     (a view of a resident eval set, or a cache read). Call inside forward_only(drafter)."""
     device = next(drafter.parameters()).device
     embed = embed_VD.to(device=device, dtype=dtype)
-    head = lm_head_VD.to(device=device)
+    head = lm_head_VD.to(device=device, dtype=dtype)  # once, not per argmax call (draft_argmax casts to this)
     parts = []
     for chunk in chunks:
         hidden_TKD, ids_T = fetch(chunk)

@@ -35,7 +35,8 @@ def test_plan_covers_every_anchor_once_within_budgets(data, chunk_anchors, block
         ctx = int(c.ctx_len.sum())
         # budgets hold unless the chunk is a single anchor (always taken)
         assert c.num_blocks == 1 or (c.num_blocks <= chunk_anchors and ctx <= chunk_anchors * block_size)
-        assert (c.lengths == lengths[c.seqs.start:c.seqs.stop]).all() and (c.ends == spans[c.seqs.start:c.seqs.stop, 1]).all()
+        rng = slice(c.seqs.start, c.seqs.stop)
+        assert (c.lengths == lengths[rng]).all() and (c.ends == spans[rng, 1]).all()
         assert c.anchor_hi[0] > c.anchor_lo[0] and c.anchor_hi[-1] > c.anchor_lo[-1], "no empty sequence at an edge"
 
 
