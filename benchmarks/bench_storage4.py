@@ -263,7 +263,8 @@ class H200Rates:
     train_first_extra_s: float = 30.0
     """The first run of a process also compiles (149.9 s vs 117 s for 400 steps, quality_smollm2.json)."""
     eval_s: float = 20.0
-    """One held-out evaluation of the 244 eval sequences (19.8 s, quality_reference_attempt_h200.json)."""
+    """One held-out evaluation of the 244 eval sequences (19.8 s, quality_reference_attempt_h200.json, with the
+    chain-following evaluator; the batched one of dflash/eval/batched.py should take far less: kept as a bound)."""
 
 
 def tau_bytes_per_token(storage: str, *, hidden_size: int, num_taps: int) -> int:

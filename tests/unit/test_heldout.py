@@ -108,9 +108,9 @@ def tiny_eval(tmp_path_factory):
     return root, model
 
 
-def test_known_chains_with_long_accepts(tiny_eval, tmp_path):
-    """Chains known by construction (accepts of 0..B-1 drafts): dflash eval and the evaluator both find them,
-    also when a small context budget splits each iteration into several forwards of different widths."""
+
+def known_chains(tiny_eval, tmp_path):
+    """A 2-layer block-8 drafter and a cache of 5 sequences whose accept chains are known (chain_cache)."""
     from dflash.target.head import embedding_and_head
 
     _, model = tiny_eval
@@ -119,6 +119,12 @@ def test_known_chains_with_long_accepts(tiny_eval, tmp_path):
     (tmp_path / "src.jsonl").write_text("".join("{}\n" for _ in range(5)))
     cache, expected = chain_cache(tmp_path / "chain", model, dr, embed, head, lengths=[60, 97, 41, 130, 75],
                                   prompt_len=12, source=tmp_path / "src.jsonl")
+    return model, dr, cfg, embed, head, cache, expected
+
+def test_known_chains_with_long_accepts(tiny_eval, tmp_path):
+    """Chains known by construction (accepts of 0..B-1 drafts): dflash eval and the evaluator both find them,
+    also when a small context budget splits each iteration into several forwards of different widths."""
+    model, dr, cfg, embed, head, cache, expected = known_chains(tiny_eval, tmp_path)
     assert max(max(s) for s in expected) == cfg.block_size and np.mean([np.mean(s) for s in expected]) > 3
     assert eval_steps(cache, dr, embed, head, TAPS) == expected
     for budget in (4096, 7):
@@ -218,12 +224,7 @@ def test_bf16_equals_dflash_eval_bit_for_bit(tiny_eval, tmp_path):
     from dflash.eval.evaluate import EvalConfig, evaluate_cache
     from dflash.target.head import embedding_and_head
 
-    _, model = tiny_eval
-    dr, cfg = tiny_drafter(block_size=8, layers=2)
-    embed, head, _ = embedding_and_head(model, dtype=torch.float32)
-    (tmp_path / "src.jsonl").write_text("".join("{}\n" for _ in range(5)))
-    cache, expected = chain_cache(tmp_path / "chain", model, dr, embed, head, lengths=[60, 97, 41, 130, 75],
-                                  prompt_len=12, source=tmp_path / "src.jsonl")
+    model, dr, cfg, embed, head, cache, expected = known_chains(tiny_eval, tmp_path)
     ddir = export_drafter(dr, cfg, tmp_path / "drafter", dtype=torch.bfloat16, overwrite=True)
     ref = evaluate_cache(drafter_dir=str(ddir), cache_dir=cache, model=model, cfg=EvalConfig(device="cpu",
                          dtype="bfloat16"), progress=False)
