@@ -14,7 +14,10 @@ WIDE = dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, n
             layer_types=["linear_attention"] * 3 + ["full_attention"])
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+# fp32: measured on the H200 (2026-12-01) max |compiled - eager| / max |eager| per layer = 1.33e-5 (GDN layer 0),
+# 2.2e-6, 1.2e-6, 8.8e-7 (reordered fp32 reductions); 1e-5 was a guess. A wrong formula (a norm's weight offset,
+# a missing gate) moves a layer's output on the scale of the 0.3 spread given to the norm weights below
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 5e-5), (torch.bfloat16, 2e-2)])
 def test_compiled_layers_match_transformers_layers_at_27b_width(dtype, tol):
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 

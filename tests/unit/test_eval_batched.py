@@ -81,10 +81,12 @@ def tiny_drafter(seed, *, B=4, V=48, D=32):
 def per_anchor_reference(dr, embed, head, y, feats, a, end):
     """Method doc 6: one block, unmasked attention over exactly ctx[:a] and the block (z-lab's decode step)."""
     B = dr.cfg.block_size
-    block = torch.full((B,), dr.cfg.mask_token_id)
+    dev = y.device  # the H200 run of the CUDA case failed here with CPU positions (cuda:0 and cpu)
+    block = torch.full((B,), dr.cfg.mask_token_id, device=dev)
     block[0] = y[a]
-    q_pos = a + torch.arange(B)
-    out = dr.eval()(embed[block], dr.context(feats[:a]), q_pos=q_pos, kv_pos=torch.cat([torch.arange(a), q_pos]))
+    q_pos = a + torch.arange(B, device=dev)
+    out = dr.eval()(embed[block], dr.context(feats[:a]), q_pos=q_pos,
+                    kv_pos=torch.cat([torch.arange(a, device=dev), q_pos]))
     d = draft_argmax(out[1:], head)
     ref = y[a + 1: min(a + B, end)]
     return int((d[: len(ref)] == ref).long().cumprod(0).sum())
