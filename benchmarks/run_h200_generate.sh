@@ -13,6 +13,8 @@
 #               prefill, kernel profile) -> slot_probe_h200.json, then the whole-conversation regeneration on the
 #               continuous backend (WHOLE) with the faster decode attention
 #   wholemore   continue WHOLE (the model folder must still be on the warm machine, else carry part-b again)
+#   wholestatic the same regeneration on round-by-round static batches in chunks of 2,048 conversations (the
+#               fallback when slot_probe_h200.json shows the slot decoder slow)
 # Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -96,6 +98,10 @@ PY
     DFLASH_SLOT_ATTENTION=$(cat "$ASSETS/slot_attention" 2>/dev/null || echo bmm) generate "$(left 585)" "$WHOLE" \
       --backend continuous --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 \
       --window 1024 || rc=$? ;;
-  *) echo "usage: $0 stash|firstturns|bench|regen|whole|wholemore" >&2; exit 2 ;;
+  wholestatic) model || exit 1  # the fallback if probe_slots shows the slot decoder slow: round-by-round
+    # static batches; large chunks keep each round's batches full (944 tok/s at 256 conversations per chunk)
+    generate "$(left 585)" "$ASSETS/regen/sharegpt_whole_static.jsonl.gz" --backend static --turns all \
+      --max-new-tokens 256 --max-length 2048 --chunk-conversations 2048 || rc=$? ;;
+  *) echo "usage: $0 stash|firstturns|bench|regen|whole|wholemore|wholestatic" >&2; exit 2 ;;
 esac
 exit $rc
