@@ -289,19 +289,30 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
     return [p for p in plan if p[0] not in skip]
 
 
-CHARS_PER_TOKEN = 3.0
-"""Disk estimate: SmolLM2 tokens per character of ShareGPT text measured 1 / 3.58 (16,388 regenerated first
-turns, template included); 3.0 errs towards more tokens."""
+def disk_plan(cache_bytes: dict[str, int], *, free: int, drop: bool, order: list[str]) -> dict:
+    """Whether the caches still to extract (name -> estimated bytes; "eval" stays to the end) fit in `free`
+    bytes: all at once, or (drop) the largest training cache beside the eval cache, each removed after its last
+    run (`order`: training cache names in first-use order)."""
+    ev = cache_bytes.get("eval", 0)
+    need = max(ev + cache_bytes[c] for c in order) if drop and order else sum(cache_bytes.values())
+    return {"estimated_bytes": dict(cache_bytes), "needed_bytes": need, "free_bytes": free, "fits": need <= free}
 
 
-def disk_plan(caches: dict, *, chars: dict, bytes_per_token: dict, free: int, drop: bool, order: list[str]) -> dict:
-    """Estimated bytes of each cache still to extract (caches: name -> (data files, storage); chars: data file ->
-    characters) and whether they fit in `free` bytes: all at once, or (drop) the largest that live together
-    when each cache is removed after its last run (`order`: cache names in first-use order)."""
-    est = {c: int(sum(chars[f] for f in files) / CHARS_PER_TOKEN * bytes_per_token[storage])
-           for c, (files, storage) in caches.items()}
-    need = max((est["eval"] if "eval" in est else 0) + est[c] for c in order) if drop and order else sum(est.values())
-    return {"estimated_bytes": est, "needed_bytes": need, "free_bytes": free, "fits": need <= free}
+def planned_tokens(model: str, data: list[str], work: pathlib.Path, *, dtype: str, device: str, max_length: int,
+                   batch_tokens: int, storage: str = "bf16"):
+    """The extraction dry run of `data` (tokenizes on the host, writes nothing): its launch result, with
+    planned_tokens / planned_samples / skip_counts."""
+    from dflash.extract.driver import ExtractConfig
+    from dflash.extract.launch import launch
+
+    probe = work / "plan_probe"
+    cfg = ExtractConfig(model=model, data=tuple(data), output=str(probe), storage=storage, dtype=dtype,
+                        device=device, max_length=max_length, batch_tokens=batch_tokens, show_progress=False,
+                        dry_run=True)
+    try:
+        return launch(cfg, num_procs=1, echo=lambda *a, **k: None), cfg
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 def messages_of(path: str):
@@ -314,32 +325,30 @@ def messages_of(path: str):
             yield from (m for m in item[1].get("messages", item[1].get("conversations", [])) if isinstance(m, dict))
 
 
-def text_chars(path: str) -> int:
-    """Characters of message contents in a conversation file (the disk estimate's token proxy)."""
-    return sum(len(str(m.get("content", ""))) for m in messages_of(path))
-
-
 def assistant_turns(path: str) -> int:
     """Assistant messages in a conversation file: the regenerated responses a drafter learns from."""
     return sum(1 for m in messages_of(path) if m.get("role", m.get("from")) in ("assistant", "gpt"))
 
 
-def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path) -> dict:
-    """disk_plan for this run (the caches not yet on disk); SystemExit with what to change when it does not fit."""
-    from transformers import AutoConfig
-
-    from dflash.cache.format import TOKEN_BYTES, stored_layout
+def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *, dtype: str, device: str) -> dict:
+    """disk_plan for this run (the caches not yet on disk: tokens from extraction dry runs, bytes from
+    dflash.extract.space, the rule `dflash extract` refuses by); SystemExit with what to change when it does not
+    fit."""
+    from dflash.extract.space import estimate_cache_bytes
     from dflash.target.taps import default_tap_layer_ids
 
-    cfg = AutoConfig.from_pretrained(model)
-    taps = len(default_tap_layer_ids(cfg.num_hidden_layers))
+    conf = json.loads((pathlib.Path(model) / "config.json").read_text())
+    taps = len(default_tap_layer_ids(conf["num_hidden_layers"]))
     todo = {c: v for c, v in caches.items() if not (work / f"cache_{c}" / "manifest.json").exists()}
-    files = {f for fs, _ in todo.values() for f in fs}
-    bpt = {st: stored_layout(st, cfg.hidden_size).hidden_bytes_per_token(taps) + TOKEN_BYTES
-           for st in {st for _, st in todo.values()}}
+    est = {}
+    for c, (files, storage) in todo.items():
+        res, cfg = planned_tokens(model, files, work, dtype=dtype, device=device, max_length=args.max_length,
+                                  batch_tokens=args.extract_batch_tokens, storage=storage)
+        est[c] = estimate_cache_bytes(num_tokens=res.planned_tokens, num_samples=res.planned_samples, num_taps=taps,
+                                      hidden_size=conf["hidden_size"], storage=storage,
+                                      shard_tokens=cfg.shard_tokens).total
     order = list(dict.fromkeys(c for _, c, _ in plan if c in todo))
-    d = disk_plan(todo, chars={f: text_chars(f) for f in files}, bytes_per_token=bpt,
-                  free=shutil.disk_usage(work).free, drop=args.drop_caches, order=order)
+    d = disk_plan(est, free=shutil.disk_usage(work).free, drop=args.drop_caches, order=order)
     log(f"disk: ~{d['needed_bytes'] / 2**30:.1f} GiB needed for the caches still to extract, "
         f"{d['free_bytes'] / 2**30:.1f} GiB free ({'fits' if d['fits'] else 'does NOT fit'})")
     if not d["fits"]:
@@ -386,7 +395,7 @@ def main(argv=None) -> dict:
             else:
                 caches[cname] = ([train_data], cname[len("train_"):])
         result["reference_storage"] = args.storage
-        result["disk"] = check_disk(args, model, caches, plan, work)
+        result["disk"] = check_disk(args, model, caches, plan, work, dtype=dtype, device=device)
         result.setdefault("caches", {})
         result["caches"]["eval"] = st.run("d_extract_eval", lambda: extract_cache(model, caches["eval"][0],
                                                                                    work / "cache_eval", storage="bf16",

@@ -425,17 +425,12 @@ def tau_train_source(args, work: pathlib.Path) -> str:
 def tau_plan(args, *, model: str, data: str, work: pathlib.Path, device: torch.device, dtype: str,
              convert_target: bool) -> dict:
     """Tokens of the training records (an extraction dry run), the disk plan and the estimate."""
-    from dflash.extract.driver import ExtractConfig
-    from dflash.extract.launch import launch
+    import bench_reference as br
     from dflash.extract.space import estimate_cache_bytes
     from dflash.target.taps import default_tap_layer_ids
 
-    probe = work / "plan_probe"
-    cfg = ExtractConfig(model=model, data=(data,), output=str(probe), storage="bf16", dtype=dtype, device=device.type,
-                        max_length=args.max_length, batch_tokens=args.extract_batch_tokens, show_progress=False,
-                        dry_run=True)
-    res = launch(cfg, num_procs=1, echo=lambda *a, **k: None)
-    shutil.rmtree(probe, ignore_errors=True)
+    res, cfg = br.planned_tokens(model, [data], work, dtype=dtype, device=device.type, max_length=args.max_length,
+                                 batch_tokens=args.extract_batch_tokens)
     conf = json.loads((pathlib.Path(model) / "config.json").read_text())
     hidden, taps = conf["hidden_size"], len(default_tap_layer_ids(conf["num_hidden_layers"]))
     tokens, samples = res.planned_tokens, res.planned_samples

@@ -95,12 +95,8 @@ def test_first_records_and_runs_plan(tmp_path):
 
 
 def test_disk_plan():
-    caches = {"eval": (["e"], "bf16"), "train_fp8": (["t"], "fp8"), "train_n8000": (["s"], "fp8")}
-    chars = {"e": 300, "t": 30_000, "s": 6_000}  # 100, 10,000 and 2,000 tokens at 3 chars per token
-    bpt = {"bf16": 10, "fp8": 5}
-    d = br.disk_plan(caches, chars=chars, bytes_per_token=bpt, free=60_000, drop=False,
-                     order=["train_fp8", "train_n8000"])
-    assert d["estimated_bytes"] == {"eval": 1000, "train_fp8": 50_000, "train_n8000": 10_000}
+    est = {"eval": 1000, "train_fp8": 50_000, "train_n8000": 10_000}
+    d = br.disk_plan(est, free=60_000, drop=False, order=["train_fp8", "train_n8000"])
     assert d["needed_bytes"] == 61_000 and not d["fits"]
-    d = br.disk_plan(caches, chars=chars, bytes_per_token=bpt, free=60_000, drop=True, order=["train_fp8", "train_n8000"])
+    d = br.disk_plan(est, free=60_000, drop=True, order=["train_fp8", "train_n8000"])
     assert d["needed_bytes"] == 51_000 and d["fits"]  # the eval cache stays; each training cache goes after its run
