@@ -23,7 +23,9 @@ def smol_cache(tmp_path_factory):
     from dflash.target.assets import smollm2_hf_dir
 
     d = tmp_path_factory.mktemp("smol")
-    model = str(smollm2_hf_dir(dtype="float32"))
+    # the folder every SmolLM2 test shares (bf16 weights, computed in float32 here): a float32-stored copy was a
+    # second GGUF conversion in CI (~50 s) for no assertion that needs it
+    model = str(smollm2_hf_dir())
     lines = [json.dumps(c) for c in sharegpt_conversations(NUM_CONVERSATIONS)]
     (d / "chats.jsonl").write_text("\n".join(lines) + "\n")
     cfg = ExtractConfig(model=model, data=(str(d / "chats.jsonl"),), output=str(d / "cache"), dtype="float32",
