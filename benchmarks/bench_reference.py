@@ -328,19 +328,21 @@ def planned_tokens(model: str, data: list[str], work: pathlib.Path, *, dtype: st
         shutil.rmtree(probe, ignore_errors=True)
 
 
-def messages_of(path: str):
-    """The message dicts of every conversation in a data file, in order."""
-    from dflash.data.readers import iter_raw
-    from dflash.data.skips import Skip
-
-    for item in iter_raw(path):
-        if not isinstance(item, Skip):
-            yield from (m for m in item[1].get("messages", item[1].get("conversations", [])) if isinstance(m, dict))
-
-
 def assistant_turns(path: str) -> int:
-    """Assistant messages in a conversation file: the regenerated responses a drafter learns from."""
-    return sum(1 for m in messages_of(path) if m.get("role", m.get("from")) in ("assistant", "gpt"))
+    """Responses a drafter learns from in a data file, by the records extraction reads
+    (dflash.data.sources.normalise_record): assistant messages, or loss-masked spans of pre-tokenized records."""
+    from dflash.data.skips import Skip
+    from dflash.data.sources import iter_records
+
+    n = 0
+    for rec in iter_records(path):
+        if isinstance(rec, Skip):
+            continue
+        if rec.messages is not None:
+            n += sum(m["role"] == "assistant" for m in rec.messages)
+        else:
+            n += sum(1 for i, v in enumerate(rec.loss_mask) if v and (i == 0 or not rec.loss_mask[i - 1]))
+    return n
 
 
 def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *, dtype: str, device: str) -> dict:

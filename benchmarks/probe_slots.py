@@ -47,16 +47,11 @@ def timed(fn, *, n: int) -> float:
 
 
 def decoder(model, *, slots: int, cache_len: int, bmm: bool, mode: str | None):
+    """The engine's SlotDecoder; mode None: eager, else its compiled step in that torch.compile mode."""
     from dflash.generate.slots import SlotDecoder
 
-    dec = SlotDecoder(model, slots=slots, cache_len=cache_len, compile=False, decode_bmm=bmm)
-    if mode is not None:
-        torch._dynamo.mark_static_address(dec.k)
-        torch._dynamo.mark_static_address(dec.v)
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-        dec._decode = torch.compile(dec._forward_all, mode=mode, dynamic=False)
-        dec._compiled = dec._compiled_ok = True  # failures surface here instead of falling back
-    return dec
+    return SlotDecoder(model, slots=slots, cache_len=cache_len, compile=mode is not None, decode_bmm=bmm,
+                       compile_mode=mode or "reduce-overhead")
 
 
 def host_overhead(*, slots: int, cache_len: int, requests: int = 4000, results: int = 2000) -> dict:
@@ -139,6 +134,8 @@ def main() -> None:
                     t = time.perf_counter()
                     dec.decode(tok, pos, kv_len=kv).tolist()
                     first = time.perf_counter() - t
+                    if mode != "eager" and not dec._compiled:  # SlotDecoder fell back to its eager step
+                        raise RuntimeError("compiling the decode step failed (see the warning above)")
                     for _ in range(3):
                         dec.decode(tok, pos, kv_len=kv).tolist()
                     ms = timed(lambda: dec.decode(tok, pos, kv_len=kv).tolist(), n=20)

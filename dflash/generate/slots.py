@@ -112,7 +112,8 @@ def counters_line(c: dict, *, slots: int) -> str:
 class SlotDecoder:
     """The model's layers over a per-slot KV cache: prefill(ids per slot) and a fixed-shape decode step."""
 
-    def __init__(self, model, *, slots: int, cache_len: int, compile: bool, decode_bmm: bool = True) -> None:
+    def __init__(self, model, *, slots: int, cache_len: int, compile: bool, decode_bmm: bool = True,
+                 compile_mode: str = "reduce-overhead") -> None:
         import torch
 
         check_supported(model.config)
@@ -140,7 +141,7 @@ class SlotDecoder:
             torch._dynamo.mark_static_address(self.v)
             # one graph per kv_len bucket (a handful: kv_bucket's powers of two)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-            self._decode = torch.compile(self._forward_all, mode="reduce-overhead", dynamic=False, fullgraph=False)
+            self._decode = torch.compile(self._forward_all, mode=compile_mode, dynamic=False, fullgraph=False)
             self._compiled = True
 
     def _attend(self, qg, kc, vc, mask, *, bmm: bool):
@@ -245,8 +246,7 @@ class SlotEngine:
         import numpy as np
 
         self.dec = SlotDecoder(model, slots=slots, cache_len=cache_len, compile=compile, decode_bmm=decode_bmm)
-        self.stop_set = frozenset(int(i) for i in stop_ids)
-        self.stop_arr = np.array(sorted(self.stop_set), dtype=np.int64)
+        self.stop_arr = np.array(sorted({int(i) for i in stop_ids}), dtype=np.int64)
         self.slots = [_Slot() for _ in range(slots)]
         self.pos = np.zeros(slots, np.int64)
         """Where each slot's next fed token goes: len(ctx) + n_out - 1 while decoding, len(ctx) otherwise."""
@@ -310,12 +310,11 @@ class SlotEngine:
                 self.by_stream[stream] = s
             self._start(s, key, ids, budget)
 
-    def _finish(self, s: int) -> None:
-        """Slot s's request ended at its latest token (a stop token or its budget): its result, and the fed
-        tokens (all generated but the last) join the slot's context."""
+    def _finish(self, s: int, *, stop: bool) -> None:
+        """Slot s's request ended at its latest token (stop: a stop token, else its budget): its result, and the
+        fed tokens (all generated but the last) join the slot's context."""
         slot, n = self.slots[s], int(self.n_out[s])
         ids = self.out[s, :n].tolist()
-        stop = bool(n) and ids[-1] in self.stop_set
         self.results.append((slot.key, Decoded(response_ids=ids, stop_reason="eos" if stop else "length")))
         slot.ctx.extend(ids[:-1])
         slot.key = None
@@ -330,9 +329,10 @@ class SlotEngine:
         self.out[rows, self.n_out[rows]] = tokens
         self.n_out[rows] += 1
         self.last[rows] = tokens
-        done = rows[np.isin(tokens, self.stop_arr) | (self.n_out[rows] >= self.budget[rows])]
-        for s in done.tolist():
-            self._finish(s)
+        stop = np.isin(tokens, self.stop_arr)
+        done = stop | (self.n_out[rows] >= self.budget[rows])
+        for s, at_stop in zip(rows[done].tolist(), stop[done].tolist()):
+            self._finish(s, stop=at_stop)
 
     def _prefill(self) -> None:
         import numpy as np

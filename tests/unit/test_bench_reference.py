@@ -101,6 +101,18 @@ def test_first_records_and_runs_plan(tmp_path):
         ("n2000", "train_n2000"), ("n8000", "train_n8000")]
 
 
+def test_assistant_turns_counts_what_extraction_reads(tmp_path):
+    recs = [{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+                          {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+                          {"role": "assistant", "content": "d"}, {"role": "user", "content": "dropped"}]},
+            {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]},
+            {"input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [0, 1, 1, 0, 1, 0]},  # two responses
+            {"messages": []}]  # skipped
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert br.assistant_turns(str(src)) == 2 + 1 + 2
+
+
 def test_disk_plan():
     est = {"eval": 1000, "train_fp8": 50_000, "train_n8000": 10_000}
     d = br.disk_plan(est, free=60_000, drop=False, order=["train_fp8", "train_n8000"])
