@@ -60,13 +60,19 @@ class Stages:
 
     def __init__(self, result: dict, path: pathlib.Path, *, earlier: dict | None = None) -> None:
         self.result, self.path = result, path
-        result.setdefault("stage_seconds", {})
-        result.setdefault("stage_out", {})
         self.earlier = earlier or {}
+        # the earlier records stay in the saved JSON until their stage is visited: a call that fails on the way
+        # does not lose the finished stages after the failure point
+        result.setdefault("stage_seconds", dict(self.earlier.get("stage_seconds", {})))
+        result.setdefault("stage_out", dict(self.earlier.get("stage_out", {})))
 
-    def run(self, name: str, fn, *, resumable: bool = True):
+    def run(self, name: str, fn, *, resumable: bool = True, valid=None):
+        """valid(recorded output) -> bool: whether what the stage left is still here. A later session runs on a
+        fresh machine: its folders and caches are gone while the result JSON (carried in) keeps their record."""
         done = self.earlier.get("stage_out", {})
-        if resumable and name in done:
+        if resumable and name in done and valid is not None and not valid(done[name]):
+            log(f"=== {name}: done by an earlier call, but its files are not on this machine: redone ===")
+        elif resumable and name in done:
             log(f"=== {name}: done by the earlier run, not repeated ===")
             self.result["stage_seconds"][name] = self.earlier["stage_seconds"][name]
             self.result["stage_out"][name] = done[name]

@@ -2,7 +2,10 @@
 the target, with held-out tau on MT-Bench turn 1 (80) and HumanEval (164) measured every N steps during training.
 
 One script, resumable over 10-minute device calls (--workdir + --resume: finished stages are not repeated, a
-training cut midway continues from its last checkpoint). Stages:
+training cut midway continues from its last checkpoint) and over device sessions: a fresh machine given the
+earlier result JSON (--resume, a new --workdir) redoes the target folder, data and caches it lacks, keeps every
+finished training run, and scores on the same eval responses (--eval-responses: the files an earlier call wrote;
+their sha256 is checked against the earlier calls'). Stages:
   a. target folder (bench_quality.target_folder: package, --gguf or --gguf-parts)
   b. training data: --train-data PATH (regenerated conversations, `dflash generate --data ... --turns all`,
      carried in by the lead), else regenerated here with `dflash generate --data SHAREGPT --turns all --limit N`
@@ -109,6 +112,47 @@ def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: st
     return {"samples": res.num_samples, "tokens": res.num_tokens, "bytes": res.bytes_written, "path": str(out),
             "seconds": round(res.seconds, 3), "loop_seconds": round(res.loop_seconds, 3),
             "drain_seconds": round(res.drain_seconds, 3), "committed_before": res.num_committed_before}
+
+
+def cache_present(path: pathlib.Path) -> bool:
+    """Whether a cache this run extracted is in this call's --workdir (a later session's is a fresh folder)."""
+    return (path / "manifest.json").is_file()
+
+
+def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: str, dtype: str) -> dict:
+    """The target-greedy MT-Bench and HumanEval responses in work/: generated here, or copied from
+    --eval-responses (the files an earlier session brought back, .jsonl or .jsonl.gz), so every session of one
+    reference run scores its drafters on the same eval cache."""
+    if not args.eval_responses:
+        return bq.generate_all(args, model, {k: prompts[k] for k in EVAL_SETS}, work, device, dtype)
+    import gzip
+
+    src_dir = pathlib.Path(args.eval_responses)
+    out = {}
+    for name, fname in EVAL_SETS.items():
+        plain, packed = src_dir / fname, src_dir / (fname + ".gz")
+        if not plain.is_file() and not packed.is_file():
+            raise SystemExit(f"--eval-responses {src_dir}: neither {fname} nor {fname}.gz is there")
+        data = plain.read_bytes() if plain.is_file() else gzip.decompress(packed.read_bytes())
+        (work / fname).write_bytes(data)
+        out[name] = {"file": str(work / fname), "copied_from": str(plain if plain.is_file() else packed),
+                     "prompts": data.count(b"\n")}
+        log(f"eval responses {name}: {out[name]['prompts']} records from {out[name]['copied_from']}")
+    return out
+
+
+def same_eval_responses(work: pathlib.Path, earlier: dict | None) -> dict:
+    """sha256 of the eval response files; SystemExit when an earlier call scored its drafters on other responses
+    (a fresh machine regenerated them and bf16 batching changed a token): held-out tau of runs from different
+    eval sets would not compare."""
+    import hashlib
+
+    now = {name: hashlib.sha256((work / f).read_bytes()).hexdigest() for name, f in EVAL_SETS.items()}
+    if earlier and earlier != now:
+        differ = ", ".join(k for k in now if earlier.get(k) != now[k])
+        raise SystemExit(f"the {differ} eval responses here differ from those the earlier calls scored on: pass "
+                         "--eval-responses DIR with the files an earlier call wrote (run_h200.sh copies them to $OUT)")
+    return now
 
 
 def records_of(srcs: list[str]):
@@ -264,7 +308,11 @@ def parse_args(argv=None):
                     "needs it (caches are extracted just before their first run)")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--workdir", help="folder for model, data, caches and runs (default: a temp folder, removed)")
-    ap.add_argument("--resume", action="store_true", help="continue a cut-short run (same --workdir and --json)")
+    ap.add_argument("--resume", action="store_true", help="continue a cut-short run (same --json; a fresh --workdir "
+                    "on a new machine redoes the target, data and caches still needed and keeps the finished runs)")
+    ap.add_argument("--eval-responses", metavar="DIR", help="target-greedy eval responses of an earlier session "
+                    f"({' and '.join(EVAL_SETS.values())}, or .gz): copied instead of generated, so every session "
+                    "of a run scores on the same eval cache")
     ap.add_argument("--json", help="result file (default benchmarks/results/quality_reference_h200.json)")
     ap.add_argument("--plot-dir", help="where the PNGs go (default benchmarks/results)")
     args, rest = ap.parse_known_args(argv)
@@ -392,14 +440,17 @@ def main(argv=None) -> dict:
     st = Stages(result, out_json, earlier=earlier)
     kw = dict(device=device, dtype=dtype, max_length=args.max_length, batch_tokens=args.extract_batch_tokens)
     try:
-        model = st.run("a_target", lambda: bq.target_folder(args, work))
+        model = st.run("a_target", lambda: bq.target_folder(args, work),
+                       valid=lambda out: (pathlib.Path(out) / "config.json").is_file())
         # the eval prompts (and, --tiny, the first-turn training prompts); the GPU machine has no asset packages:
         # .assets/ (scripts/make_quality_assets.py) or --mtbench-file/--humaneval-file, and --train-data
         prompts = bq.prompt_files(args, work) if args.tiny else eval_prompt_files(args)
-        train_data = st.run("b_train_data", lambda: train_data_file(args, model, work, device, dtype, prompts))
+        train_data = st.run("b_train_data", lambda: train_data_file(args, model, work, device, dtype, prompts),
+                            valid=lambda out: pathlib.Path(out).is_file())
         result["train_data_file"] = train_data
-        st.run("c_generate_eval", lambda: bq.generate_all(args, model, {k: prompts[k] for k in EVAL_SETS}, work, device,
-                                                           dtype))
+        st.run("c_generate_eval", lambda: eval_responses(args, model, prompts, work, device, dtype),
+               valid=lambda out: all((work / f).is_file() for f in EVAL_SETS.values()))
+        result["eval_responses_sha256"] = same_eval_responses(work, st.earlier.get("eval_responses_sha256"))
         plan = runs_plan(args)
         caches = {"eval": ([str(work / f) for f in EVAL_SETS.values()], "bf16")}
         for _, cname, _ in plan:
@@ -413,11 +464,15 @@ def main(argv=None) -> dict:
         result.setdefault("caches", {})
         result["caches"]["eval"] = st.run("d_extract_eval", lambda: extract_cache(model, caches["eval"][0],
                                                                                    work / "cache_eval", storage="bf16",
-                                                                                   **kw))
+                                                                                   **kw),
+                                          valid=lambda out: cache_present(work / "cache_eval"))
         result["runs"], result["curves"] = {}, {}
         for ri, (rname, cname, over) in enumerate(plan):
+            # a run an earlier call (or session) finished needs no cache; a run still to train needs it here
+            trained = f"e_train_{rname}" in st.earlier.get("stage_out", {})
             result["caches"][cname] = st.run(f"d_extract_{cname}", lambda cname=cname: extract_cache(
-                model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], **kw))
+                model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], **kw),
+                valid=lambda out, cname=cname, trained=trained: trained or cache_present(work / f"cache_{cname}"))
             if cname == f"train_{args.storage}":
                 result["train_samples"] = result["caches"][cname]["samples"]
                 result["train_assistant_turns"] = assistant_turns(train_data)

@@ -31,6 +31,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOGS=${OUT:-/tmp}
+START=$(mktemp /tmp/run_h200_start.XXXXXX)
 
 cache() { timeout 170 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --result-name h200
           rm -rf /tmp/dflash_bench_cache; }
@@ -42,8 +43,18 @@ quality() { local t=$1; shift
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
 
 reference() { local t=$1; shift; mkdir -p /tmp/bref
+              # a new session's first --resume call continues from the committed JSON (bench_reference redoes the
+              # target, eval cache and training caches a fresh machine lacks and keeps the finished runs)
+              if [[ " $* " == *" --resume "* && ! -f /tmp/bref/quality_reference_h200.json \
+                    && -f benchmarks/results/quality_reference_h200.json ]]; then
+                cp benchmarks/results/quality_reference_h200.json /tmp/bref/; fi
               timeout "$t" python3 benchmarks/bench_reference.py --workdir /tmp/bref \
-                --json /tmp/bref/quality_reference_h200.json "$@"; }  # outside the synced tree: --resume reads it
+                --json /tmp/bref/quality_reference_h200.json "$@"  # outside the synced tree: --resume reads it
+              local r=$?
+              # the eval responses travel back, for the next session's --eval-responses (same eval cache)
+              if [ -n "${OUT:-}" ]; then for f in mtbench_greedy humaneval_greedy; do
+                [ -f /tmp/bref/$f.jsonl ] && gzip -c /tmp/bref/$f.jsonl > "$OUT/$f.jsonl.gz"; done; fi
+              return $r; }
 evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
                    --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
 
@@ -80,6 +91,8 @@ case "$stage" in
   *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
-[ -n "${OUT:-}" ] && cp benchmarks/results/*_h200.json /tmp/bq/quality_smollm2.json /tmp/bref/quality_reference_h200.json \
-  benchmarks/results/quality_reference_*.png "$OUT"/ 2>/dev/null
+# only what this call wrote: $OUT brings back at most 8 files
+[ -n "${OUT:-}" ] && find benchmarks/results /tmp/bq/quality_smollm2.json /tmp/bref/quality_reference_h200.json \
+  -maxdepth 1 -newer "$START" \( -name '*_h200.json' -o -name 'quality_reference_*.png' \) \
+  -exec cp {} "$OUT"/ \; 2>/dev/null
 exit $rc

@@ -119,3 +119,52 @@ def test_disk_plan():
     assert d["needed_bytes"] == 61_000 and not d["fits"]
     d = br.disk_plan(est, free=60_000, drop=True, order=["train_fp8", "train_n8000"])
     assert d["needed_bytes"] == 51_000 and d["fits"]  # the eval cache stays; each training cache goes after its run
+
+
+def test_stage_redone_when_its_files_are_gone(tmp_path):
+    """A later session (fresh machine, the result JSON carried in) redoes a stage whose files are not there and
+    keeps one whose output is only numbers (a finished training run)."""
+    import bench_quality as bq
+
+    earlier = {"stage_out": {"a_target": str(tmp_path / "gone"), "e_train_all": {"steps": 7}},
+               "stage_seconds": {"a_target": 1.0, "e_train_all": 2.0}}
+    st = bq.Stages({}, tmp_path / "r.json", earlier=earlier)
+    st.save()  # a call that fails before visiting a stage keeps its earlier record in the saved JSON
+    assert json.loads((tmp_path / "r.json").read_text())["stage_out"]["e_train_all"] == {"steps": 7}
+    calls = []
+    here = tmp_path / "here"
+    here.mkdir()
+    got = st.run("a_target", lambda: calls.append("a") or str(here), valid=lambda out: pathlib.Path(out).is_dir())
+    assert got == str(here) and calls == ["a"]
+    assert st.run("e_train_all", lambda: calls.append("e")) == {"steps": 7} and calls == ["a"]
+    st2 = bq.Stages({}, tmp_path / "r.json", earlier={"stage_out": {"a_target": str(here)},
+                                                        "stage_seconds": {"a_target": 1.0}})
+    assert st2.run("a_target", lambda: calls.append("a2"), valid=lambda out: pathlib.Path(out).is_dir()) == str(here)
+    assert calls == ["a"]
+
+
+def test_eval_responses_carried_and_checked(tmp_path):
+    """--eval-responses copies an earlier session's files (plain or .gz); responses that differ from those the
+    earlier calls scored on stop the run with what to pass."""
+    import gzip
+
+    import pytest
+
+    src = tmp_path / "carried"
+    src.mkdir()
+    (src / br.EVAL_SETS["mtbench"]).write_text('{"a": 1}\n{"a": 2}\n')
+    (src / (br.EVAL_SETS["humaneval"] + ".gz")).write_bytes(gzip.compress(b'{"b": 1}\n'))
+    work = tmp_path / "work"
+    work.mkdir()
+    args = types.SimpleNamespace(eval_responses=str(src))
+    out = br.eval_responses(args, "model", {}, work, "cpu", "float32")
+    assert out["mtbench"]["prompts"] == 2 and out["humaneval"]["prompts"] == 1
+    assert (work / br.EVAL_SETS["humaneval"]).read_text() == '{"b": 1}\n'
+    sha = br.same_eval_responses(work, None)
+    assert br.same_eval_responses(work, sha) == sha
+    (work / br.EVAL_SETS["humaneval"]).write_text('{"b": 2}\n')  # a regenerated response changed a token
+    with pytest.raises(SystemExit, match="humaneval eval responses here differ.*--eval-responses"):
+        br.same_eval_responses(work, sha)
+    (src / (br.EVAL_SETS["humaneval"] + ".gz")).unlink()
+    with pytest.raises(SystemExit, match="neither humaneval_greedy.jsonl nor"):
+        br.eval_responses(args, "model", {}, work, "cpu", "float32")
