@@ -21,12 +21,14 @@ Top-level numbers: tau_mtbench, tau_humaneval (held-out, final drafter of all/bf
 (trainer's last-window batch acceptance over the mean held-out tau), fp8_rel_diff_mtbench/_humaneval
 ((tau_fp8 - tau_bf16) / tau_bf16 at the final point), train_samples; plus `curves` and `data_scaling`.
 
-Sizing (H200, estimates, not measured): ShareGPT holds ~17.6K conversations with ~61K user turns; regenerated whole
-at <= 512 new tokens per turn that is ~25M tokens (prompt + response). Regeneration ~8 min at the compiled decoder's
-~38K tok/s (~45 min at HF eager's 7K); extraction ~3 min per storage at ~150K tok/s; training 25M x 6 epochs =
-150M tokens, ~44 min per full-data run at ~57K tok/s, x 4 (bf16, fp8, noise, seed 1) ~ 3 h, plus the 2K/8K runs
-(~7 min). About 3.5 device-hours, ~21 calls of 10 minutes (run_h200.sh `reference`, repeated with --resume); --skip
-all_noise,all_seed1 halves the training part.
+Sizing (H200, from measured rates; the whole-conversation data itself is not regenerated yet): 244 conversations
+regenerated whole at <= 256 new tokens per turn averaged 1,030 tokens, so ShareGPT's 17,392 make ~17.9M tokens
+(~61K assistant turns). fp8 stores ~2,900 B/token (SmolLM2, 5 taps): ~52 GB, which fits the 64 GiB disk only
+alone (--drop-caches; no bf16 cache of all the data: its 5,771 B/token make ~103 GB). Extraction runs at ~51K tok/s
+(~6 min), training at ~85K tok/s: 6 epochs = 107M tokens ~ 21 min per full-data run, more than one 30-minute
+device session holds beside extraction. A session keeps nothing for the next but $OUT, so each run must finish
+within one session: e.g. one session for all_fp8 at --epochs 3 (~11 min) + n2000/n8000, the next for all_noise;
+the fp8-vs-bf16 point comes from bench_storage4 --stage tau (bf16 and fp8 caches of 8K records, 2 seeds).
 CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps)
 """
 
