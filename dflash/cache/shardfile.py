@@ -340,21 +340,15 @@ class ArrayFile:
         [stop-start, *chunk_shape[1:]]. Contiguous chunks are read with one request of `src` (an fd of the
         shard file: one pread; or a ByteRanges, e.g. one ranged GET of an object). Returns bytes read."""
         src = FileRanges(src) if isinstance(src, int) else src
-        cr = self.chunk_shape[0]
-        c0, c1 = start // cr, -(-stop // cr)
-        lins = [int(np.ravel_multi_index((c, *rest), self.grid)) for c in range(c0, c1)]
+        c0, lins = self._chunks(start, stop, rest)
         chunk_elems = int(np.prod(self.chunk_shape))
         raw_len = chunk_elems * self.dtype.itemsize
-        nread, i = 0, 0
-        while i < len(lins):
-            off, nb = self.index[lins[i]]
+        nread = 0
+        for i, j in self._runs(lins):
+            off = self.index[lins[i], 0]
             if off == MISSING:  # zarr fill value
                 self._place(np.zeros(chunk_elems, self.dtype), c0 + i, start, stop, out)
-                i += 1
                 continue
-            j = i + 1  # extend the run while the next chunk follows in the file
-            while j < len(lins) and self.index[lins[j], 0] == self.index[lins[j - 1], 0] + self.index[lins[j - 1], 1]:
-                j += 1
             run_len = int(self.index[lins[j - 1], 0] + self.index[lins[j - 1], 1] - off)
             buf = src.read_at(int(off), run_len, scratch)
             got = len(buf)
@@ -372,8 +366,33 @@ class ArrayFile:
                                            f"(file {self.path}); the cache is corrupted")
                 self._place(data.view(self.dtype), c0 + k, start, stop, out)
                 pos += nb
-            i = j
         return nread
+
+    def row_runs(self, start: int, stop: int, rest: tuple[int, ...]) -> list[tuple[int, int]]:
+        """Rows [start, stop) of the chunk column `rest` cut where the file is not contiguous: each part is
+        one request of read_rows (one pread, one ranged GET). A reader that splits work along these cuts
+        never splits a request in two (writer.py writes blocks of 32 MB per tap, tap-major)."""
+        c0, lins = self._chunks(start, stop, rest)
+        cr = self.chunk_shape[0]
+        return [(max(start, (c0 + i) * cr), min(stop, (c0 + j) * cr)) for i, j in self._runs(lins)]
+
+    def _chunks(self, start: int, stop: int, rest: tuple[int, ...]) -> tuple[int, list[int]]:
+        """(first chunk row index, linear chunk ids) covering rows [start, stop) of the column `rest`."""
+        cr = self.chunk_shape[0]
+        c0, c1 = start // cr, -(-stop // cr)
+        return c0, [int(np.ravel_multi_index((c, *rest), self.grid)) for c in range(c0, c1)]
+
+    def _runs(self, lins: list[int]) -> list[tuple[int, int]]:
+        """[i, j) spans of `lins` whose chunks follow each other in the file (a missing chunk: a span of one)."""
+        spans, i = [], 0
+        while i < len(lins):
+            j = i + 1
+            if self.index[lins[i], 0] != MISSING:
+                while j < len(lins) and self.index[lins[j], 0] == self.index[lins[j - 1], 0] + self.index[lins[j - 1], 1]:
+                    j += 1
+            spans.append((i, j))
+            i = j
+        return spans
 
     def _place(self, flat: np.ndarray, c: int, start: int, stop: int, out: np.ndarray) -> None:
         cr = self.chunk_shape[0]

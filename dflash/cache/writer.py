@@ -6,9 +6,9 @@ The caller (extraction) hands over CPU bytes; a bounded queue decouples it from 
 blocks `append` - that is the disk's back-pressure, counted in stats.seconds_blocked. The thread copies each
 batch once, tap-major, into a reused block buffer [K, block_tokens, D] and streams every full block to the
 shard file: per block, all token chunks of tap 0, then of tap 1, ... So writer memory is two blocks (not
-a shard), writes overlap appends, and a read of one tap of a sample is one contiguous pread per block
-(block_bytes per tap, 8 MB). A second thread (_BlockPipe) checksums and writes a full block while the
-writer thread copies the next one into the other buffer, so the copy, the crc32c and the disk overlap
+a shard), writes overlap appends, and a read of one tap of a sample is one contiguous pread (or ranged GET)
+per block (block_bytes per tap, 32 MB: format.DEFAULT_BLOCK_BYTES). A second thread (_BlockPipe) checksums
+and writes a full block while the writer thread copies the next one into the other buffer, so the copy, the crc32c and the disk overlap
 (they ran back to back: benchmarks/results/cache_h200.json, writer 0.66 of a raw write). File order is
 unchanged: blocks are written in the order they fill. Commit protocol: commit.py.
 """
@@ -120,15 +120,20 @@ class _BlockPipe:
 class CacheWriter:
     def __init__(self, path, fingerprint: Fingerprint, *, rank: int = 0, shard_tokens: int = 1 << 16,
                  queue_depth: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, max_held_shards: int | None = None) -> None:
         """Create the cache at `path` or check an existing one's fingerprint; clean this rank's leftovers.
 
         chunk_bytes: target size of one (tokens, 1 tap, D) hidden chunk, the read and checksum unit
-        (512 KB: see benchmarks/results/cache_*.json). block_bytes: per-tap bytes of one streamed block."""
+        (512 KB: see benchmarks/results/cache_*.json). block_bytes: per-tap bytes of one streamed block.
+        max_held_shards: after a commit, wait while this rank has more committed shard folders than this (an
+        extraction into a URL: its publisher deletes each one the store has committed, so the staging folder
+        holds at most this many plus the shard being written; a slow store is then back-pressure, counted in
+        stats.seconds_blocked like a slow disk). None: no wait (the caller must keep deleting, or it waits)."""
         if shard_tokens < 1 or queue_depth < 1 or rank < 0:
             raise ConfigError(f"shard_tokens={shard_tokens}, queue_depth={queue_depth}, rank={rank} must be positive")
         self.path, self.fingerprint, self.rank = os.fspath(path), fingerprint, rank
         self.shard_tokens = shard_tokens
+        self.max_held_shards = max_held_shards
         self.K, self.D = len(fingerprint.tap_layer_ids), fingerprint.hidden_size
         self.storage = fingerprint.storage
         self.layout = stored_layout(self.storage, self.D)
@@ -489,6 +494,18 @@ class CacheWriter:
         st.shards_committed += 1
         st.seconds_committing += time.perf_counter() - t_start
         self._samples, self._tokens = [], 0
+        if self.max_held_shards is not None:
+            self._wait_until_held(self.max_held_shards)
+
+    def _wait_until_held(self, most: int) -> None:
+        """Block the writer thread while this rank holds more than `most` committed shard folders (see
+        max_held_shards); an abort (close after an error, Ctrl-C) ends the wait."""
+        shards = os.path.join(self.path, cm.SHARDS)
+
+        def held() -> int:
+            return sum((cm.parse_shard_name(n) or (-1,))[0] == self.rank for n in os.listdir(shards))
+        while not self._abort.is_set() and held() > most:
+            time.sleep(0.02)  # append() blocks meanwhile once the queue is full: stats.seconds_blocked
 
     def _update_manifest(self) -> None:
         lock = cm.CacheLock(self.path)

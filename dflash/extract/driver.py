@@ -68,6 +68,9 @@ class ExtractConfig:
     store_rate: StoreRate | None = None
     """Set by dflash.store.resolve.extract_to_store for `--output URL`: the store's probed write rate; the plan
     then prints the throughput line (dflash.store.throughput) against the ETA's tokens/s."""
+    max_held_shards: int | None = None
+    """Set by extract_to_store for `--output URL`: each rank's writer waits while it holds more committed shard
+    folders than this (its publisher deletes the ones the store has committed): bounded staging space."""
     repair: bool = False
     """Resume over a damaged cache: verify every committed shard (reads all of it), uncommit and delete those
     that fail, and extract their samples again. Without it a resume refuses when a committed shard is missing,
@@ -239,7 +242,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
 
     def open_writer():
         return CacheWriter(cfg.output, pre.fingerprint, rank=rank, shard_tokens=cfg.shard_tokens,
-                           queue_depth=cfg.queue_depth)
+                           queue_depth=cfg.queue_depth, max_held_shards=cfg.max_held_shards)
 
     # Rank 0 creates the cache (manifest) before the others open it, so they never race on creation.
     writer = open_writer() if rank == 0 else None

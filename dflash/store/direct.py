@@ -121,6 +121,7 @@ class StoreShards:
     """ShardSource of a cache URL: the committed shards by the store's commit records (dflash.store.protocol)."""
 
     default_threads = DEFAULT_THREADS
+    piece_bytes = None  # one ranged GET per contiguous run of a tap (the writer's blocks bound it: 32 MB)
 
     def __init__(self, url: str) -> None:
         self.store = open_store(url)

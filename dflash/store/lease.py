@@ -133,6 +133,22 @@ def lease_verdict(store: Store, owner: str) -> tuple[LeaseVerdict, tuple[Lease, 
     return judge_lease(lease, owner=owner, host=host, now=time.time(), holder_pid_alive=alive), found
 
 
+def lost_error(store: Store, holder: Lease | None, *, when: str) -> LockedError:
+    """The one line of a run that lost its lease: who holds it now, and that what it committed is kept."""
+    who = "nobody (it was deleted)" if holder is None else holder.describe(now=time.time())
+    return LockedError(f"{store.url.url}: this run lost the extraction lease {when}; it is now held by {who}. "
+                       "Stopped extracting (two runs would write one cache). The shards committed on the store "
+                       "so far are complete and kept: rerun this command once that run is over to resume")
+
+
+def check_job_lease(store: Store, *, owner: str) -> None:
+    """LockedError (lost_error) unless the store's lease names this job: the publisher calls it before
+    storing commit records, so a run whose lease was taken over commits nothing more."""
+    verdict, found = lease_verdict(store, owner)
+    if verdict.kind != "mine":
+        raise lost_error(store, None if found is None else found[0], when="before committing its next shards")
+
+
 def held_error(store: Store, lease: Lease, verdict: LeaseVerdict) -> LockedError:
     return LockedError(f"{store.url.url} is being extracted by {lease.describe(now=time.time())}; "
                        f"{verdict.reason}: wait for that run to finish (a second extraction into one URL would "
@@ -180,10 +196,8 @@ class ExtractLease:
         tag = self.store.put_if(LEASE_KEY, self._lease(now).to_bytes(), e_tag=self.e_tag)
         if tag is None:
             found = read_lease(self.store)
-            who = "nobody" if found is None else found[0].describe(now=now)
-            raise LockedError(f"{self.store.url.url}: lost the extraction lease (now held by {who}) after "
-                              f"{now - self.last_renewal:.0f} s without a renewal; stop this run: two runs "
-                              "are writing one cache")
+            raise lost_error(self.store, None if found is None else found[0],
+                             when=f"after {now - self.last_renewal:.0f} s without a renewal")
         self.e_tag, self.last_renewal = tag, now
 
     def check(self) -> None:

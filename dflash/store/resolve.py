@@ -135,7 +135,8 @@ def train_store_line(cfg, *, gpus: int) -> str | None:
                            + TOKEN_BYTES)
 
 
-PUBLISH_EVERY = 0.5  # seconds between publish passes while extraction runs (a local log read; no LIST)
+PUBLISH_EVERY = 0.2  # seconds between publish passes while extraction runs (a local log read; no LIST)
+STAGED_SHARDS = 2    # committed shards a rank's staging folder may hold before its writer waits for the store
 
 
 def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None = None):
@@ -170,10 +171,12 @@ def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None
 
 
 def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, lease):
+    import _thread
     import dataclasses
     import threading
 
     from dflash.extract.launch import launch
+    from dflash.store.lease import check_job_lease, job_owner_id
     from dflash.store.objects import open_store
     from dflash.store.sync import Publisher, fetch_cache, read_store_manifest
 
@@ -184,12 +187,12 @@ def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, 
         lock = cm.CacheLock(staging)
         try:
             with lock:  # the ranks of one node share the staging folder: one fetches, the others find it done
-                st = fetch_cache(url=url, local=staging)
+                st = fetch_cache(url=url, local=staging, records_only=True)  # their records, no data
         finally:
             lock.close()
         if rank == 0:
-            echo(f"{url}: {st.shards + st.skipped} shards already on the store (fetched {st.shards} into "
-                 f"{staging}); their samples are skipped")
+            echo(f"{url}: {st.skipped} shards already on the store (their records in {staging}); their samples "
+                 "are skipped")
     if cfg.dry_run:  # plans from the staging folder as it is: a dry run downloads nothing
         from dflash.store import protocol as sp
         num = len(sp.classify_keys(open_store(url).list_keys()).records)
@@ -199,31 +202,51 @@ def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, 
         return launch(dataclasses.replace(cfg, output=staging), num_procs=num_procs, echo=echo)
     stop = threading.Event()
     state: dict = {}
+    owner = lease.owner if lease is not None else job_owner_id()  # ranks > 0: torchrun's job id, as rank 0's
+    store = open_store(url)
+
+    def publisher() -> Publisher:  # every rank checks its job's lease before it commits shards on the store
+        return Publisher(local=staging, url=url, ranks=[rank] if torchrun else None,
+                         before_commit=lambda: check_job_lease(store, owner=owner), drop_published=True)
+    # a publish failure (a lost lease, the store gone) stops the extraction at once, not at its end: the
+    # publisher thread interrupts the main thread (as Ctrl-C would: the ranks stop, committed shards stay)
+    # and the main thread raises the publisher's error; off the main thread the run stops at its end
+    interrupt = threading.current_thread() is threading.main_thread()
 
     def publish_loop() -> None:
         try:
             while not stop.wait(PUBLISH_EVERY):
                 if lease is not None:
-                    lease.check()  # a run that lost its lease stores nothing more
+                    lease.check()  # what the renewer found (a lost lease) stops the run
                 if "pub" not in state and os.path.exists(os.path.join(staging, cm.MANIFEST)):
-                    state["pub"] = Publisher(local=staging, url=url, ranks=[rank] if torchrun else None)
+                    state["pub"] = publisher()
                 if "pub" in state:
                     state["pub"].publish_new()
-        except BaseException as e:  # surfaced by the main thread after the run
+        except BaseException as e:  # surfaced by the main thread
             state["error"] = e
+            if interrupt and not stop.is_set():
+                _thread.interrupt_main()
 
     thread = threading.Thread(target=publish_loop, name="dflash-publish", daemon=True)
     thread.start()
+    # bounded staging: each rank's writer holds at most STAGED_SHARDS committed shards that the store has not
+    # committed yet (only when a failed publisher can interrupt the run: a writer waiting on a dead one would hang)
+    staged = dataclasses.replace(cfg, output=staging, max_held_shards=STAGED_SHARDS if interrupt else None)
     try:
-        result = launch(dataclasses.replace(cfg, output=staging), num_procs=num_procs, echo=echo)
-    finally:
-        stop.set()
-        thread.join()
+        try:
+            result = launch(staged, num_procs=num_procs, echo=echo)
+        finally:
+            stop.set()
+            thread.join()
+    except KeyboardInterrupt:
+        if "error" in state:
+            raise state["error"] from None
+        raise
     if "error" in state:
         raise state["error"]
     if lease is not None:
         lease.check()
-    pub = state.get("pub") or Publisher(local=staging, url=url, ranks=[rank] if torchrun else None)
+    pub = state.get("pub") or publisher()
     st = pub.finish()
     if rank == 0:
         # the store's write rate while busy, to hold against the run's (docs/multinode.md, throughput model)

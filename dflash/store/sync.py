@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -92,8 +93,14 @@ class Publisher:
     (one publisher per rank under torchrun), None = every rank (the only writer: extract's run lock)."""
 
     def __init__(self, *, local: str, url: str, ranks: list[int] | None = None,
-                 num_threads: int = DEFAULT_THREADS) -> None:
-        self.local, self.ranks = local, ranks
+                 num_threads: int = DEFAULT_THREADS, before_commit: Callable[[], None] | None = None,
+                 drop_published: bool = False) -> None:
+        """before_commit: called before each pass stores commit records; it raises to stop the publisher
+        (extract passes dflash.store.lease.check_job_lease: a run that lost its lease commits nothing more).
+        drop_published: delete each shard's local folder once the store commits it (extract's staging folder:
+        it then holds only what is in flight; the commit lines stay and commit.PUBLISHED marks the shard)."""
+        self.local, self.ranks, self.before_commit = local, ranks, before_commit
+        self.drop_published = drop_published
         self.fp = Fingerprint.from_json(cm.read_manifest(local)["fingerprint"])
         self.store = store = open_store(url)
         theirs = read_store_manifest(store)
@@ -109,6 +116,8 @@ class Publisher:
         self.remote = set(listing.records)
         self.stats = SyncStats(shards=0, skipped=0, bytes=0, orphans_removed=len(orphans))
         self._skipped = set(self.remote)
+        self._drop([r.shard for r in cm.read_commit_logs(local)
+                    if r.shard in self.remote and (ranks is None or r.rank in ranks)])  # a crash before the drop
 
     def publish_new(self) -> int:
         """Store every locally committed shard not yet on the store; returns how many. All pending shards
@@ -118,6 +127,8 @@ class Publisher:
         t0 = time.perf_counter()
         todo = [r for r in cm.read_commit_logs(self.local)
                 if (self.ranks is None or r.rank in self.ranks) and r.shard not in self.remote]
+        if todo and self.before_commit is not None:
+            self.before_commit()  # and again before the records: the lease may go while objects upload
         phases: list[list[tuple[str, str]]] = [[], [], []]
         for r in todo:
             rels = sp.upload_order(_shard_files(self.local, r.shard))
@@ -131,13 +142,26 @@ class Publisher:
             self.store.put(sp.shard_prefix(shard) + rel, payload)
             return len(payload)
         moved = sum(sum(self.pool.map(put, items)) for items in phases)
+        if todo and self.before_commit is not None:
+            self.before_commit()
         list(self.pool.map(lambda r: self.store.put(sp.record_key(rank=r.rank, shard=r.shard),
                                                     r.to_line().encode(), create=True), todo))  # the commits
         self.remote.update(r.shard for r in todo)
+        self._drop([r.shard for r in todo])
         self.stats = dataclasses.replace(self.stats, shards=self.stats.shards + len(todo),
                                          bytes=self.stats.bytes + moved,
                                          seconds=self.stats.seconds + (time.perf_counter() - t0 if todo else 0))
         return len(todo)
+
+    def _drop(self, shards: list[str]) -> None:
+        """With drop_published: mark the store's shards as published here, then delete their local folders."""
+        if not self.drop_published:
+            return
+        for shard in shards:
+            folder = os.path.join(self.local, cm.SHARDS, shard)
+            if os.path.isdir(folder):
+                cm.mark_published(self.local, shard)
+                shutil.rmtree(folder)
 
     def finish(self) -> SyncStats:
         """Publish what is left, rewrite the manifest (totals over the store's records), close."""
@@ -234,9 +258,11 @@ def drop_conflicts(local: str, have_local: dict[str, cm.CommitRecord], records: 
 
 
 def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
-                num_threads: int = DEFAULT_THREADS) -> SyncStats:
+                num_threads: int = DEFAULT_THREADS, records_only: bool = False) -> SyncStats:
     """Mirror the committed shards of `url` into the local folder (see the module docstring); `taps` = layer
-    ids to fetch (None = all). Returns what this call moved; already mirrored shards are skipped."""
+    ids to fetch (None = all). Returns what this call moved; already mirrored shards are skipped.
+    records_only: fetch no shard data; log each record locally and mark it commit.PUBLISHED (an extraction's
+    staging folder before a resume: its samples are skipped, and the staging space stays bounded)."""
     t0 = time.perf_counter()
     store = open_store(url)
     manifest = read_store_manifest(store)
@@ -268,6 +294,11 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
         records = read_records(store, listing, pool=pool)
         drop_conflicts(local, have_local, records)
         todo = [r for r in records if r.shard not in have_local]
+        if records_only:
+            for r in todo:  # the marker first: a line without marker or folder would fail the resume check
+                cm.mark_published(local, r.shard)
+                cm.append_commit_line(local, r.rank, r)
+            todo = []
 
         def stage(r: cm.CommitRecord) -> str:
             return os.path.join(local, cm.STAGING, f"fetch-{r.shard}")
@@ -303,5 +334,7 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
             os.rename(stage(r), dest)
             cm.append_commit_line(local, r.rank, r)
     cm.write_manifest_atomic(local, cm.build_manifest(fp, records), tag="fetch")
+    if records_only:
+        return SyncStats(shards=0, skipped=len(records), bytes=0, seconds=time.perf_counter() - t0)
     return SyncStats(shards=len(todo), skipped=len(records) - len(todo), bytes=moved,
                      seconds=time.perf_counter() - t0)

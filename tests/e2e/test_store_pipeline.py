@@ -149,3 +149,77 @@ def test_two_node_extract_and_train_share_one_store_cache(setup, s3_server, tmp_
         "--config", "configs/train_tiny.yaml", "--steps", "2", "--device", "cpu"])
     assert "trained 2 steps" in "".join(logs)
     assert (tmp_path / "run" / "drafter" / "config.json").exists()
+
+
+def _staged_bytes(home: Path) -> int:
+    """Bytes of shard data in the staging folder(s) under a DFLASH_HOME (committed shards and shards being
+    written; not the commit logs or the stored tokenization)."""
+    total = 0
+    for d in home.glob("store/*"):
+        for sub in ("shards", "_staging"):
+            for root, _, files in os.walk(d / sub):  # the publisher deletes shards meanwhile
+                for f in files:
+                    try:
+                        total += os.stat(os.path.join(root, f)).st_size
+                    except FileNotFoundError:
+                        pass
+    return total
+
+
+def _run_watching(cmd, env, home, *, until=None, timeout=120):
+    """Start cmd; poll the staging size every 10 ms until it exits or until() holds. Returns (proc, max bytes)."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    most, deadline = 0, time.monotonic() + timeout
+    while p.poll() is None and not (until and until()):
+        assert time.monotonic() < deadline, "extraction did not finish in time"
+        most = max(most, _staged_bytes(home))
+        time.sleep(0.01)
+    return p, most
+
+
+def test_a_run_whose_lease_is_taken_stops_and_the_staging_folder_stays_bounded(setup, s3_server, tmp_path,  # noqa: F811
+                                                                                monkeypatch):
+    """Another run takes the lease over mid-run (as a run that judged it stale would): this one stops within
+    seconds with one line naming the new holder, commits nothing after it noticed, and a rerun resumes from
+    the same staging folder (whose published shards were deleted) to the reference content. Throughout, the
+    staging folder holds only shards in flight while the store ends with all of them."""
+    from dflash.store.lease import Lease
+    from dflash.store.resolve import STAGED_SHARDS
+
+    model, data, ref = setup
+    url = s3_server.create_bucket("dflash-steal") + "/cache"
+    args = ["extract", "--model", model, "--data", data, "--output", url, *COMMON, "--gpus", "1", "--no-progress"]
+    home = tmp_path / "node-a"
+    env = {**os.environ, **_env(s3_server, home)}
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    store = open_store(url)
+    p, most = _run_watching([sys.executable, "-m", "cli.main", *args], env, home, until=lambda: _records(url) >= 2)
+    assert p.poll() is None, f"run ended (rc={p.returncode}) before 2 shards were on the store"
+    now = time.time()
+    store.put(sp.LEASE_KEY, Lease(owner="other-job", host="node-thief", pid=4242, purpose="dflash extract",
+                                  acquired=now, renewed=now, ttl_s=300.0).to_bytes())
+    stolen_at, seen = time.monotonic(), _records(url)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1, err[-3000:]
+    assert time.monotonic() - stolen_at < 15, "the run must stop promptly, not at its end"
+    (line,) = [ln for ln in err.splitlines() if "lost the extraction lease" in ln]
+    assert "held by PID 4242 on host node-thief" in line and "rerun this command" in line, line
+    stopped = _records(url)
+    assert stopped <= seen + 1  # at most the pass that was between its lease check and its records
+    fetch_cache(url=url, local=str(tmp_path / "partial"))
+    assert 0 < len(_content(tmp_path / "partial")) < NUM_GOOD, "the run stopped before its end"
+
+    store.delete([sp.LEASE_KEY])  # that other run is over: rerun on the same machine and staging folder
+    p, most_rerun = _run_watching([sys.executable, "-m", "cli.main", *args], env, home)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err[-3000:]
+    fetch_cache(url=url, local=str(tmp_path / "final"))
+    assert _content(tmp_path / "final") == _content(ref)
+    per_shard: dict[str, int] = {}
+    for key, n in store.list_sizes("shards/"):
+        per_shard[key.split("/")[1]] = per_shard.get(key.split("/")[1], 0) + n
+    assert len(per_shard) == len(sp.classify_keys(store.list_keys()).records) > 3 * (STAGED_SHARDS + 1)
+    # the writer waits while it holds STAGED_SHARDS committed shards the store lacks, plus the one it writes
+    assert max(most, most_rerun) <= (STAGED_SHARDS + 1) * max(per_shard.values())
+    assert not list(home.glob("store/*/shards/*"))  # every shard published and deleted locally

@@ -126,3 +126,38 @@ def test_cache_info_of_a_url_reads_no_shard_and_names_a_running_extraction(s3_en
                                             acquired=now, renewed=now, ttl_s=300.0).to_bytes())
     assert info()["being_written_by"].startswith("PID 7 on host node-b (dflash extract")
     assert not home.exists()
+
+
+def test_one_ranged_get_per_contiguous_run_and_no_chunk_fetched_twice(s3_env, tmp_path, home, monkeypatch):
+    """A sample longer than the local reader's 8 MB piece (1,500 rows of 8 KB per tap) within one write block
+    is one GET per tap on a store (a request costs ~1 MB of payload time, bench_store); the bytes fetched are
+    exactly the chunks its rows cover, each once (a piece cut inside a chunk fetched that chunk twice)."""
+    from dflash.cache import CacheWriter, Fingerprint
+    from dflash.store import direct
+
+    D, taps = 4096, (3, 7)
+    fp = Fingerprint(target="m", target_config_hash="h", num_target_layers=12, hidden_size=D,
+                     target_dtype="bfloat16", tokenizer_hash="t", chat_template_hash="c", tap_layer_ids=taps,
+                     storage="bf16")
+    rng = np.random.default_rng(0)
+    lengths = np.array([37, 1500, 20])
+    T = int(lengths.sum())
+    with CacheWriter(tmp_path / "local", fp, shard_tokens=4096) as w:
+        w.append(sample_ids=np.arange(3), lengths=lengths, input_ids=np.zeros(T, np.int32),
+                 loss_mask=np.ones(T, np.uint8), hidden=torch.randn(T, len(taps), D))
+    url = s3_env.create_bucket("dflash-direct-runs") + "/c"
+    publish_cache(local=str(tmp_path / "local"), url=url)
+    got: list[tuple[str, int, int]] = []
+    read_at = direct.ObjectRanges.read_at
+    monkeypatch.setattr(direct.ObjectRanges, "read_at",
+                        lambda self, off, n, scratch: got.append((self.key, off, n)) or read_at(self, off, n, scratch))
+    with CacheReader(url) as r, CacheReader(tmp_path / "local") as local:
+        a = r._array(0, "hidden")
+        got.clear()  # the index's samples arrays
+        p = r.read_many([1])
+        assert torch.equal(p.hidden, local.read_many([1]).hidden)
+        cr = a.chunk_shape[0]
+        first, last = 37 // cr, (37 + 1500 - 1) // cr
+        assert len(got) == len(taps) == sum(len(a.row_runs(37, 37 + 1500, (k, 0))) for k in range(len(taps)))
+        per_chunk = int(a.index[0, 1])
+        assert r.bytes_read == sum(n for _, _, n in got) == len(taps) * (last - first + 1) * per_chunk
