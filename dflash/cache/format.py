@@ -51,8 +51,9 @@ DEFAULT_BLOCK_BYTES = 1 << 25
 """CacheWriter's per-tap bytes of one streamed block: the longest contiguous run of one tap in a shard file, so
 a sample's tap is 1 + length/block_tokens reads. 32 MB (6,528 tokens at the 27B's fp8 5120 B/token): a
 ShareGPT-length sample's tap is then ~1.2 ranged GETs of ~5.6 MB on an object store, against ~2 of ~3.2 MB
-at 8 MB (bench_store: direct reads 0.81x the plain GET instead of ~0.55x, where a request costs ~1 MB of
-payload time). Writer memory: two blocks, 2 x taps x 32 MB (320 MB at 5 fp8 taps)."""
+at 8 MB; on the SeaweedFS of the tests a request costs ~1 MB of payload time (a 70K-token profile at load ~6:
+direct reads 0.81x a plain 8 MB-part GET, against 0.53-0.65x with 8 MB blocks; bench_store's JSON has the
+benchmark's own figure). Writer memory: two blocks, 2 x taps x 32 MB (320 MB at 5 fp8 taps)."""
 
 # Quantize in row blocks so a large CPU batch does not need a full float32 copy at once.
 _QUANT_BLOCK_TOKENS = 4096
