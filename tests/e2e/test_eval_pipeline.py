@@ -29,21 +29,6 @@ def _invoke(args):
     return res
 
 
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, smollm2_dir):
-    from dflash.data.assets import humaneval_path, mtbench_questions_path
-
-    root = tmp_path_factory.mktemp("evalpipe")
-    model = str(smollm2_dir)
-    for name, src, n in (("mt.jsonl", mtbench_questions_path(), 3), ("he.jsonl", humaneval_path(), 2)):
-        _invoke(["generate", "--model", model, "--prompts", str(src), "--output", str(root / name), "--limit", str(n),
-                 "--max-new-tokens", str(MAX_NEW), "--batch-size", str(n), "--device", "cpu", "--dtype", "float32"])
-    _invoke(["extract", "--model", model, "--data", str(root / "mt.jsonl"), "--data", str(root / "he.jsonl"),
-             "--output", str(root / "cache"), "--dtype", "float32", "--max-length", "1024"])
-    records = [json.loads(x) for f in ("mt.jsonl", "he.jsonl") for x in (root / f).read_text().splitlines()]
-    return root, model, records
-
-
 def _overfit_drafter(cache_dir, model, out_dir, *, steps=120):
     from dflash.cache import CacheReader
     from dflash.drafter.config import DrafterConfig
@@ -89,7 +74,7 @@ def _overfit_drafter(cache_dir, model, out_dir, *, steps=120):
     return export_drafter(dr.eval(), cfg, out_dir, dtype=torch.float32)
 
 
-def test_generate_extract_eval_matches_live(pipeline):
+def test_generate_extract_eval_matches_live(smollm2_greedy_eval, tmp_path):
     from dflash.drafter.export import load_drafter
     from dflash.eval.generate import stop_token_ids
     from dflash.eval.live import speculative_generate
@@ -97,10 +82,13 @@ def test_generate_extract_eval_matches_live(pipeline):
     from dflash.target.head import embedding_and_head
     from dflash.target.load import load_target
 
-    root, model, records = pipeline
+    # `dflash generate` (3 MT-Bench + 2 HumanEval prompts, fp32) and `dflash extract` of them: the session's
+    # shared smollm2_greedy_eval (tests/conftest.py; test_heldout reads the same cache)
+    root, model, records = smollm2_greedy_eval.root, smollm2_greedy_eval.model, smollm2_greedy_eval.records
+    assert smollm2_greedy_eval.max_new_tokens == MAX_NEW
     manifest = json.loads((root / "cache" / "manifest.json").read_text())
     assert manifest["fingerprint"]["target_greedy"] is True
-    drafter_dir = _overfit_drafter(root / "cache", model, root / "drafter")
+    drafter_dir = _overfit_drafter(root / "cache", model, tmp_path / "drafter")
 
     res = _invoke(["eval", "--drafter", str(drafter_dir), "--cache", str(root / "cache"), "--model", model, "--json",
                    "--device", "cpu", "--chunk-anchors", "16"])

@@ -190,19 +190,14 @@ def test_acceptance_by_position_from_step_histogram():
 
 
 @pytest.mark.slow
-def test_equals_dflash_eval_on_smollm2(tmp_path, smollm2_dir):
-    """The real SmolLM2-135M: its greedy responses to 2 MT-Bench and 1 HumanEval prompts, extracted (5 taps)."""
+def test_equals_dflash_eval_on_smollm2(smollm2_greedy_eval):
+    """The real SmolLM2-135M: its greedy responses to 3 MT-Bench and 2 HumanEval prompts, extracted (5 taps): the
+    session's shared smollm2_greedy_eval (tests/conftest.py; test_eval_pipeline reads the same cache)."""
     from dflash.cache import CacheReader
-    from dflash.data.assets import humaneval_path, mtbench_questions_path
     from dflash.target.head import embedding_and_head
 
-    model = str(smollm2_dir)
-    for name, src, n in (("mt.jsonl", mtbench_questions_path(), 2), ("he.jsonl", humaneval_path(), 1)):
-        _invoke(["generate", "--model", model, "--prompts", str(src), "--output", str(tmp_path / name), "--limit",
-                 str(n), "--max-new-tokens", "20", "--batch-size", str(n), "--device", "cpu", "--dtype", "float32"])
-    cache = str(tmp_path / "cache")
-    _invoke(["extract", "--model", model, "--data", str(tmp_path / "mt.jsonl"), "--data", str(tmp_path / "he.jsonl"),
-             "--output", cache, "--dtype", "float32", "--max-length", "1024"])
+    model = smollm2_greedy_eval.model
+    cache = str(smollm2_greedy_eval.root / "cache")
     with CacheReader(cache) as reader:
         taps = reader.tap_layer_ids
     dr, _ = tiny_drafter(block_size=8, vocab=49152, hidden=576, taps=taps, mask_token_id=16, num_target_layers=30)
@@ -211,7 +206,7 @@ def test_equals_dflash_eval_on_smollm2(tmp_path, smollm2_dir):
     res = HeldoutEvaluator.from_cache(cache, taps=taps, device="cpu", model=model).evaluate(
         dr, embed_VD=embed, lm_head_VD=head)
     assert res.overall.per_sequence_tau == [float(np.mean(s)) for s in ref if s]
-    assert [(s.name, s.num_sequences) for s in res.per_source] == [("mt.jsonl", 2), ("he.jsonl", 1)]
+    assert [(s.name, s.num_sequences) for s in res.per_source] == [("mt.jsonl", 3), ("he.jsonl", 2)]
 
 
 def test_bf16_equals_dflash_eval_bit_for_bit(tiny_eval, tmp_path):
