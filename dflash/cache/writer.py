@@ -352,6 +352,8 @@ class CacheWriter:
     # -- writer thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self.max_held_shards is not None:  # a resumed run's leftovers count too, before its first shard
+                self._wait_until_held(self.max_held_shards)
             self._run_items()
         finally:
             self._pipe.stop()
