@@ -58,7 +58,8 @@ def token_budget_batches(
         # Sorted descending, so the first sample of a batch is its longest: the batch holds
         # max_tokens // longest samples (at least 1).
         longest = int(lengths_N[order_N[start]])
-        size = max(1, min(limit, max_tokens // max(longest, 1)))
+        # the tail batch holds what is left: round that, not the budget's size
+        size = max(1, min(limit, max_tokens // max(longest, 1), len(order_N) - start))
         if round_sizes:
             size = round_batch_size(size)
         batches.append(order_N[start:start + size])

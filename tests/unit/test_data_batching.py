@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dflash.data import padding_fraction, token_budget_batches
@@ -17,6 +17,7 @@ from dflash.errors import ConfigError
     max_batch_size=st.one_of(st.none(), st.integers(min_value=1, max_value=64)),
     round_sizes=st.booleans(),
 )
+@example(lengths=[1] * 9 + [6], max_tokens=10, max_batch_size=None, round_sizes=True)  # a 9-sample tail (CI found it)
 def test_every_index_once_and_budget_respected(lengths, max_tokens, max_batch_size, round_sizes):
     lengths_N = np.asarray(lengths, dtype=np.int64)
     batches = token_budget_batches(lengths_N, max_tokens=max_tokens, max_batch_size=max_batch_size,
