@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 from common import drop_page_cache  # noqa: E402
 from dflash.cache import CacheReader, CacheWriter, Fingerprint, PackedBuffers  # noqa: E402
-from dflash.cache.format import DEFAULT_CHUNK_BYTES  # noqa: E402
+from dflash.cache.format import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per read_many call")
     p.add_argument("--shard-tokens", type=int, default=1 << 16)
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="CacheWriter's streamed block per tap")
     p.add_argument("--fp8-fraction", type=float, default=0.25,
                    help="fp8 and int4 cache sizes relative to bf16 (bytes/token, and an int4 read)")
     p.add_argument("--result-name", default="cpu")
@@ -76,7 +77,7 @@ def make_cold(dirs: list[str], want: bool) -> str:
 def write_cache(path, args, storage, lengths, pool, pool_scales, pool_groups=None):
     t0 = time.perf_counter()
     with CacheWriter(path, fingerprint(args, storage), shard_tokens=args.shard_tokens,
-                     chunk_bytes=args.chunk_bytes) as w:
+                     chunk_bytes=args.chunk_bytes, block_bytes=args.block_bytes) as w:
         off = 0
         for i, L in enumerate(lengths):
             a = off % (len(pool) - 4096)
@@ -221,7 +222,7 @@ def main() -> None:
         "cold_reads": cold,
         "config": {"taps": K, "hidden": D, "tokens": T, "samples": len(lengths), "payload_bytes": payload,
                    "mean_length": float(lengths.mean()), "threads": args.threads, "batch_tokens": args.batch_tokens,
-                   "shard_tokens": args.shard_tokens, "chunk_bytes": args.chunk_bytes, "seed": args.seed,
+                   "shard_tokens": args.shard_tokens, "chunk_bytes": args.chunk_bytes, "block_bytes": args.block_bytes, "seed": args.seed,
                    "shards": st.shards_committed, "fp8_tokens": st8.tokens, "int4_tokens": st4.tokens},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "disk": _disk(args.out)},
