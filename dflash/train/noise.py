@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where the noise is drawn: the CLI reads NoiseConfig (via TrainConfig)
+    import torch    # for every command, and `dflash --help` or `cache info` need no torch
 
 DECAYS = ("cosine", "linear")
 
@@ -104,6 +106,8 @@ def add_feature_noise(hidden_TKD: torch.Tensor, *, std: float, generator: torch.
         raise ValueError(f"std={std}: must be >= 0")
     if std == 0 or hidden_TKD.numel() == 0:
         return hidden_TKD
+    import torch
+
     h32 = hidden_TKD.float()
     rms_TK1 = h32.pow(2).mean(dim=-1, keepdim=True).sqrt()
     noise = torch.randn(h32.shape, generator=generator, device=h32.device, dtype=torch.float32)
