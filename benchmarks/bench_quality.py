@@ -69,14 +69,14 @@ class Stages:
     def run(self, name: str, fn, *, resumable: bool = True, valid=None):
         """valid(recorded output) -> bool: whether what the stage left is still here. A later session runs on a
         fresh machine: its folders and caches are gone while the result JSON (carried in) keeps their record."""
-        done = self.earlier.get("stage_out", {})
-        if resumable and name in done and valid is not None and not valid(done[name]):
+        if resumable and self.done(name):
+            recorded = self.earlier["stage_out"][name]
+            if valid is None or valid(recorded):
+                log(f"=== {name}: done by the earlier run, not repeated ===")
+                self.result["stage_seconds"][name] = self.earlier["stage_seconds"][name]
+                self.result["stage_out"][name] = recorded
+                return recorded
             log(f"=== {name}: done by an earlier call, but its files are not on this machine: redone ===")
-        elif resumable and name in done:
-            log(f"=== {name}: done by the earlier run, not repeated ===")
-            self.result["stage_seconds"][name] = self.earlier["stage_seconds"][name]
-            self.result["stage_out"][name] = done[name]
-            return done[name]
         log(f"=== {name} ===")
         t = time.perf_counter()
         out = fn()
@@ -86,6 +86,10 @@ class Stages:
         log(f"--- {name}: {dt:.1f} s")
         self.save()
         return out
+
+    def done(self, name: str) -> bool:
+        """Whether an earlier call finished stage `name` (its recorded output is in the earlier JSON)."""
+        return name in self.earlier.get("stage_out", {})
 
     def save(self) -> None:
         self.result["seconds_total"] = round(time.perf_counter() - T0, 2)

@@ -99,12 +99,17 @@ def eval_prompt_files(args) -> dict[str, pathlib.Path]:
             "humaneval": bq.asset_file(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
 
 
+def cache_present(path: pathlib.Path) -> bool:
+    """Whether a cache this run extracted is in this call's --workdir (a later session's is a fresh folder)."""
+    return (path / "manifest.json").is_file()
+
+
 def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: str, device: str, dtype: str,
                   max_length: int, batch_tokens: int) -> dict:
     from dflash.extract.driver import ExtractConfig
     from dflash.extract.launch import launch
 
-    if (out / "manifest.json").exists():  # a cut call left it: extraction resumes (committed shards are skipped)
+    if cache_present(out):  # a cut call left it: extraction resumes (committed shards are skipped)
         log(f"extract {out.name}: resuming")
     cfg = ExtractConfig(model=model, data=tuple(data), output=str(out), storage=storage, dtype=dtype, device=device,
                         max_length=max_length, batch_tokens=batch_tokens, show_progress=False)
@@ -114,11 +119,6 @@ def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: st
     return {"samples": res.num_samples, "tokens": res.num_tokens, "bytes": res.bytes_written, "path": str(out),
             "seconds": round(res.seconds, 3), "loop_seconds": round(res.loop_seconds, 3),
             "drain_seconds": round(res.drain_seconds, 3), "committed_before": res.num_committed_before}
-
-
-def cache_present(path: pathlib.Path) -> bool:
-    """Whether a cache this run extracted is in this call's --workdir (a later session's is a fresh folder)."""
-    return (path / "manifest.json").is_file()
 
 
 def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: str, dtype: str) -> dict:
@@ -135,10 +135,10 @@ def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: 
         plain, packed = src_dir / fname, src_dir / (fname + ".gz")
         if not plain.is_file() and not packed.is_file():
             raise SystemExit(f"--eval-responses {src_dir}: neither {fname} nor {fname}.gz is there")
-        data = plain.read_bytes() if plain.is_file() else gzip.decompress(packed.read_bytes())
+        src = plain if plain.is_file() else packed
+        data = src.read_bytes() if src is plain else gzip.decompress(src.read_bytes())
         (work / fname).write_bytes(data)
-        out[name] = {"file": str(work / fname), "copied_from": str(plain if plain.is_file() else packed),
-                     "prompts": data.count(b"\n")}
+        out[name] = {"file": str(work / fname), "copied_from": str(src), "prompts": data.count(b"\n")}
         log(f"eval responses {name}: {out[name]['prompts']} records from {out[name]['copied_from']}")
     return out
 
@@ -404,7 +404,7 @@ def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *
 
     conf = json.loads((pathlib.Path(model) / "config.json").read_text())
     taps = len(default_tap_layer_ids(conf["num_hidden_layers"]))
-    todo = {c: v for c, v in caches.items() if not (work / f"cache_{c}" / "manifest.json").exists()}
+    todo = {c: v for c, v in caches.items() if not cache_present(work / f"cache_{c}")}
     est = {}
     for c, (files, storage) in todo.items():
         res, cfg = planned_tokens(model, files, work, dtype=dtype, device=device, max_length=args.max_length,
@@ -471,7 +471,7 @@ def main(argv=None) -> dict:
         result["runs"], result["curves"] = {}, {}
         for ri, (rname, cname, over) in enumerate(plan):
             # a run an earlier call (or session) finished needs no cache; a run still to train needs it here
-            trained = f"e_train_{rname}" in st.earlier.get("stage_out", {})
+            trained = st.done(f"e_train_{rname}")
             result["caches"][cname] = st.run(f"d_extract_{cname}", lambda cname=cname: extract_cache(
                 model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], **kw),
                 valid=lambda out, cname=cname, trained=trained: trained or cache_present(work / f"cache_{cname}"))

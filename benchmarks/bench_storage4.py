@@ -494,7 +494,7 @@ class TauStages:
     def run(self, name: str, fn, *, into: tuple[dict, str] | None = None):
         """Run (or recall) step `name`; its output also goes to into[0][into[1]] before the state is saved."""
         est = self.estimate_s.get(name)
-        if (self.call_s is not None and est is not None and name not in self.stages.earlier.get("stage_out", {})
+        if (self.call_s is not None and est is not None and not self.stages.done(name)
                 and self.clock() - self.t0 + est > self.call_s):
             raise StopAfter(f"at {self.clock() - self.t0:.0f} s: {name} (~{est:.0f} s at the H200 rates) would end "
                             f"past --call-seconds {self.call_s:.0f}")
