@@ -45,9 +45,14 @@ class ContinuousConfig:
     """Seconds without any finished request before the run is declared stuck."""
     cuda_graphs: bool | None = None
     """transformers' use_cuda_graph (None: its own choice); False also keeps the slot decoder's step eager."""
-    slot_attention: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_ATTENTION", "bmm"))
-    """The slot decoder's decode attention: "bmm" (scores as one batched matmul) or "sdpa" (with a mask);
-    benchmarks/probe_slots.py times both (the environment variable is that probe's switch)."""
+    slot_attention: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_ATTENTION", "sdpa"))
+    """The slot decoder's decode attention: "sdpa" (with a mask) or "bmm" (scores as one batched matmul);
+    benchmarks/probe_slots.py times both (the environment variable is that probe's switch). H200, 512 slots:
+    sdpa 38 ms a step, bmm 42 (eager, results/slot_probe_h200.json)."""
+    slot_compile: bool = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_COMPILE", "0") == "1")
+    """Compile the slot decoder's step on CUDA (DFLASH_SLOT_COMPILE=1). Off by default: on the H200 the compiled
+    step's compiles (one per kv bucket) took 1.9 s a step averaged over a 2-minute call, against the eager
+    step's 28-31 ms in a real regeneration (results/regen_runs_h200.json)."""
 
     def __post_init__(self) -> None:
         if self.slot_attention not in ("bmm", "sdpa"):
@@ -172,4 +177,4 @@ def open_engine(model, *, stop_ids, cfg: ContinuousConfig, log=None):
             log(f"continuous backend: {e}; using transformers' continuous batching instead")
         return ContinuousEngine(model, stop_ids=stop_ids, cfg=cfg)
     return SlotEngine(model, stop_ids=stop_ids, slots=cfg.max_requests, cache_len=cfg.max_length,
-                      compile=cfg.cuda_graphs is not False, decode_bmm=cfg.slot_attention == "bmm")
+                      compile=cfg.cuda_graphs is not False and cfg.slot_compile, decode_bmm=cfg.slot_attention == "bmm")

@@ -112,7 +112,7 @@ def counters_line(c: dict, *, slots: int) -> str:
 class SlotDecoder:
     """The model's layers over a per-slot KV cache: prefill(ids per slot) and a fixed-shape decode step."""
 
-    def __init__(self, model, *, slots: int, cache_len: int, compile: bool, decode_bmm: bool = True,
+    def __init__(self, model, *, slots: int, cache_len: int, compile: bool, decode_bmm: bool = False,
                  compile_mode: str = "reduce-overhead") -> None:
         import torch
 
@@ -241,8 +241,8 @@ class SlotEngine:
     work is a few vector operations plus Python only for the requests that finish: at 512 slots the per-row
     Python of a list-based step cost about as much as the GPU step."""
 
-    def __init__(self, model, *, stop_ids, slots: int, cache_len: int, compile: bool = True,
-                 decode_bmm: bool = True, prefill_tokens: int = 16384) -> None:
+    def __init__(self, model, *, stop_ids, slots: int, cache_len: int, compile: bool = False,
+                 decode_bmm: bool = False, prefill_tokens: int = 16384) -> None:
         import numpy as np
 
         self.dec = SlotDecoder(model, slots=slots, cache_len=cache_len, compile=compile, decode_bmm=decode_bmm)

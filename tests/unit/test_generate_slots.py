@@ -73,6 +73,20 @@ def test_unsupported_models_are_refused():
         check_supported(Qwen3_5TextConfig())
 
 
+def test_slot_decoder_switches_come_from_the_environment(monkeypatch):
+    from dflash.generate.continuous import ContinuousConfig
+
+    monkeypatch.delenv("DFLASH_SLOT_COMPILE", raising=False)
+    monkeypatch.delenv("DFLASH_SLOT_ATTENTION", raising=False)
+    assert (ContinuousConfig().slot_compile, ContinuousConfig().slot_attention) == (False, "sdpa")
+    monkeypatch.setenv("DFLASH_SLOT_COMPILE", "1")
+    monkeypatch.setenv("DFLASH_SLOT_ATTENTION", "bmm")
+    assert (ContinuousConfig().slot_compile, ContinuousConfig().slot_attention) == (True, "bmm")
+    monkeypatch.setenv("DFLASH_SLOT_ATTENTION", "flash")
+    with pytest.raises(ConfigError, match="DFLASH_SLOT_ATTENTION"):
+        ContinuousConfig()
+
+
 def _prompt(tok, text):
     return list(tok(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=False), add_special_tokens=False)["input_ids"])
