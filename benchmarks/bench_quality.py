@@ -65,16 +65,19 @@ class Stages:
         # does not lose the finished stages after the failure point
         result.setdefault("stage_seconds", dict(self.earlier.get("stage_seconds", {})))
         result.setdefault("stage_out", dict(self.earlier.get("stage_out", {})))
+        self.visited: dict = {}
 
     def run(self, name: str, fn, *, resumable: bool = True, valid=None):
         """valid(recorded output) -> bool: whether what the stage left is still here. A later session runs on a
         fresh machine: its folders and caches are gone while the result JSON (carried in) keeps their record."""
+        if name in self.visited:  # run (or reused) earlier in this call: e.g. a cache that several runs read
+            return self.visited[name]
         if resumable and self.done(name):
             recorded = self.earlier["stage_out"][name]
             if valid is None or valid(recorded):
                 log(f"=== {name}: done by the earlier run, not repeated ===")
                 self.result["stage_seconds"][name] = self.earlier["stage_seconds"][name]
-                self.result["stage_out"][name] = recorded
+                self.result["stage_out"][name] = self.visited[name] = recorded
                 return recorded
             log(f"=== {name}: done by an earlier call, but its files are not on this machine: redone ===")
         log(f"=== {name} ===")
@@ -83,6 +86,7 @@ class Stages:
         dt = round(time.perf_counter() - t, 2)
         self.result["stage_seconds"][name] = dt
         self.result["stage_out"][name] = json.loads(json.dumps(out, default=str))
+        self.visited[name] = out
         log(f"--- {name}: {dt:.1f} s")
         self.save()
         return out

@@ -19,16 +19,16 @@ their sha256 is checked against the earlier calls'). Stages:
      of held-out tau against steps (quality_reference_<run>[_tiny].png) under benchmarks/results/
 Top-level numbers: tau_mtbench, tau_humaneval (held-out, final drafter of all/bf16), train_acceptance_over_heldout
 (trainer's last-window batch acceptance over the mean held-out tau), fp8_rel_diff_mtbench/_humaneval
-((tau_fp8 - tau_bf16) / tau_bf16 at the final point), train_samples; plus `curves` and `data_scaling`.
+((tau_fp8 - tau_bf16) / tau_bf16 at the final point), train_samples (regenerated assistant turns; train_conversations
+the cache samples holding them); plus `curves` and `data_scaling`.
 
-Sizing (H200, from measured rates; the whole-conversation data itself is not regenerated yet): 244 conversations
-regenerated whole at <= 256 new tokens per turn averaged 1,030 tokens, so ShareGPT's 17,392 make ~17.9M tokens
-(~61K assistant turns). fp8 stores ~2,900 B/token (SmolLM2, 5 taps): ~52 GB, which fits the 64 GiB disk only
-alone (--drop-caches; no bf16 cache of all the data: its 5,771 B/token make ~103 GB). Extraction runs at ~51K tok/s
-(~6 min), training at ~85K tok/s: 6 epochs = 107M tokens ~ 21 min per full-data run, more than one 30-minute
-device session holds beside extraction. A session keeps nothing for the next but $OUT, so each run must finish
-within one session: e.g. one session for all_fp8 at --epochs 3 (~11 min) + n2000/n8000, the next for all_noise;
-the fp8-vs-bf16 point comes from bench_storage4 --stage tau (bf16 and fp8 caches of 8K records, 2 seeds).
+Sizing (H200, measured rates): the 12,930 whole conversations regenerated so far (.assets/sharegpt_whole-00.jsonl.gz,
+44,304 assistant turns, <= 256 new tokens a turn) are 13.0M tokens at --max-length 2048 (`dflash extract --dry-run`:
+37.9 GB in fp8; a bf16 cache, 5,771 B/token, ~75 GB, does not fit the 64 GiB disk). Extraction runs at ~51K tok/s
+(~4.3 min), training at ~85K tok/s: 6 epochs = 78M tokens ~ 15 min, and one held-out evaluation of the eval cache
+~20 s (--eval-every 1000: ~5 of them). A session keeps nothing for the next but $OUT, so each run must finish
+within one session: all_fp8 at 6 epochs with its extraction is ~22 min of one session (runs_h200.sh reference,
+three chained calls); n2000/n8000 and all_noise in later sessions; the fp8-vs-bf16 point comes from bench_storage4 --stage tau (bf16 and fp8 caches of 8K records, 2 seeds).
 CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps)
 """
 
@@ -113,10 +113,14 @@ def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: st
         log(f"extract {out.name}: resuming")
     cfg = ExtractConfig(model=model, data=tuple(data), output=str(out), storage=storage, dtype=dtype, device=device,
                         max_length=max_length, batch_tokens=batch_tokens, show_progress=False)
+    from dflash.cache.verify import cache_info
+
     res = launch(cfg, num_procs=1, echo=lambda *a, **k: None)
-    log(f"extract {out.name}: {res.num_samples} samples, {res.num_tokens} tokens")
+    info = cache_info(out)  # the whole cache: a resumed call extracts only what an earlier one left
+    log(f"extract {out.name}: {info['samples']} samples, {info['tokens']} tokens "
+        f"({res.num_samples} extracted by this call)")
     # the timing splits (driver.ExtractResult) let bench_storage4's tau stage compare storages' extraction rates
-    return {"samples": res.num_samples, "tokens": res.num_tokens, "bytes": res.bytes_written, "path": str(out),
+    return {"samples": info["samples"], "tokens": info["tokens"], "bytes": res.bytes_written, "path": str(out),
             "seconds": round(res.seconds, 3), "loop_seconds": round(res.loop_seconds, 3),
             "drain_seconds": round(res.drain_seconds, 3), "committed_before": res.num_committed_before}
 
@@ -476,8 +480,10 @@ def main(argv=None) -> dict:
                 model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], **kw),
                 valid=lambda out, cname=cname, trained=trained: trained or cache_present(work / f"cache_{cname}"))
             if cname == f"train_{args.storage}":
-                result["train_samples"] = result["caches"][cname]["samples"]
-                result["train_assistant_turns"] = assistant_turns(train_data)
+                # a sample is one regenerated assistant turn (the issue counts ShareGPT's ~61K user turns); a
+                # whole conversation is one cache sample holding all its turns
+                result["train_samples"] = assistant_turns(train_data)
+                result["train_conversations"] = result["caches"][cname]["samples"]
             r = st.run(f"e_train_{rname}", lambda rname=rname, cname=cname, over=over: train_once(
                 args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}", device=device,
                 steps=args.steps, epochs=args.epochs, eval_cache=str(work / "cache_eval"), eval_every=args.eval_every,

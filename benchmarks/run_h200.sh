@@ -16,7 +16,9 @@
 #       the data do not fit the 64 GiB disk: add --skip all_bf16 --drop-caches, the script says what fits); every
 #       call after the first adds --resume; a training cut at the limit continues from its last checkpoint. E.g.
 #       reference --gguf-parts ~/dflash_assets/smollm2.gguf.part-a .assets/smollm2.gguf.part-b \
-#         --train-data .assets/sharegpt_whole-0*.jsonl.gz --skip all_bf16,all_noise,all_seed1 --drop-caches
+#         --train-data .assets/sharegpt_whole-00.jsonl.gz --skip all_bf16,all_noise,all_seed1,n8000 --drop-caches
+#       (12,930 whole conversations, 13.0M tokens: fp8 extraction ~4.3 min + 6 epochs ~15 min = three chained
+#       calls; carry .whl + part-a first (a stash call), then part-b, the data and the two eval prompt files)
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1

@@ -141,6 +141,10 @@ def test_stage_redone_when_its_files_are_gone(tmp_path):
                                                         "stage_seconds": {"a_target": 1.0}})
     assert st2.run("a_target", lambda: calls.append("a2"), valid=lambda out: pathlib.Path(out).is_dir()) == str(here)
     assert calls == ["a"]
+    # a stage several runs share (their cache) runs once in a call: the second visit gets the first's output
+    assert st2.run("d_cache", lambda: calls.append("d") or {"samples": 3}) == {"samples": 3}
+    assert st2.run("d_cache", lambda: calls.append("d") or {"samples": 0}) == {"samples": 3}
+    assert calls == ["a", "d"]
 
 
 def test_eval_responses_carried_and_checked(tmp_path):
