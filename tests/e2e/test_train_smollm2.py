@@ -12,7 +12,7 @@ from cli.main import cli
 from dflash.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
-NUM_CONVERSATIONS = 48
+NUM_CONVERSATIONS = 24
 
 
 @pytest.fixture(scope="module")
