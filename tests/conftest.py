@@ -88,7 +88,7 @@ def smollm2_dir():
     """The real SmolLM2-135M as an HF folder, converted once per machine ($DFLASH_HOME or ~/.cache/dflash).
 
     Under a flock beside it: on a fresh CI machine both xdist workers reach this fixture within seconds and
-    would each convert (~50 s of CPU, the loser's work thrown away); the second waits and reuses the first's."""
+    would each convert (~18 s of CPU, the loser's work thrown away); the second waits and reuses the first's."""
     from dflash.target.assets import dflash_home, smollm2_hf_dir
 
     home = dflash_home()

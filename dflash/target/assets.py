@@ -3,13 +3,15 @@
 No hub downloads exist in our environments, so the only real small LLM is a Q4_1 GGUF inside a registry
 package. transformers can load a GGUF (dequantizing to float) but such a model cannot `save_pretrained`,
 so we copy its weights into a fresh `LlamaForCausalLM` (config without `quantization_config`) and save
-that, with the tokenizer and its ChatML template, as a normal HF folder. The conversion takes ~20 s, so
+that, with the tokenizer and its ChatML template, as a normal HF folder. The conversion takes ~18 s on one core, so
 it is cached; it is written to a temp folder and renamed into place, so a crash never leaves half a model
 and concurrent callers agree on one result.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -48,7 +50,31 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses the GGUF file once for the config, once for the weights and once for the tokenizer
+    (each ~10 s on one core: SmolLM2's 49K-token vocabulary and merges are read field by field), and builds
+    gguf's tensor-name map once per module (~400 times). Inside this block each is built once: both are read
+    only, and transformers looks both names up in `gguf` at call time."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    reader = functools.cache(saved[0])
+    gguf.GGUFReader = lambda path, *args, **kwargs: reader(os.fspath(path), *args, **kwargs)
+    gguf.get_tensor_name_map = functools.cache(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
 def _convert(gguf: Path, out: Path, dtype_name: str) -> None:
+    with _gguf_parsed_once():
+        _convert_parsed(gguf, out, dtype_name)
+
+
+def _convert_parsed(gguf: Path, out: Path, dtype_name: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 

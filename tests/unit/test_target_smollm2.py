@@ -17,7 +17,7 @@ from dflash.target.taps import default_tap_layer_ids
 
 @pytest.fixture(scope="module")
 def smol_dir(tmp_path_factory):
-    # One fresh conversion for every test of it (each took ~50 s of CPU), under umask 022 for the modes test.
+    # One fresh conversion for every test of it (~18 s of CPU each), under umask 022 for the modes test.
     old = os.umask(0o022)
     try:
         return smollm2_hf_dir(tmp_path_factory.mktemp("assets"), dtype="bfloat16")
