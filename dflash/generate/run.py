@@ -327,9 +327,11 @@ def _regenerate_open(cfg: RegenerateConfig, *, out, convs, read_skips, model_dir
             "backend": backend, "max_new_tokens": cfg.max_new_tokens, "max_length": cfg.max_length,
             "turn_mode": cfg.turn_mode, "template_kwargs": dict(cfg.template_kwargs)}
     if backend == "continuous":
-        from dflash.generate.continuous import ContinuousConfig, continuous_chunks, open_engine
+        from dflash.generate.continuous import ContinuousConfig, continuous_chunks, engine_slots, open_engine
 
-        ccfg = ContinuousConfig(max_requests=cfg.batch_size, window=cfg.window, max_length=cfg.max_length)
+        ccfg = ContinuousConfig(max_requests=engine_slots(batch_size=cfg.batch_size, window=cfg.window,
+                                                          conversations=len(convs)),
+                                window=cfg.window, max_length=cfg.max_length)
         engine = open_engine(model, stop_ids=stops, cfg=ccfg, log=log.info)
         try:
             return run_chunks(cfg=cfg, convs=convs, out=out, read_skips=read_skips, progress=progress, t0=t0,

@@ -73,6 +73,15 @@ def test_unsupported_models_are_refused():
         check_supported(Qwen3_5TextConfig())
 
 
+def test_engine_slots_are_bounded_by_the_conversations_in_flight():
+    from dflash.generate.continuous import engine_slots
+
+    assert engine_slots(batch_size=512, window=2048, conversations=1) == 1
+    assert engine_slots(batch_size=512, window=3, conversations=100) == 3
+    assert engine_slots(batch_size=2, window=3, conversations=3) == 2
+    assert engine_slots(batch_size=512, window=2048, conversations=0) == 1
+
+
 def test_slot_decoder_switches_come_from_the_environment(monkeypatch):
     from dflash.generate.continuous import ContinuousConfig
 
