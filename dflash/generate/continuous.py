@@ -31,6 +31,9 @@ class GenerationFailed(DflashError):
     """The continuous-batching engine failed a request or stopped."""
 
 
+SLOT_STEPS = ("eager", "graphs", "compiled")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ContinuousConfig:
     """Sizes of the continuous-batching engine."""
@@ -49,14 +52,18 @@ class ContinuousConfig:
     """The slot decoder's decode attention: "sdpa" (with a mask) or "bmm" (scores as one batched matmul);
     benchmarks/probe_slots.py times both (the environment variable is that probe's switch). H200, 512 slots:
     sdpa 38 ms a step, bmm 42 (eager, results/slot_probe_h200.json)."""
-    slot_compile: bool = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_COMPILE", "0") == "1")
-    """Compile the slot decoder's step on CUDA (DFLASH_SLOT_COMPILE=1). Off by default: on the H200 the compiled
-    step's compiles (one per kv bucket) took 1.9 s a step averaged over a 2-minute call, against the eager
-    step's 28-31 ms in a real regeneration (results/regen_runs_h200.json)."""
+    slot_step: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_STEP", "eager"))
+    """How the slot decoder runs its decode step on CUDA (env DFLASH_SLOT_STEP): "eager"; "graphs" (captured as
+    a CUDA graph per kv bucket); "compiled" (torch.compile reduce-overhead). Eager by default, as measured: on
+    the H200 the compiled step's compiles (one per kv bucket) took 1.9 s a step averaged over a 2-minute call,
+    against the eager step's 28-31 ms in a real regeneration (results/regen_runs_h200.json); graphs are not yet
+    timed there (benchmarks/probe_slots.py)."""
 
     def __post_init__(self) -> None:
         if self.slot_attention not in ("bmm", "sdpa"):
             raise ConfigError(f"slot_attention={self.slot_attention!r} (DFLASH_SLOT_ATTENTION): choose bmm or sdpa")
+        if self.slot_step not in SLOT_STEPS:
+            raise ConfigError(f"slot_step={self.slot_step!r} (DFLASH_SLOT_STEP): choose {', '.join(SLOT_STEPS)}")
 
 
 class ContinuousEngine:
@@ -183,5 +190,6 @@ def open_engine(model, *, stop_ids, cfg: ContinuousConfig, log=None):
         if log is not None:
             log(f"continuous backend: {e}; using transformers' continuous batching instead")
         return ContinuousEngine(model, stop_ids=stop_ids, cfg=cfg)
+    step = cfg.slot_step if cfg.cuda_graphs is not False else "eager"
     return SlotEngine(model, stop_ids=stop_ids, slots=cfg.max_requests, cache_len=cfg.max_length,
-                      compile=cfg.cuda_graphs is not False and cfg.slot_compile, decode_bmm=cfg.slot_attention == "bmm")
+                      compile=step == "compiled", cuda_graphs=step == "graphs", decode_bmm=cfg.slot_attention == "bmm")

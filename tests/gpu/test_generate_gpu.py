@@ -37,10 +37,11 @@ def test_static_compiled_decode_matches_eager(smollm2_dir):
     assert len(dec.shapes) <= 3 and all(w % 64 == 0 for _, w in dec.shapes)
 
 
-def test_slot_engine_compiled_matches_eager_generate(smollm2_dir):
-    """The continuous backend's slot decoder with its compiled decode step, fp32 on CUDA, 4 slots for 16
-    prompts: the greedy responses of HF eager generate (at most one near-tie apart), and the compiled step ran
-    (no fallback to the uncompiled one)."""
+@pytest.mark.parametrize("step", ["compiled", "graphs"])
+def test_slot_engine_compiled_matches_eager_generate(smollm2_dir, step):
+    """The continuous backend's slot decoder with its compiled (or CUDA-graph captured) decode step, fp32 on
+    CUDA, 4 slots for 16 prompts: the greedy responses of HF eager generate (at most one near-tie apart), and
+    that step ran (no fallback to the eager one)."""
     from dflash.generate.decode import DecodeConfig, GreedyDecoder, stop_token_ids
     from dflash.generate.slots import SlotEngine
     from dflash.generate.turns import render_prompt_ids
@@ -52,10 +53,14 @@ def test_slot_engine_compiled_matches_eager_generate(smollm2_dir):
                for i, q in enumerate(QUESTIONS * 2)]
     eager = GreedyDecoder(model, stop_ids=stops, pad_id=tok.pad_token_id or stops[0],
                           cfg=DecodeConfig(max_new_tokens=32, batch_size=1, backend="eager")).decode(prompts)
-    eng = SlotEngine(model, stop_ids=stops, slots=4, cache_len=512, compile=True)
+    eng = SlotEngine(model, stop_ids=stops, slots=4, cache_len=512, compile=step == "compiled",
+                     cuda_graphs=step == "graphs")
     for i, p in enumerate(prompts):
         eng.submit(f"p{i}", p, 32)
     got = dict(eng.next_result() for _ in prompts)
-    assert eng.dec._compiled_ok
+    if step == "compiled":
+        assert eng.dec._compiled_ok
+    else:
+        assert eng.dec.cuda_graphs and eng.dec._graphs
     same = sum(got[f"p{i}"].response_ids == e.response_ids for i, e in enumerate(eager))
     assert same >= len(prompts) - 1

@@ -85,14 +85,18 @@ def test_engine_slots_are_bounded_by_the_conversations_in_flight():
 def test_slot_decoder_switches_come_from_the_environment(monkeypatch):
     from dflash.generate.continuous import ContinuousConfig
 
-    monkeypatch.delenv("DFLASH_SLOT_COMPILE", raising=False)
+    monkeypatch.delenv("DFLASH_SLOT_STEP", raising=False)
     monkeypatch.delenv("DFLASH_SLOT_ATTENTION", raising=False)
-    assert (ContinuousConfig().slot_compile, ContinuousConfig().slot_attention) == (False, "sdpa")
-    monkeypatch.setenv("DFLASH_SLOT_COMPILE", "1")
+    assert (ContinuousConfig().slot_step, ContinuousConfig().slot_attention) == ("eager", "sdpa")
+    monkeypatch.setenv("DFLASH_SLOT_STEP", "graphs")
     monkeypatch.setenv("DFLASH_SLOT_ATTENTION", "bmm")
-    assert (ContinuousConfig().slot_compile, ContinuousConfig().slot_attention) == (True, "bmm")
+    assert (ContinuousConfig().slot_step, ContinuousConfig().slot_attention) == ("graphs", "bmm")
     monkeypatch.setenv("DFLASH_SLOT_ATTENTION", "flash")
     with pytest.raises(ConfigError, match="DFLASH_SLOT_ATTENTION"):
+        ContinuousConfig()
+    monkeypatch.setenv("DFLASH_SLOT_ATTENTION", "sdpa")
+    monkeypatch.setenv("DFLASH_SLOT_STEP", "1")
+    with pytest.raises(ConfigError, match="DFLASH_SLOT_STEP"):
         ContinuousConfig()
 
 
