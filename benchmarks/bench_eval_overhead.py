@@ -84,14 +84,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from dflash.train.config import TrainConfig
-
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     machine = "h200" if device == "cuda" else ("tiny_cpu" if args.tiny else "cpu")
     out_json = pathlib.Path(args.json) if args.json else REPO / "benchmarks" / "results" / f"eval_overhead_{machine}.json"
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="dflash-evalov-"))
     work.mkdir(parents=True, exist_ok=True)
-    E = args.eval_every or TrainConfig.__dataclass_fields__["eval_every"].default
+    E = args.eval_every or br.default_eval_every()
     qargs = bq.parse_args((["--tiny"] if args.tiny else []) + ["--train-prompts", str(args.train_prompts)]
                           + (["--gguf-parts", *args.gguf_parts] if args.gguf_parts else []))
     qargs.device = device
@@ -111,7 +109,7 @@ def main(argv=None) -> dict:
     step_s = [r["step_time_s"] for r in runs["no_eval"]["metrics"][1:]] or [r["step_time_s"] for r in
                                                                              runs["no_eval"]["metrics"]]
     ev_med, st_med = statistics.median(evals), statistics.median(step_s)
-    frac = ev_med / (ev_med + E * st_med)
+    frac = br.eval_overhead_fraction(evals, step_s, every=E)
     # the batched evaluator against dflash eval on the final drafter
     cmp = br.compare_evaluators(runs["with_eval"]["drafter"], eval_cache, model, device)
     plan = eval_plan(eval_cache, block_size=qargs.block_size)

@@ -223,6 +223,20 @@ def train_once(args, *, model: str, cache, out: pathlib.Path, device: str, steps
             "drafter": str(res.drafter_dir), "metrics": recs, "resumed": resume}
 
 
+def eval_overhead_fraction(heldout_seconds: list[float], step_seconds: list[float], *, every: int) -> float:
+    """Share of training time that held-out evaluation takes at one evaluation per `every` steps:
+    median(eval) / (median(eval) + every * median(step)). A log window's step time excludes the evaluation
+    (unit.py laps the stopwatch around it), so both come from one run's metrics."""
+    ev, st = statistics.median(heldout_seconds), statistics.median(step_seconds)
+    return ev / (ev + every * st)
+
+
+def default_eval_every() -> int:
+    from dflash.train.config import TrainConfig
+
+    return TrainConfig.__dataclass_fields__["eval_every"].default
+
+
 def curve(recs: list[dict]) -> dict:
     """Held-out tau per evaluation step, overall and per eval source; the trainer's batch acceptance beside it."""
     ev = [r for r in recs if r.get("heldout_tau") is not None]
@@ -494,11 +508,17 @@ def main(argv=None) -> dict:
                 log(f"dropped cache_{cname} (no later run reads it)")
             c = curve(r["metrics"])
             last = r["metrics"][-1] if r["metrics"] else {}
+            evals = [m["heldout_seconds"] for m in r["metrics"] if m.get("heldout_seconds") is not None]
+            steps_s = [m["step_time_s"] for m in r["metrics"][1:] if m.get("step_time_s") is not None]
             result["runs"][rname] = {k: v for k, v in r.items() if k != "metrics"} | {
                 "samples": result["caches"][cname]["samples"], "tokens": result["caches"][cname]["tokens"],
                 "final_loss": last.get("loss"), "final_train_accept_len": last.get("accept_len"),
                 "tau_mtbench": set_tau(c, "mtbench"), "tau_humaneval": set_tau(c, "humaneval"),
-                "tau_heldout": c["heldout_tau"][-1] if c["heldout_tau"] else None, **over}
+                "tau_heldout": c["heldout_tau"][-1] if c["heldout_tau"] else None,
+                "heldout_seconds_median": statistics.median(evals) if evals else None,
+                "step_time_s_median": statistics.median(steps_s) if steps_s else None,
+                "eval_overhead_fraction": eval_overhead_fraction(evals, steps_s, every=default_eval_every())
+                if evals and steps_s else None, **over}
             result["curves"][rname] = c
             plots = pathlib.Path(args.plot_dir) if args.plot_dir else REPO / "benchmarks" / "results"
             plots.mkdir(parents=True, exist_ok=True)
@@ -520,6 +540,9 @@ def summarise(result: dict) -> None:
     ref, bf16, fp8 = runs.get(ref_name), runs.get("all_bf16"), runs.get("all_fp8")
     if ref:
         result["tau_mtbench"], result["tau_humaneval"] = ref["tau_mtbench"], ref["tau_humaneval"]
+        # the reference run's own evaluations and steps, at the default --eval-every (bench_eval_overhead's rule)
+        result["eval_overhead_fraction"] = ref.get("eval_overhead_fraction")
+        result["eval_overhead_at_eval_every"] = default_eval_every()
         taus = [t for t in (ref["tau_mtbench"], ref["tau_humaneval"]) if t]
         acc = ref.get("final_train_accept_len")
         result["train_acceptance_over_heldout"] = acc / statistics.mean(taus) if acc and taus else None

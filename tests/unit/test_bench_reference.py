@@ -113,6 +113,12 @@ def test_assistant_turns_counts_what_extraction_reads(tmp_path):
     assert br.assistant_turns(str(src)) == 2 + 1 + 2
 
 
+def test_eval_overhead_fraction():
+    # one 2 s evaluation per 200 steps of 0.1 s: 2 / (2 + 20)
+    assert abs(br.eval_overhead_fraction([1.0, 2.0, 9.0], [0.1, 0.1, 0.5], every=200) - 2 / 22) < 1e-12
+    assert br.default_eval_every() == 200
+
+
 def test_disk_plan():
     est = {"eval": 1000, "train_fp8": 50_000, "train_n8000": 10_000}
     d = br.disk_plan(est, free=60_000, drop=False, order=["train_fp8", "train_n8000"])
