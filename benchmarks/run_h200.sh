@@ -28,8 +28,13 @@
 #       --resume` calls finish quality on GPU 0: the extract rerun costs no device time of its own)
 # Results land in benchmarks/results/*_h200.json and, with logs, are copied to $OUT when set.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
+# a later call on the warm machine may carry no wheels: what an earlier call installed in /tmp/site serves
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+elif [ ! -d /tmp/site/zarr ]; then
+  echo "run_h200.sh: no .whl/*.whl carried and none installed in /tmp/site (carry .whl)" >&2; exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOGS=${OUT:-/tmp}
