@@ -512,6 +512,7 @@ def main(argv=None) -> dict:
             steps_s = [m["step_time_s"] for m in r["metrics"][1:] if m.get("step_time_s") is not None]
             result["runs"][rname] = {k: v for k, v in r.items() if k != "metrics"} | {
                 "samples": result["caches"][cname]["samples"], "tokens": result["caches"][cname]["tokens"],
+                "assistant_turns": assistant_turns(caches[cname][0][0]),
                 "final_loss": last.get("loss"), "final_train_accept_len": last.get("accept_len"),
                 "tau_mtbench": set_tau(c, "mtbench"), "tau_humaneval": set_tau(c, "humaneval"),
                 "tau_heldout": c["heldout_tau"][-1] if c["heldout_tau"] else None,
@@ -557,7 +558,8 @@ def summarise(result: dict) -> None:
         result["noise_effect"] = {ds: runs["all_noise"][f"tau_{ds}"] - ref[f"tau_{ds}"]
                                   for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"] is not None}
     result["data_scaling"] = sorted(
-        ({"run": k, "samples": v["samples"], "tokens": v["tokens"], "steps": v["steps"],
+        ({"run": k, "samples": v["samples"], "assistant_turns": v.get("assistant_turns"), "tokens": v["tokens"],
+          "steps": v["steps"],
           "tau_mtbench": v["tau_mtbench"], "tau_humaneval": v["tau_humaneval"],
           "train_accept_len": v["final_train_accept_len"]}
          for k, v in runs.items() if k.startswith("n") or k == ref_name), key=lambda r: r["samples"])
