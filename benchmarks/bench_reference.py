@@ -28,7 +28,8 @@ Sizing (H200, measured rates): the 12,930 whole conversations regenerated so far
 (~4.3 min), training at ~85K tok/s: 6 epochs = 78M tokens ~ 15 min, and one held-out evaluation of the eval cache
 ~20 s (--eval-every 1000: ~5 of them). A session keeps nothing for the next but $OUT, so each run must finish
 within one session: all_fp8 at 6 epochs with its extraction is ~22 min of one session (runs_h200.sh reference,
-three chained calls); n2000/n8000 and all_noise in later sessions; the fp8-vs-bf16 point comes from bench_storage4 --stage tau (bf16 and fp8 caches of 8K records, 2 seeds).
+three chained calls); n2000/n8000 and all_noise in later sessions; the fp8-vs-bf16 point comes from
+bench_storage4 --stage tau (bf16 and fp8 caches of 8K records, 2 seeds).
 CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps)
 """
 
@@ -106,6 +107,7 @@ def cache_present(path: pathlib.Path) -> bool:
 
 def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: str, device: str, dtype: str,
                   max_length: int, batch_tokens: int) -> dict:
+    from dflash.cache.verify import cache_info
     from dflash.extract.driver import ExtractConfig
     from dflash.extract.launch import launch
 
@@ -113,8 +115,6 @@ def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: st
         log(f"extract {out.name}: resuming")
     cfg = ExtractConfig(model=model, data=tuple(data), output=str(out), storage=storage, dtype=dtype, device=device,
                         max_length=max_length, batch_tokens=batch_tokens, show_progress=False)
-    from dflash.cache.verify import cache_info
-
     res = launch(cfg, num_procs=1, echo=lambda *a, **k: None)
     info = cache_info(out)  # the whole cache: a resumed call extracts only what an earlier one left
     log(f"extract {out.name}: {info['samples']} samples, {info['tokens']} tokens "
@@ -488,7 +488,10 @@ def main(argv=None) -> dict:
                                                                                    **kw),
                                           valid=lambda out: cache_present(work / "cache_eval"))
         result["runs"], result["curves"] = {}, {}
+        turns: dict[str, int] = {}  # cache name -> assistant turns of its data (a pass over the file: once)
         for ri, (rname, cname, over) in enumerate(plan):
+            if cname not in turns:
+                turns[cname] = assistant_turns(caches[cname][0][0])
             # a run an earlier call (or session) finished needs no cache; a run still to train needs it here
             trained = st.done(f"e_train_{rname}")
             result["caches"][cname] = st.run(f"d_extract_{cname}", lambda cname=cname: extract_cache(
@@ -497,7 +500,7 @@ def main(argv=None) -> dict:
             if cname == f"train_{args.storage}":
                 # a sample is one regenerated assistant turn (the issue counts ShareGPT's ~61K user turns); a
                 # whole conversation is one cache sample holding all its turns
-                result["train_samples"] = assistant_turns(train_data)
+                result["train_samples"] = turns[cname]
                 result["train_conversations"] = result["caches"][cname]["samples"]
             r = st.run(f"e_train_{rname}", lambda rname=rname, cname=cname, over=over: train_once(
                 args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}", device=device,
@@ -512,7 +515,7 @@ def main(argv=None) -> dict:
             steps_s = [m["step_time_s"] for m in r["metrics"][1:] if m.get("step_time_s") is not None]
             result["runs"][rname] = {k: v for k, v in r.items() if k != "metrics"} | {
                 "samples": result["caches"][cname]["samples"], "tokens": result["caches"][cname]["tokens"],
-                "assistant_turns": assistant_turns(caches[cname][0][0]),
+                "assistant_turns": turns[cname],
                 "final_loss": last.get("loss"), "final_train_accept_len": last.get("accept_len"),
                 "tau_mtbench": set_tau(c, "mtbench"), "tau_humaneval": set_tau(c, "humaneval"),
                 "tau_heldout": c["heldout_tau"][-1] if c["heldout_tau"] else None,

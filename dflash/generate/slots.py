@@ -206,26 +206,25 @@ class SlotDecoder:
         import torch
 
         kv_len = self.cache_len if kv_len is None else kv_len
+        tok_S1, pos_S1 = tok_S[:, None], pos_S[:, None]
         with torch.no_grad():
-            if self.cuda_graphs:
-                try:
-                    return self._replay(tok_S[:, None], pos_S[:, None], kv_len)
-                except Exception as e:  # noqa: BLE001 - a capture failure: the eager step is exact
-                    log.warning("slot decoder: capturing the decode step as a CUDA graph failed (%s: %s); "
-                                "running it eagerly", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                    self.cuda_graphs, self._graphs = False, {}
-                    return self._forward_all(tok_S[:, None], pos_S[:, None], kv_len)
-            if not self._compiled or self._compiled_ok:
-                return self._decode(tok_S[:, None], pos_S[:, None], kv_len)
-            try:  # the first compiled call: a compiler failure falls back to the same step uncompiled
-                out = self._decode(tok_S[:, None], pos_S[:, None], kv_len)
+            if not self.cuda_graphs and (not self._compiled or self._compiled_ok):
+                return self._decode(tok_S1, pos_S1, kv_len)
+            # a graph step, or the first compiled call: a capture or compiler failure falls back to the eager
+            # step, which is exact
+            try:
+                if self.cuda_graphs:
+                    return self._replay(tok_S1, pos_S1, kv_len)
+                out = self._decode(tok_S1, pos_S1, kv_len)
                 self._compiled_ok = True
                 return out
-            except Exception as e:  # noqa: BLE001 - any inductor/dynamo failure; the eager step is exact
-                log.warning("slot decoder: compiling the decode step failed (%s: %s); running it uncompiled",
-                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            except Exception as e:  # noqa: BLE001 - any capture/inductor/dynamo failure
+                what = "capturing the decode step as a CUDA graph" if self.cuda_graphs else "compiling the decode step"
+                log.warning("slot decoder: %s failed (%s: %s); running it eagerly", what, type(e).__name__,
+                            str(e).splitlines()[0] if str(e) else "")
+                self.cuda_graphs, self._graphs = False, {}
                 self._decode, self._compiled = self._forward_all, False
-                return self._decode(tok_S[:, None], pos_S[:, None], kv_len)
+                return self._forward_all(tok_S1, pos_S1, kv_len)
 
     def _replay(self, tok_S1, pos_S1, kv_len: int):
         """The decode step as a CUDA graph of this kv_len (captured on first use). The warm-up and the capture
