@@ -53,6 +53,11 @@ import bench_quality as bq  # noqa: E402
 from bench_quality import Stages, log  # noqa: E402
 
 EVAL_SETS = {"mtbench": "mtbench_greedy.jsonl", "humaneval": "humaneval_greedy.jsonl"}
+# The reference run also scores ShareGPT first turns that no training conversation holds as a user turn: beside
+# MT-Bench and HumanEval it tells a drafter that memorised its training data (low on all three) from one that
+# learned ShareGPT's kind of text (the regenerated turns repeat earlier text far more than the eval responses do)
+HELDOUT_SETS = EVAL_SETS | {"sharegpt": "sharegpt_greedy.jsonl"}
+HELDOUT_PROMPTS = "sharegpt_heldout_prompts.jsonl"
 
 
 # ------------------------------------------------------------------------------------------- shared helpers
@@ -100,9 +105,49 @@ def eval_prompt_files(args) -> dict[str, pathlib.Path]:
             "humaneval": bq.asset_file(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
 
 
+def heldout_prompt_file(args, work: pathlib.Path, avoid: list[str]) -> pathlib.Path:
+    """The held-out ShareGPT prompts: --heldout-prompts, else .assets/ (scripts/make_quality_assets.py
+    --heldout-from, for the GPU machine, which has no package), else made here from the package, avoiding the user
+    turns of the `avoid` files."""
+    def from_package() -> pathlib.Path:
+        from make_quality_assets import heldout_first_turns, user_turns, write_jsonl
+
+        out = work / HELDOUT_PROMPTS
+        write_jsonl(out, heldout_first_turns(args.heldout_count, max_chars=args.max_prompt_chars,
+                                             exclude=user_turns(avoid)))
+        return out
+
+    return bq.asset_file(args.heldout_prompts, HELDOUT_PROMPTS, from_package)
+
+
+def heldout_overlap(prompt_file: pathlib.Path, train_files: list[str]) -> int:
+    """Held-out prompts that a training file holds as a user turn (make_quality_assets.user_turns)."""
+    from make_quality_assets import prompt_texts, user_turns
+
+    return len(prompt_texts(prompt_file) & user_turns(train_files))
+
+
 def cache_present(path: pathlib.Path) -> bool:
     """Whether a cache this run extracted is in this call's --workdir (a later session's is a fresh folder)."""
     return (path / "manifest.json").is_file()
+
+
+def stale_removed(path: pathlib.Path) -> pathlib.Path:
+    """`path`, after removing an eval cache there of fewer sets than HELDOUT_SETS (its fingerprint would refuse
+    the extraction); a cut extraction of all of them is left to resume."""
+    if cache_present(path) and not eval_cache_complete(path):
+        shutil.rmtree(path)
+        log(f"removed {path.name}: an eval cache of fewer sets than {sorted(HELDOUT_SETS)}")
+    return path
+
+
+def eval_cache_complete(path: pathlib.Path) -> bool:
+    """Whether the eval cache is there with every HELDOUT_SETS file as a source (one an earlier call built before
+    the ShareGPT set existed is extracted again)."""
+    if not cache_present(path):
+        return False
+    sources = json.loads((path / "manifest.json").read_text()).get("fingerprint", {}).get("sources", [])
+    return set(HELDOUT_SETS.values()) <= {pathlib.Path(src["path"]).name for src in sources}
 
 
 def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: str, device: str, dtype: str,
@@ -126,27 +171,31 @@ def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: st
             "drain_seconds": round(res.drain_seconds, 3), "committed_before": res.num_committed_before}
 
 
-def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: str, dtype: str) -> dict:
-    """The target-greedy MT-Bench and HumanEval responses in work/: generated here, or copied from
-    --eval-responses (the files an earlier session brought back, .jsonl or .jsonl.gz), so every session of one
-    reference run scores its drafters on the same eval cache."""
-    if not args.eval_responses:
-        return bq.generate_all(args, model, {k: prompts[k] for k in EVAL_SETS}, work, device, dtype)
+def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: str, dtype: str,
+                   scored: tuple[str, ...] = ()) -> dict:
+    """The target-greedy responses of HELDOUT_SETS in work/: copied from --eval-responses (the files an earlier
+    session brought back, .jsonl or .jsonl.gz), so every session of one reference run scores its drafters on the
+    same eval cache, else generated here. `scored`: the sets earlier calls scored on, which must be copied (their
+    regenerated responses could differ in bf16); a set new to this run is generated when not there."""
     import gzip
 
-    src_dir = pathlib.Path(args.eval_responses)
-    out = {}
-    for name, fname in EVAL_SETS.items():
-        plain, packed = src_dir / fname, src_dir / (fname + ".gz")
-        if not plain.is_file() and not packed.is_file():
-            raise SystemExit(f"--eval-responses {src_dir}: neither {fname} nor {fname}.gz is there")
+    src_dir = pathlib.Path(args.eval_responses) if args.eval_responses else None
+    out, todo = {}, {}
+    for name, fname in HELDOUT_SETS.items():
+        plain, packed = (src_dir / fname, src_dir / (fname + ".gz")) if src_dir else (None, None)
+        if src_dir is None or (not plain.is_file() and not packed.is_file()):
+            if src_dir is not None and name in scored:
+                raise SystemExit(f"--eval-responses {src_dir}: neither {fname} nor {fname}.gz is there")
+            todo[name] = prompts[name]
+            continue
         src = plain if plain.is_file() else packed
         data = src.read_bytes() if src is plain else gzip.decompress(src.read_bytes())
         (work / fname).write_bytes(data)
         out[name] = {"file": str(work / fname), "copied_from": str(src), "prompts": data.count(b"\n")}
         log(f"eval responses {name}: {out[name]['prompts']} records from {out[name]['copied_from']}")
+    if todo:
+        out |= bq.generate_all(args, model, todo, work, device, dtype)
     return out
-
 
 def same_eval_responses(work: pathlib.Path, earlier: dict | None) -> dict:
     """sha256 of the eval response files; SystemExit when an earlier call scored its drafters on other responses
@@ -154,9 +203,9 @@ def same_eval_responses(work: pathlib.Path, earlier: dict | None) -> dict:
     eval sets would not compare."""
     import hashlib
 
-    now = {name: hashlib.sha256((work / f).read_bytes()).hexdigest() for name, f in EVAL_SETS.items()}
-    if earlier and earlier != now:
-        differ = ", ".join(k for k in now if earlier.get(k) != now[k])
+    now = {name: hashlib.sha256((work / f).read_bytes()).hexdigest() for name, f in HELDOUT_SETS.items()}
+    differ = ", ".join(k for k in now if k in (earlier or {}) and earlier[k] != now[k])
+    if differ:
         raise SystemExit(f"the {differ} eval responses here differ from those the earlier calls scored on: pass "
                          "--eval-responses DIR with the files an earlier call wrote (run_h200.sh copies them to $OUT)")
     return now
@@ -249,8 +298,8 @@ def curve(recs: list[dict]) -> dict:
 
 
 def set_tau(c: dict, eval_set: str) -> float | None:
-    """Final held-out tau of one eval set from a curve (its source file is EVAL_SETS[eval_set])."""
-    vals = c.get(EVAL_SETS[eval_set]) or []
+    """Final held-out tau of one eval set from a curve (its source file is HELDOUT_SETS[eval_set])."""
+    vals = c.get(HELDOUT_SETS[eval_set]) or []
     return vals[-1] if vals else None
 
 
@@ -286,8 +335,8 @@ def plot_curve(name: str, c: dict, path: pathlib.Path) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("heldout_tau", "held-out (all)"), (EVAL_SETS["mtbench"], "MT-Bench"),
-                       (EVAL_SETS["humaneval"], "HumanEval")):
+    for key, label in (("heldout_tau", "held-out (all)"), (HELDOUT_SETS["mtbench"], "MT-Bench"),
+                       (HELDOUT_SETS["humaneval"], "HumanEval"), (HELDOUT_SETS["sharegpt"], "ShareGPT (held out)")):
         if c.get(key):
             ax.plot(c["step"], c[key], marker="o", label=label)
     if any(x is not None for x in c.get("train_accept_len", [])):
@@ -332,8 +381,13 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue a cut-short run (same --json; a fresh --workdir "
                     "on a new machine redoes the target, data and caches still needed and keeps the finished runs)")
     ap.add_argument("--eval-responses", metavar="DIR", help="target-greedy eval responses of an earlier session "
-                    f"({' and '.join(EVAL_SETS.values())}, or .gz): copied instead of generated, so every session "
-                    "of a run scores on the same eval cache")
+                    f"({', '.join(HELDOUT_SETS.values())}, or .gz): copied instead of generated, so every "
+                    "session of a run scores on the same eval cache (a set the earlier calls did not score on is "
+                    "generated when absent)")
+    ap.add_argument("--heldout-prompts", help=f"held-out ShareGPT prompts (default .assets/{HELDOUT_PROMPTS}, written "
+                    "by scripts/make_quality_assets.py --heldout-from TRAIN_DATA; else made from the package)")
+    ap.add_argument("--heldout-count", type=int, default=244,
+                    help="held-out ShareGPT prompts made from the package when no file is given")
     ap.add_argument("--json", help="result file (default benchmarks/results/quality_reference_h200.json)")
     ap.add_argument("--plot-dir", help="where the PNGs go (default benchmarks/results)")
     args, rest = ap.parse_known_args(argv)
@@ -480,11 +534,19 @@ def main(argv=None) -> dict:
         train_data = st.run("b_train_data", lambda: train_data_file(args, model, work, device, dtype, prompts),
                             valid=lambda out: pathlib.Path(out).is_file())
         result["train_data_file"] = train_data
-        st.run("c_generate_eval", lambda: eval_responses(args, model, prompts, work, device, dtype),
-               valid=lambda out: all((work / f).is_file() for f in EVAL_SETS.values()))
-        result["eval_responses_sha256"] = same_eval_responses(work, st.earlier.get("eval_responses_sha256"))
+        # --tiny trains on generated (pre-tokenized) first turns: its prompt file holds their user turns
+        with_turns = [train_data] + ([str(prompts["train"])] if args.tiny else [])
+        prompts["sharegpt"] = heldout_prompt_file(args, work, with_turns)
+        if overlap := heldout_overlap(prompts["sharegpt"], with_turns):
+            raise SystemExit(f"{prompts['sharegpt']}: {overlap} held-out prompts are user turns of the training "
+                             "data; rebuild it: python scripts/make_quality_assets.py --heldout-from TRAIN_DATA")
+        earlier_sha = st.earlier.get("eval_responses_sha256") or {}
+        st.run("c_generate_eval", lambda: eval_responses(args, model, prompts, work, device, dtype,
+                                                         scored=tuple(earlier_sha)),
+               valid=lambda out: all((work / f).is_file() for f in HELDOUT_SETS.values()))
+        result["eval_responses_sha256"] = same_eval_responses(work, earlier_sha)
         plan = runs_plan(args)
-        caches = {"eval": ([str(work / f) for f in EVAL_SETS.values()], "bf16")}
+        caches = {"eval": ([str(work / f) for f in HELDOUT_SETS.values()], "bf16")}
         for _, cname, _ in plan:
             if cname.startswith("train_n"):
                 n = int(cname[len("train_n"):])
@@ -495,9 +557,9 @@ def main(argv=None) -> dict:
         result["disk"] = check_disk(args, model, caches, plan, work, dtype=dtype, device=device)
         result.setdefault("caches", {})
         result["caches"]["eval"] = st.run("d_extract_eval", lambda: extract_cache(model, caches["eval"][0],
-                                                                                   work / "cache_eval", storage="bf16",
-                                                                                   **kw),
-                                          valid=lambda out: cache_present(work / "cache_eval"))
+                                                                                   stale_removed(work / "cache_eval"),
+                                                                                   storage="bf16", **kw),
+                                          valid=lambda out: eval_cache_complete(work / "cache_eval"))
         result["runs"], result["curves"] = {}, {}
         turns: dict[str, int] = {}  # cache name -> assistant turns of its data (a pass over the file: once)
         for ri, (rname, cname, over) in enumerate(plan):
@@ -529,6 +591,7 @@ def main(argv=None) -> dict:
                 "assistant_turns": turns[cname],
                 "final_loss": last.get("loss"), "final_train_accept_len": last.get("accept_len"),
                 "tau_mtbench": set_tau(c, "mtbench"), "tau_humaneval": set_tau(c, "humaneval"),
+                "tau_sharegpt": set_tau(c, "sharegpt"),
                 "tau_heldout": c["heldout_tau"][-1] if c["heldout_tau"] else None,
                 "heldout_seconds_median": statistics.median(evals) if evals else None,
                 "step_time_s_median": statistics.median(steps_s) if steps_s else None,
@@ -555,6 +618,7 @@ def summarise(result: dict) -> None:
     ref, bf16, fp8 = runs.get(ref_name), runs.get("all_bf16"), runs.get("all_fp8")
     if ref:
         result["tau_mtbench"], result["tau_humaneval"] = ref["tau_mtbench"], ref["tau_humaneval"]
+        result["tau_sharegpt_heldout"] = ref.get("tau_sharegpt")
         # the reference run's own evaluations and steps, at the default --eval-every (bench_eval_overhead's rule)
         result["eval_overhead_fraction"] = ref.get("eval_overhead_fraction")
         result["eval_overhead_at_eval_every"] = default_eval_every()
@@ -574,7 +638,7 @@ def summarise(result: dict) -> None:
     result["data_scaling"] = sorted(
         ({"run": k, "samples": v["samples"], "assistant_turns": v.get("assistant_turns"), "tokens": v["tokens"],
           "steps": v["steps"],
-          "tau_mtbench": v["tau_mtbench"], "tau_humaneval": v["tau_humaneval"],
+          "tau_mtbench": v["tau_mtbench"], "tau_humaneval": v["tau_humaneval"], "tau_sharegpt": v.get("tau_sharegpt"),
           "train_accept_len": v["final_train_accept_len"]}
          for k, v in runs.items() if k.startswith("n") or k == ref_name), key=lambda r: r["samples"])
     result["checks"] = {
@@ -589,10 +653,12 @@ def format_table(result: dict) -> str:
     def f(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
 
-    lines = [f"{'run':<12} {'samples':>8} {'steps':>6} {'MT-Bench':>9} {'HumanEval':>9} {'train acc':>9} {'tok/s':>8}"]
+    lines = [f"{'run':<12} {'samples':>8} {'steps':>6} {'MT-Bench':>9} {'HumanEval':>9} {'ShareGPT':>9} "
+             f"{'train acc':>9} {'tok/s':>8}"]
     for k, v in result.get("runs", {}).items():
         lines.append(f"{k:<12} {v['samples']:>8} {v['steps']:>6} {f(v['tau_mtbench']):>9} {f(v['tau_humaneval']):>9} "
-                     f"{f(v['final_train_accept_len']):>9} {f(v['tokens_per_s'], '{:.0f}'):>8}")
+                     f"{f(v.get('tau_sharegpt')):>9} {f(v['final_train_accept_len']):>9} "
+                     f"{f(v['tokens_per_s'], '{:.0f}'):>8}")
     lines.append(f"tau_mtbench {f(result.get('tau_mtbench'))}, tau_humaneval {f(result.get('tau_humaneval'))}, "
                  f"train/heldout {f(result.get('train_acceptance_over_heldout'), '{:.2f}')}, fp8 diff "
                  f"{f(result.get('fp8_rel_diff_mtbench'), '{:+.2%}')}/{f(result.get('fp8_rel_diff_humaneval'), '{:+.2%}')}"

@@ -1,8 +1,11 @@
 """Write the prompt assets of benchmarks/bench_quality.py into .assets/ (git-ignored) for the GPU machine, which has
 none of the asset packages: .assets/sharegpt_prompts.jsonl (the first user turns of the first N usable ShareGPT
-conversations), .assets/mtbench_question.jsonl (MT-Bench question.jsonl) and .assets/HumanEval.jsonl.gz.
+conversations), .assets/mtbench_question.jsonl (MT-Bench question.jsonl), .assets/HumanEval.jsonl.gz, and
+.assets/sharegpt_heldout_prompts.jsonl (bench_reference's held-out ShareGPT eval set: first user turns from the end
+of the package that no training conversation holds as a user turn; --heldout-from names the training data).
 
 Usage: python scripts/make_quality_assets.py [--count 4000] [--max-chars 2000] [--out .assets]
+           [--heldout-count 244] [--heldout-from TRAIN.jsonl[.gz] ...]
 """
 
 from __future__ import annotations
@@ -34,6 +37,55 @@ def first_user_turns(count: int, *, max_chars: int) -> list[dict]:
     return out
 
 
+def user_turns(paths) -> set[str]:
+    """Every user message (stripped) of conversation files: what a held-out prompt must not be."""
+    from dflash.data import iter_records
+
+    out: set[str] = set()
+    for path in paths:
+        for rec in iter_records(path):
+            out.update(m["content"].strip() for m in getattr(rec, "messages", None) or () if m["role"] == "user")
+    return out
+
+
+def prompt_texts(path) -> set[str]:
+    """The user turns (stripped) of a prompt file of write_jsonl's {"messages": [user turn]} records (the readers
+    skip records with no assistant turn, so they are read here line by line)."""
+    with open(path, encoding="utf-8") as f:
+        return {m["content"].strip() for line in f if line.strip()
+                for m in json.loads(line)["messages"] if m["role"] == "user"}
+
+
+def last_distinct(texts: list[str], *, count: int, exclude: set[str], max_chars: int) -> list[str]:
+    """Up to `count` texts taken from the end of `texts` (file order), skipping empty ones, ones over max_chars,
+    ones in `exclude` and repeats (ShareGPT holds the same prompt in several conversations: 32 of the last 244
+    first turns are also first turns of the first 13K conversations), returned in file order."""
+    picked: list[str] = []
+    seen: set[str] = set()
+    for text in reversed(texts):
+        if len(picked) == count:
+            break
+        if not text or len(text) > max_chars or text in exclude or text in seen:
+            continue
+        seen.add(text)
+        picked.append(text)
+    return picked[::-1]
+
+
+def heldout_first_turns(count: int, *, max_chars: int, exclude: set[str]) -> list[dict]:
+    """{"messages": [first user turn]} records for bench_reference's held-out ShareGPT set (last_distinct over the
+    package's first user turns)."""
+    from dflash.data import iter_records
+    from dflash.data.assets import sharegpt_path
+
+    firsts = []
+    for rec in iter_records(sharegpt_path()):
+        msgs = getattr(rec, "messages", None)
+        firsts.append(msgs[0]["content"].strip() if msgs and msgs[0]["role"] == "user" else "")
+    return [{"messages": [{"role": "user", "content": t}]}
+            for t in last_distinct(firsts, count=count, exclude=exclude, max_chars=max_chars)]
+
+
 def write_jsonl(path: pathlib.Path, records: list[dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
@@ -45,6 +97,9 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=4000, help="ShareGPT prompts to write")
     ap.add_argument("--max-chars", type=int, default=2000, help="skip first turns longer than this")
     ap.add_argument("--out", default=".assets", help="output folder")
+    ap.add_argument("--heldout-count", type=int, default=244, help="held-out ShareGPT eval prompts to write")
+    ap.add_argument("--heldout-from", nargs="+", default=[],
+                    help="training conversation files whose user turns the held-out prompts must avoid")
     args = ap.parse_args()
     from dflash.data.assets import humaneval_path, mtbench_questions_path
 
@@ -54,9 +109,13 @@ def main() -> None:
     write_jsonl(out / "sharegpt_prompts.jsonl", prompts)
     shutil.copyfile(mtbench_questions_path(), out / "mtbench_question.jsonl")
     shutil.copyfile(humaneval_path(), out / "HumanEval.jsonl.gz")
-    for name in ("sharegpt_prompts.jsonl", "mtbench_question.jsonl", "HumanEval.jsonl.gz"):
+    heldout = heldout_first_turns(args.heldout_count, max_chars=args.max_chars, exclude=user_turns(args.heldout_from))
+    write_jsonl(out / "sharegpt_heldout_prompts.jsonl", heldout)
+    for name in ("sharegpt_prompts.jsonl", "mtbench_question.jsonl", "HumanEval.jsonl.gz",
+                 "sharegpt_heldout_prompts.jsonl"):
         print(f"{out / name}: {(out / name).stat().st_size / 2**20:.2f} MiB")
-    print(f"{len(prompts)} ShareGPT prompts")
+    print(f"{len(prompts)} ShareGPT prompts, {len(heldout)} held-out ShareGPT prompts "
+          f"(none a user turn of {len(args.heldout_from)} training file(s))")
 
 
 if __name__ == "__main__":

@@ -164,6 +164,7 @@ def test_eval_responses_carried_and_checked(tmp_path):
     src.mkdir()
     (src / br.EVAL_SETS["mtbench"]).write_text('{"a": 1}\n{"a": 2}\n')
     (src / (br.EVAL_SETS["humaneval"] + ".gz")).write_bytes(gzip.compress(b'{"b": 1}\n'))
+    (src / br.HELDOUT_SETS["sharegpt"]).write_text('{"c": 1}\n')
     work = tmp_path / "work"
     work.mkdir()
     args = types.SimpleNamespace(eval_responses=str(src))
@@ -176,5 +177,44 @@ def test_eval_responses_carried_and_checked(tmp_path):
     with pytest.raises(SystemExit, match="humaneval eval responses here differ.*--eval-responses"):
         br.same_eval_responses(work, sha)
     (src / (br.EVAL_SETS["humaneval"] + ".gz")).unlink()
-    with pytest.raises(SystemExit, match="neither humaneval_greedy.jsonl nor"):
-        br.eval_responses(args, "model", {}, work, "cpu", "float32")
+    with pytest.raises(SystemExit, match="neither humaneval_greedy.jsonl nor"):  # the earlier calls scored on it
+        br.eval_responses(args, "model", {}, work, "cpu", "float32", scored=("mtbench", "humaneval"))
+
+
+def test_eval_responses_generates_a_set_new_to_the_run(tmp_path, monkeypatch):
+    """A set the earlier calls did not score on (the ShareGPT set, added after the first reference session) is
+    generated when --eval-responses lacks it; the carried ones are copied, and the sha check covers both."""
+    src, work = tmp_path / "carried", tmp_path / "work"
+    src.mkdir()
+    work.mkdir()
+    for name in ("mtbench", "humaneval"):
+        (src / br.HELDOUT_SETS[name]).write_text(f'{{"{name}": 1}}\n')
+    asked = []
+
+    def generate_all(args, model, prompts, work, device, dtype):
+        asked.append(sorted(prompts))
+        (work / br.HELDOUT_SETS["sharegpt"]).write_text('{"new": 1}\n')
+        return {"sharegpt": {"prompts": 1}}
+
+    monkeypatch.setattr(br.bq, "generate_all", generate_all)
+    args = types.SimpleNamespace(eval_responses=str(src))
+    out = br.eval_responses(args, "model", {"sharegpt": "p.jsonl"}, work, "cpu", "float32",
+                            scored=("mtbench", "humaneval"))
+    assert asked == [["sharegpt"]] and sorted(out) == ["humaneval", "mtbench", "sharegpt"]
+    earlier = {k: v for k, v in br.same_eval_responses(work, None).items() if k != "sharegpt"}
+    assert set(br.same_eval_responses(work, earlier)) == set(br.HELDOUT_SETS)  # no earlier sha of sharegpt
+
+
+def test_heldout_prompts_avoid_training_turns(tmp_path):
+    """The held-out ShareGPT prompts come from the end of the file, distinct, none a training user turn; the run
+    counts any overlap it is given."""
+    from make_quality_assets import last_distinct, write_jsonl
+
+    texts = ["a", "b", "", "c", "b", "x" * 50, "d", "c"]
+    assert last_distinct(texts, count=3, exclude={"d"}, max_chars=10) == ["a", "b", "c"]
+    assert last_distinct(texts, count=9, exclude=set(), max_chars=10) == ["a", "b", "d", "c"]
+    prompts, train = tmp_path / "heldout.jsonl", tmp_path / "train.jsonl"
+    write_jsonl(prompts, [{"messages": [{"role": "user", "content": t}]} for t in ("p1", "p2")])
+    write_jsonl(train, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"},
+                                      {"role": "user", "content": " p2 "}, {"role": "assistant", "content": "s"}]}])
+    assert br.heldout_overlap(prompts, [str(train)]) == 1
