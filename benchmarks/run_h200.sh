@@ -17,8 +17,14 @@
 #       call after the first adds --resume; a training cut at the limit continues from its last checkpoint. E.g.
 #       reference --gguf-parts ~/dflash_assets/smollm2.gguf.part-a .assets/smollm2.gguf.part-b \
 #         --train-data .assets/sharegpt_whole-00.jsonl.gz --skip all_bf16,all_noise,all_seed1,n8000 --drop-caches
-#       (12,930 whole conversations, 13.0M tokens: fp8 extraction ~4.3 min + 6 epochs ~15 min = three chained
-#       calls; carry .whl + part-a first (a stash call), then part-b, the data and the two eval prompt files)
+#       (12,930 whole conversations, 13.0M tokens: done 2026-12-02 in three chained calls, fp8 extraction 3 min,
+#       6 epochs 4,776 steps ~13 min; carry .whl + part-a first (a stash call), then part-b, the data and the eval
+#       prompt files). A later session continues the committed run (its first call seeds /tmp/bref from it) with
+#       the eval responses the first one brought back, and the held-out ShareGPT prompts
+#       (scripts/make_quality_assets.py --heldout-from DATA), e.g. the noise and seed runs:
+#       reference --gguf-parts ... --train-data .assets/sharegpt_whole-00.jsonl.gz --eval-responses .assets \
+#         --skip all_bf16,n8000 --drop-caches --resume   (carry .assets/{mtbench,humaneval}_greedy.jsonl.gz and
+#       .assets/sharegpt_heldout_prompts.jsonl); --bf16-online trains all_bf16 from the live target instead
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
@@ -59,7 +65,7 @@ reference() { local t=$1; shift; mkdir -p /tmp/bref
                 --json /tmp/bref/quality_reference_h200.json "$@"  # outside the synced tree: --resume reads it
               local r=$?
               # the eval responses travel back, for the next session's --eval-responses (same eval cache)
-              if [ -n "${OUT:-}" ]; then for f in mtbench_greedy humaneval_greedy; do
+              if [ -n "${OUT:-}" ]; then for f in mtbench_greedy humaneval_greedy sharegpt_greedy; do
                 [ -f /tmp/bref/$f.jsonl ] && gzip -c /tmp/bref/$f.jsonl > "$OUT/$f.jsonl.gz"; done; fi
               return $r; }
 evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \

@@ -99,6 +99,9 @@ def test_first_records_and_runs_plan(tmp_path):
     assert gpu.storage == "fp8" and [(p[0], p[1]) for p in br.runs_plan(gpu)] == [
         ("all_fp8", "train_fp8"), ("all_bf16", "train_bf16"), ("all_noise", "train_fp8"), ("all_seed1", "train_fp8"),
         ("n2000", "train_n2000"), ("n8000", "train_n8000")]
+    # --bf16-online: all_bf16 reads the fp8 cache's token stream, its features from the live target
+    online = dict((p[0], p[1:]) for p in br.runs_plan(br.parse_args(["--bf16-online"])))
+    assert online["all_bf16"] == ("train_fp8", {"online": True}) and online["all_fp8"] == ("train_fp8", {})
 
 
 def test_assistant_turns_counts_what_extraction_reads(tmp_path):
