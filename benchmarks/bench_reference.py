@@ -485,16 +485,18 @@ def assistant_turns(path: str) -> int:
     return n
 
 
-def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *, dtype: str, device: str) -> dict:
-    """disk_plan for this run (the caches not yet on disk: tokens from extraction dry runs, bytes from
-    dflash.extract.space, the rule `dflash extract` refuses by); SystemExit with what to change when it does not
-    fit."""
+def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *, dtype: str, device: str,
+               finished: frozenset[str] = frozenset()) -> dict:
+    """disk_plan for this run (the caches not yet on disk that a run still to train reads, and the eval cache:
+    tokens from extraction dry runs, bytes from dflash.extract.space, the rule `dflash extract` refuses by);
+    SystemExit with what to change when it does not fit. `finished`: runs an earlier call trained."""
     from dflash.extract.space import estimate_cache_bytes
     from dflash.target.taps import default_tap_layer_ids
 
     conf = json.loads((pathlib.Path(model) / "config.json").read_text())
     taps = len(default_tap_layer_ids(conf["num_hidden_layers"]))
-    todo = {c: v for c, v in caches.items() if not cache_present(work / f"cache_{c}")}
+    needed = {"eval"} | {c for r, c, _ in plan if r not in finished}
+    todo = {c: v for c, v in caches.items() if c in needed and not cache_present(work / f"cache_{c}")}
     est = {}
     for c, (files, storage) in todo.items():
         res, cfg = planned_tokens(model, files, work, dtype=dtype, device=device, max_length=args.max_length,
@@ -560,7 +562,8 @@ def main(argv=None) -> dict:
             else:
                 caches[cname] = ([train_data], cname[len("train_"):])
         result["reference_storage"] = args.storage
-        result["disk"] = check_disk(args, model, caches, plan, work, dtype=dtype, device=device)
+        result["disk"] = check_disk(args, model, caches, plan, work, dtype=dtype, device=device,
+                                    finished=frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}")))
         result.setdefault("caches", {})
         result["caches"]["eval"] = st.run("d_extract_eval", lambda: extract_cache(model, caches["eval"][0],
                                                                                    stale_removed(work / "cache_eval"),
