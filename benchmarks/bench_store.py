@@ -81,7 +81,7 @@ def local_files(root: pathlib.Path) -> list[tuple[str, bytes]]:
 
 
 def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, ...] | None,
-                in_flight: int = 2) -> tuple[int, float, float]:
+                in_flight: int = 2, verify: bool = True) -> tuple[int, float, float]:
     """Every sample of the cache at `url` through CacheReader(url) the way the training loader reads it:
     shuffled micro-batches (plan_epoch), two read_many calls in flight, each into its own reused buffers.
     Returns (bytes fetched, seconds opening the reader and the first batch's shard indexes, seconds in all)."""
@@ -90,7 +90,7 @@ def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, .
     from dflash.train.loader import plan_epoch
 
     t0 = time.perf_counter()
-    with CacheReader(url, num_threads=threads) as r:
+    with CacheReader(url, num_threads=threads, verify=verify) as r:
         plan = plan_epoch(r.index.length, seed=0, epoch=0, batch_tokens=batch_tokens, world_size=1, grad_accum=1)
         batches = [mb for s in range(plan.num_steps) for mb in plan.rank_step(0, s) if len(mb)]
         k = len(r.tap_positions(taps))
@@ -130,6 +130,9 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=8192, help="Tokens per read_many (a micro-batch).")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--write-reps", type=int, default=3)
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the direct read with the crc check off and with 2x threads, 2x micro-batches in "
+                         "flight, each round (where its gap to the plain GET goes; variant_ratios in the JSON)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store_s3_cpu.json"))
     args = ap.parse_args()
     shard_tokens = args.shard_tokens or default_shard_tokens()
@@ -182,6 +185,12 @@ def main() -> None:
         steps = [direct, lambda: timed("plain_get", lambda: plain_get(store, sizes, pool, part=PART_BYTES)),
                  lambda: timed("plain_whole", lambda: plain_get(store, sizes, pool, part=None)),
                  lambda: timed("fetch", fetch)]
+        variants = {"direct_no_crc": dict(threads=args.threads, verify=False),
+                    "direct_wide": dict(threads=2 * args.threads, in_flight=4)} if args.variants else {}
+        for name, kw in variants.items():
+            sec[name] = []
+            steps.append(lambda name=name, kw=kw: timed(name, lambda: direct_read(
+                url, batch_tokens=args.batch_tokens, taps=None, **kw)))
         for rep in range(args.reps):
             for step in (steps if rep % 2 == 0 else steps[::-1]):  # alternate the order
                 step()
@@ -235,6 +244,8 @@ def main() -> None:
         "mirror_read_ratio_vs_plain_get": ratio("plain_get", "fetch"),
         "mirror_subset_bytes_ratio": sub_mirror / fetch_bytes,
         "direct_open_s": med["direct_open"],
+        "variant_ratios": {name: ratio("plain_get", name) for name in sec if name.startswith("direct_")
+                           and name != "direct_open"},
         "seconds": med,
         "seconds_all_rounds": sec,
         "bytes": {"read_cache_objects": payload, "direct_fetched": direct_bytes, "fetch": fetch_bytes,
