@@ -432,6 +432,12 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
     return [p for p in plan if p[0] not in skip]
 
 
+def caches_needed(plan: list, finished: frozenset[str]) -> set[str]:
+    """The caches this call must have: the eval cache and every cache a run still to train reads (a cache that
+    only runs finished by earlier calls or sessions read is neither extracted nor planned for)."""
+    return {"eval"} | {c for r, c, _ in plan if r not in finished}
+
+
 def disk_plan(cache_bytes: dict[str, int], *, free: int, drop: bool, order: list[str]) -> dict:
     """Whether the caches still to extract (name -> estimated bytes; "eval" stays to the end) fit in `free`
     bytes: all at once, or (drop) the largest training cache beside the eval cache, each removed after its last
@@ -495,7 +501,7 @@ def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *
 
     conf = json.loads((pathlib.Path(model) / "config.json").read_text())
     taps = len(default_tap_layer_ids(conf["num_hidden_layers"]))
-    needed = {"eval"} | {c for r, c, _ in plan if r not in finished}
+    needed = caches_needed(plan, finished)
     todo = {c: v for c, v in caches.items() if c in needed and not cache_present(work / f"cache_{c}")}
     est = {}
     for c, (files, storage) in todo.items():
@@ -562,8 +568,8 @@ def main(argv=None) -> dict:
             else:
                 caches[cname] = ([train_data], cname[len("train_"):])
         result["reference_storage"] = args.storage
-        result["disk"] = check_disk(args, model, caches, plan, work, dtype=dtype, device=device,
-                                    finished=frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}")))
+        finished = frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}"))  # by earlier calls or sessions
+        result["disk"] = check_disk(args, model, caches, plan, work, dtype=dtype, device=device, finished=finished)
         result.setdefault("caches", {})
         result["caches"]["eval"] = st.run("d_extract_eval", lambda: extract_cache(model, caches["eval"][0],
                                                                                    stale_removed(work / "cache_eval"),
@@ -574,11 +580,12 @@ def main(argv=None) -> dict:
         for ri, (rname, cname, over) in enumerate(plan):
             if cname not in turns:
                 turns[cname] = assistant_turns(caches[cname][0][0])
-            # a run an earlier call (or session) finished needs no cache; a run still to train needs it here
-            trained = st.done(f"e_train_{rname}")
+            # a needed cache is extracted at its first visit, also when that visit's run is finished (later
+            # visits in this call reuse that stage's output)
+            unread = cname not in caches_needed(plan, finished)
             result["caches"][cname] = st.run(f"d_extract_{cname}", lambda cname=cname: extract_cache(
                 model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], **kw),
-                valid=lambda out, cname=cname, trained=trained: trained or cache_present(work / f"cache_{cname}"))
+                valid=lambda out, cname=cname, unread=unread: unread or cache_present(work / f"cache_{cname}"))
             if cname == f"train_{args.storage}":
                 # a sample is one regenerated assistant turn (the issue counts ShareGPT's ~61K user turns); a
                 # whole conversation is one cache sample holding all its turns

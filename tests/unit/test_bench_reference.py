@@ -221,3 +221,13 @@ def test_heldout_prompts_avoid_training_turns(tmp_path):
     write_jsonl(train, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"},
                                       {"role": "user", "content": " p2 "}, {"role": "assistant", "content": "s"}]}])
     assert br.heldout_overlap(prompts, [str(train)]) == 1
+
+
+def test_caches_needed_by_runs_still_to_train():
+    """A cache is needed while any run reading it is unfinished, also when the first run reading it is done (a new
+    session continuing the reference run: all_fp8 done, all_noise to train from the same cache)."""
+    plan = br.runs_plan(br.parse_args(["--skip", "all_bf16"]))
+    assert br.caches_needed(plan, frozenset()) == {"eval", "train_fp8", "train_n2000", "train_n8000"}
+    assert br.caches_needed(plan, frozenset({"all_fp8", "n2000"})) == {"eval", "train_fp8", "train_n8000"}
+    done = frozenset({"all_fp8", "all_noise", "all_seed1", "n2000"})
+    assert br.caches_needed(plan, done) == {"eval", "train_n8000"}
