@@ -107,26 +107,25 @@ def eval_prompt_files(args) -> dict[str, pathlib.Path]:
             "humaneval": bq.asset_file(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
 
 
-def heldout_prompt_file(args, work: pathlib.Path, avoid: list[str]) -> pathlib.Path:
+def heldout_prompt_file(args, work: pathlib.Path, avoid: set[str]) -> pathlib.Path:
     """The held-out ShareGPT prompts: --heldout-prompts, else .assets/ (scripts/make_quality_assets.py
-    --heldout-from, for the GPU machine, which has no package), else made here from the package, avoiding the user
-    turns of the `avoid` files."""
+    --heldout-from, for the GPU machine, which has no package), else made here from the package, avoiding the
+    training data's user turns `avoid` (make_quality_assets.user_turns)."""
     def from_package() -> pathlib.Path:
-        from make_quality_assets import heldout_first_turns, user_turns, write_jsonl
+        from make_quality_assets import heldout_first_turns, write_jsonl
 
         out = work / HELDOUT_PROMPTS
-        write_jsonl(out, heldout_first_turns(args.heldout_count, max_chars=args.max_prompt_chars,
-                                             exclude=user_turns(avoid)))
+        write_jsonl(out, heldout_first_turns(args.heldout_count, max_chars=args.max_prompt_chars, exclude=avoid))
         return out
 
     return bq.asset_file(args.heldout_prompts, HELDOUT_PROMPTS, from_package)
 
 
-def heldout_overlap(prompt_file: pathlib.Path, train_files: list[str]) -> int:
-    """Held-out prompts that a training file holds as a user turn (make_quality_assets.user_turns)."""
-    from make_quality_assets import prompt_texts, user_turns
+def heldout_overlap(prompt_file: pathlib.Path, train_turns: set[str]) -> int:
+    """Held-out prompts that are user turns of the training data (`train_turns`: make_quality_assets.user_turns)."""
+    from make_quality_assets import prompt_texts
 
-    return len(prompt_texts(prompt_file) & user_turns(train_files))
+    return len(prompt_texts(prompt_file) & train_turns)
 
 
 def cache_present(path: pathlib.Path) -> bool:
@@ -143,13 +142,18 @@ def stale_removed(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def source_names(fp) -> set[str]:
+    """File names of a cache fingerprint's sources (an eval cache's: its eval sets, held-out tau is keyed by them)."""
+    return {pathlib.Path(src["path"]).name for src in fp.sources}
+
+
 def eval_cache_complete(path: pathlib.Path) -> bool:
     """Whether the eval cache is there with every HELDOUT_SETS file as a source (one an earlier call built before
     the ShareGPT set existed is extracted again)."""
-    if not cache_present(path):
-        return False
-    sources = json.loads((path / "manifest.json").read_text()).get("fingerprint", {}).get("sources", [])
-    return set(HELDOUT_SETS.values()) <= {pathlib.Path(src["path"]).name for src in sources}
+    from dflash.cache.commit import open_cache_fingerprint
+
+    fp = open_cache_fingerprint(path)
+    return fp is not None and set(HELDOUT_SETS.values()) <= source_names(fp)
 
 
 def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: str, device: str, dtype: str,
@@ -494,16 +498,15 @@ def assistant_turns(path: str) -> int:
 
 
 def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *, dtype: str, device: str,
-               finished: frozenset[str] = frozenset()) -> dict:
-    """disk_plan for this run (the caches not yet on disk that a run still to train reads, and the eval cache:
-    tokens from extraction dry runs, bytes from dflash.extract.space, the rule `dflash extract` refuses by);
-    SystemExit with what to change when it does not fit. `finished`: runs an earlier call trained."""
+               needed: set[str]) -> dict:
+    """disk_plan for this run (the `needed` caches, caches_needed, not yet on disk: tokens from extraction dry
+    runs, bytes from dflash.extract.space, the rule `dflash extract` refuses by); SystemExit with what to change
+    when it does not fit."""
     from dflash.extract.space import estimate_cache_bytes
     from dflash.target.taps import default_tap_layer_ids
 
     conf = json.loads((pathlib.Path(model) / "config.json").read_text())
     taps = len(default_tap_layer_ids(conf["num_hidden_layers"]))
-    needed = caches_needed(plan, finished)
     todo = {c: v for c, v in caches.items() if c in needed and not cache_present(work / f"cache_{c}")}
     est = {}
     for c, (files, storage) in todo.items():
@@ -551,9 +554,11 @@ def main(argv=None) -> dict:
                             valid=lambda out: pathlib.Path(out).is_file())
         result["train_data_file"] = train_data
         # --tiny trains on generated (pre-tokenized) first turns: its prompt file holds their user turns
-        with_turns = [train_data] + ([str(prompts["train"])] if args.tiny else [])
-        prompts["sharegpt"] = heldout_prompt_file(args, work, with_turns)
-        if overlap := heldout_overlap(prompts["sharegpt"], with_turns):
+        from make_quality_assets import user_turns
+
+        train_turns = user_turns([train_data] + ([str(prompts["train"])] if args.tiny else []))
+        prompts["sharegpt"] = heldout_prompt_file(args, work, train_turns)
+        if overlap := heldout_overlap(prompts["sharegpt"], train_turns):
             raise SystemExit(f"{prompts['sharegpt']}: {overlap} held-out prompts are user turns of the training "
                              "data; rebuild it: python scripts/make_quality_assets.py --heldout-from TRAIN_DATA")
         earlier_sha = st.earlier.get("eval_responses_sha256") or {}
@@ -570,8 +575,10 @@ def main(argv=None) -> dict:
             else:
                 caches[cname] = ([train_data], cname[len("train_"):])
         result["reference_storage"] = args.storage
-        finished = frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}"))  # by earlier calls or sessions
-        result["disk"] = check_disk(args, model, caches, plan, work, dtype=dtype, device=device, finished=finished)
+        # runs finished by earlier calls or sessions read no cache; a needed one is extracted at its first visit,
+        # also when that visit's run is finished (later visits in this call reuse that stage's output)
+        needed = caches_needed(plan, frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}")))
+        result["disk"] = check_disk(args, model, caches, plan, work, dtype=dtype, device=device, needed=needed)
         result.setdefault("caches", {})
         result["caches"]["eval"] = st.run("d_extract_eval", lambda: extract_cache(model, caches["eval"][0],
                                                                                    stale_removed(work / "cache_eval"),
@@ -582,9 +589,7 @@ def main(argv=None) -> dict:
         for ri, (rname, cname, over) in enumerate(plan):
             if cname not in turns:
                 turns[cname] = assistant_turns(caches[cname][0][0])
-            # a needed cache is extracted at its first visit, also when that visit's run is finished (later
-            # visits in this call reuse that stage's output)
-            unread = cname not in caches_needed(plan, finished)
+            unread = cname not in needed
             result["caches"][cname] = st.run(f"d_extract_{cname}", lambda cname=cname: extract_cache(
                 model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], **kw),
                 valid=lambda out, cname=cname, unread=unread: unread or cache_present(work / f"cache_{cname}"))

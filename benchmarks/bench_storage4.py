@@ -517,7 +517,7 @@ def reused_eval_cache(path: pathlib.Path) -> dict:
 
     with CacheReader(path) as r:
         fp, n = r.fingerprint, len(r)
-    names = {pathlib.Path(src["path"]).name for src in fp.sources}
+    names = br.source_names(fp)
     if not fp.target_greedy or not set(br.EVAL_SETS.values()) <= names:
         raise SystemExit(f"--eval-cache {path}: needs a target-greedy cache of {sorted(br.EVAL_SETS.values())} "
                          f"(bench_reference's cache_eval); it is target_greedy={fp.target_greedy}, sources "

@@ -244,8 +244,7 @@ def main() -> None:
         "mirror_read_ratio_vs_plain_get": ratio("plain_get", "fetch"),
         "mirror_subset_bytes_ratio": sub_mirror / fetch_bytes,
         "direct_open_s": med["direct_open"],
-        "variant_ratios": {name: ratio("plain_get", name) for name in sec if name.startswith("direct_")
-                           and name != "direct_open"},
+        "variant_ratios": {name: ratio("plain_get", name) for name in variants},
         "seconds": med,
         "seconds_all_rounds": sec,
         "bytes": {"read_cache_objects": payload, "direct_fetched": direct_bytes, "fetch": fetch_bytes,

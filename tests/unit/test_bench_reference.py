@@ -211,7 +211,7 @@ def test_eval_responses_generates_a_set_new_to_the_run(tmp_path, monkeypatch):
 def test_heldout_prompts_avoid_training_turns(tmp_path):
     """The held-out ShareGPT prompts come from the end of the file, distinct, none a training user turn; the run
     counts any overlap it is given."""
-    from make_quality_assets import last_distinct, write_jsonl
+    from make_quality_assets import last_distinct, user_turns, write_jsonl
 
     texts = ["a", "b", "", "c", "b", "x" * 50, "d", "c"]
     assert last_distinct(texts, count=3, exclude={"d"}, max_chars=10) == ["a", "b", "c"]
@@ -220,7 +220,8 @@ def test_heldout_prompts_avoid_training_turns(tmp_path):
     write_jsonl(prompts, [{"messages": [{"role": "user", "content": t}]} for t in ("p1", "p2")])
     write_jsonl(train, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"},
                                       {"role": "user", "content": " p2 "}, {"role": "assistant", "content": "s"}]}])
-    assert br.heldout_overlap(prompts, [str(train)]) == 1
+    assert user_turns([str(train)]) == {"q", "p2"}
+    assert br.heldout_overlap(prompts, user_turns([str(train)])) == 1
 
 
 def test_caches_needed_by_runs_still_to_train():
