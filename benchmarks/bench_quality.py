@@ -45,6 +45,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 ASSETS = REPO / ".assets"
+# committed, so that every session has them (.assets/ is git-ignored and a new checkout starts without it): the
+# whole-conversation training data regenerated on the H200 and the eval prompt files (its README.md)
+COMMITTED_ASSETS = REPO / "benchmarks" / "assets" / "quality"
 SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>: a special token the chat model never emits (configs/train_smollm2.yaml)
 
 T0 = time.perf_counter()
@@ -123,10 +126,14 @@ def target_folder(args, work: pathlib.Path) -> str:
 
 
 def asset_file(given: str | None, asset: str, fallback):
-    """A prompt file: the flag's path, else .assets/ASSET (scripts/make_quality_assets.py), else fallback()."""
+    """A prompt file: the flag's path, else .assets/ASSET (scripts/make_quality_assets.py), else the committed
+    benchmarks/assets/quality/ASSET (the GPU machine has no asset packages), else fallback()."""
     if given:
         return pathlib.Path(given)
-    return ASSETS / asset if (ASSETS / asset).is_file() else fallback()
+    for folder in (ASSETS, COMMITTED_ASSETS):
+        if (folder / asset).is_file():
+            return folder / asset
+    return fallback()
 
 
 def prompt_files(args, work: pathlib.Path) -> dict[str, pathlib.Path]:

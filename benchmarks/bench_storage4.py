@@ -5,8 +5,8 @@ the real CacheWriter, extraction tok/s, and training tok/s from the caches.
     python benchmarks/bench_storage4.py --stage extract                # H200, ~6 min: bench_extract fp8 vs int4
     python benchmarks/bench_storage4.py --stage train                  # H200, ~6 min: trainer from fp8 vs int4
     python benchmarks/bench_storage4.py --stage train --tiny           # CPU smoke run of the train stage
-    python benchmarks/bench_storage4.py --stage tau --workdir DIR --gguf-parts A B \
-        --train-data .assets/sharegpt_first_all-00.jsonl.gz [--resume]  # H200, ~9 min: held-out tau per storage
+    python benchmarks/bench_storage4.py --stage tau --workdir DIR --gguf GGUF --records 2500 [--resume]
+        # H200: held-out tau per storage on the committed whole conversations (~2.5M tokens)
     python benchmarks/bench_storage4.py --stage tau --tiny              # CPU smoke run of the tau stage (~1 min)
 
 bytes: the same features (27B shape: 5 taps x 5120, random normal with massive channels and spikes, the mix
@@ -405,21 +405,23 @@ def tau_top_fields(summary: dict) -> dict:
     return top
 
 
-def tau_train_source(args, work: pathlib.Path) -> str:
-    """--train-data, else the regenerated first turns in .assets/, else (--tiny only) ShareGPT conversations."""
+def tau_train_source(args, work: pathlib.Path) -> list[str]:
+    """--train-data, else the regenerated first turns in .assets/, else (GPU) the committed whole conversations
+    (bench_reference's data: benchmarks/assets/quality), else (--tiny only) ShareGPT conversations."""
     if args.train_data:
-        return args.train_data
+        return [args.train_data]
     asset = ROOT / ".assets" / "sharegpt_first_all-00.jsonl.gz"
     if asset.is_file():
-        return str(asset)
+        return [str(asset)]
     if not args.tiny:
-        raise SystemExit("tau stage: pass --train-data (regenerated conversations, e.g. "
-                         ".assets/sharegpt_first_all-00.jsonl.gz)")
+        import bench_reference as br
+
+        return br.train_data_inputs(args)
     from dflash.data.assets import sharegpt_conversations
 
     out = work / "sharegpt_conversations.jsonl"
     out.write_text("".join(json.dumps(c) + "\n" for c in sharegpt_conversations(args.records)), encoding="utf-8")
-    return str(out)
+    return [str(out)]
 
 
 def tau_plan(args, *, model: str, data: str, work: pathlib.Path, device: torch.device, dtype: str,
@@ -563,8 +565,9 @@ def tau_stage(args, device: torch.device, work: pathlib.Path, *, write, argv: li
                    call_s=args.call_seconds if device.type == "cuda" else None,  # the rates are the H200's
                    t0=bq.T0)  # the call's clock starts at the imports
     model = st.run("a_target", lambda: args.model or bq.target_folder(args, work))
-    data = st.run("b_train_data", lambda: br.first_records(tau_train_source(args, work), args.records,
-                                                          work / f"train_first{args.records}.jsonl"))
+    srcs = tau_train_source(args, work)
+    data = st.run("b_train_data", lambda: br.first_records(
+        srcs[0], args.records, work / f"train_first{args.records}.jsonl", more=tuple(srcs[1:])))
     st.run("c_plan", lambda: tau_plan(args, model=model, data=data, work=work, device=device, dtype=dtype,
                                       convert_target=not args.model), into=(result, "plan"))
     if "c_plan" in (earlier or {}).get("stage_out", {}):

@@ -10,21 +10,21 @@
 #   bash benchmarks/run_h200.sh quality GGUF_PART... [--resume]   # bench_quality, 2000 prompts, 400 steps, 3 seeds
 #       (SmolLM2 target from scripts/split_gguf.sh parts; a call cut short at 10 minutes is continued by the
 #       same command with --resume on the still-warm machine)
-#   bash benchmarks/run_h200.sh reference --gguf-parts PART... [--train-data FILE] [--resume]   # bench_reference:
-#       regenerated whole conversations (--train-data, carried in; else regenerated in the first calls), eval
-#       caches, trainings with held-out tau every 500 steps; the caches are fp8 (--storage; bf16 ones of all
-#       the data do not fit the 64 GiB disk: add --skip all_bf16 --drop-caches, the script says what fits); every
-#       call after the first adds --resume; a training cut at the limit continues from its last checkpoint. E.g.
-#       reference --gguf-parts ~/dflash_assets/smollm2.gguf.part-a .assets/smollm2.gguf.part-b \
-#         --train-data .assets/sharegpt_whole-00.jsonl.gz --skip all_bf16,all_noise,all_seed1,n8000 --drop-caches
-#       (12,930 whole conversations, 13.0M tokens: done 2026-12-02 in three chained calls, fp8 extraction 3 min,
-#       6 epochs 4,776 steps ~13 min; carry .whl + part-a first (a stash call), then part-b, the data and the eval
-#       prompt files). A later session continues the committed run (its first call seeds /tmp/bref from it) with
-#       the eval responses the first one brought back, and the held-out ShareGPT prompts
-#       (scripts/make_quality_assets.py --heldout-from DATA), e.g. the noise and seed runs:
-#       reference --gguf-parts ... --train-data .assets/sharegpt_whole-00.jsonl.gz --eval-responses .assets \
-#         --skip all_bf16,n8000 --drop-caches --resume   (carry .assets/{mtbench,humaneval}_greedy.jsonl.gz and
-#       .assets/sharegpt_heldout_prompts.jsonl); --bf16-online trains all_bf16 from the live target instead
+#   bash benchmarks/run_h200.sh reference [ARGS] [--resume]   # bench_reference on the committed data
+#       (benchmarks/assets/quality: every ShareGPT conversation regenerated whole on the H200, the eval prompt files;
+#       the target from the GGUF parts stashed by this and earlier calls), fp8 caches (a bf16 cache of all the data
+#       does not fit the 64 GiB disk: --skip all_bf16 --drop-caches, or --bf16-online), held-out tau every 500
+#       steps; every call after the first adds --resume; a training cut at the limit continues from its last
+#       checkpoint. A new session: carry .whl + .assets/smollm2.gguf.part-a in a first call (e.g. `storage4 train`),
+#       part-b in a second (e.g. `io`), part-c in the third, which starts the run, e.g.
+#         reference --skip all_bf16,all_noise,all_seed1,n8000 --drop-caches
+#       then `reference ... --resume` while the machine stays warm. The run of the first 12,930 conversations
+#       (2026-12-02, results/quality_reference_first12930_h200.json) is not continued: the data changed (its
+#       sha256 is the run's identity). Later sessions continue from the committed quality_reference_h200.json
+#       (its first --resume call seeds /tmp/bref from it) with the eval responses the first call brought back
+#       (--eval-responses DIR, carried), e.g. reference --eval-responses .assets --skip all_bf16 --drop-caches --resume
+#   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
+#       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
@@ -34,6 +34,8 @@
 #       --resume` calls finish quality on GPU 0: the extract rerun costs no device time of its own)
 # Results land in benchmarks/results/*_h200.json and, with logs, are copied to $OUT when set.
 set -u
+. benchmarks/h200_assets.sh
+stash_parts
 # a later call on the warm machine may carry no wheels: what an earlier call installed in /tmp/site serves
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -61,7 +63,8 @@ reference() { local t=$1; shift; mkdir -p /tmp/bref
               if [[ " $* " == *" --resume "* && ! -f /tmp/bref/quality_reference_h200.json \
                     && -f benchmarks/results/quality_reference_h200.json ]]; then
                 cp benchmarks/results/quality_reference_h200.json /tmp/bref/; fi
-              timeout "$t" python3 benchmarks/bench_reference.py --workdir /tmp/bref \
+              gguf_joined || return 1
+              timeout "$t" python3 benchmarks/bench_reference.py --workdir /tmp/bref --gguf "$GGUF" \
                 --json /tmp/bref/quality_reference_h200.json "$@"  # outside the synced tree: --resume reads it
               local r=$?
               # the eval responses travel back, for the next session's --eval-responses (same eval cache)
@@ -71,10 +74,16 @@ reference() { local t=$1; shift; mkdir -p /tmp/bref
 evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
                    --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
 
+storage4() { local stage=$1; shift
+             if [ "$stage" = tau ]; then gguf_joined || return 1; set -- --gguf "$GGUF" --workdir /tmp/bs4 "$@"; fi
+             timeout 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
 gpu_tests() { timeout "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
   tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py; }  # named files: no hypothesis there
 block_mask() { timeout "${1:-200}" python3 benchmarks/bench_block_mask.py; }
-sweep_then_gpu_tests() { sweep "$1"; gpu_tests 120; }
+sweep_then_storage4() { local stage=$1; shift
+             if [ "$stage" = tau ]; then gguf_joined || return 1; set -- --gguf "$GGUF" --workdir /tmp/bs4 "$@"; fi
+             timeout 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
+gpu_tests() { sweep "$1"; gpu_tests 120; }
 quality_parts() { quality "$1" "${QPARTS[@]}"; }
 # both NAME0 "CMD0 ARGS" NAME1 "CMD1 ARGS": two stages at once, GPU 0 and GPU 1, logs in $LOGS/NAME.log
 both() {
@@ -97,11 +106,12 @@ case "$stage" in
   quality) quality 560 "$@" || rc=$? ;;
   reference) reference 570 "$@" || rc=$? ;;
   evaloverhead) evaloverhead || rc=$? ;;
+  storage4) storage4 "$@" || rc=$? ;;
   pair1) cache; both extract "extract 410" train "train 410" ;;
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # Regeneration and the second-wave GPU checks on the H200, spread over device calls of at most 10 minutes on one
-# warm machine. Inputs travel in .assets/ (git-ignored): smollm2.gguf.part-a / part-b (scripts/split_gguf.sh),
-# sharegpt_users.jsonl.gz (the package's 17,392 conversations, user turns kept, assistant turns blanked to ".":
+# warm machine. Inputs travel in .assets/ (git-ignored): smollm2.gguf.part-a / -b / -c, one per call
+# (scripts/split_gguf.sh; benchmarks/h200_assets.sh stashes them on the machine), sharegpt_users.jsonl.gz (the
+# package's 17,392 conversations, user turns kept, assistant turns blanked to ".":
 # they are regenerated), and the prompt files of scripts/make_quality_assets.py. Stages:
-#   stash       (carry .whl + part-a) install wheels, keep part-a; the fused-CE and fused-target GPU tests,
+#   stash       (carry .whl + a part) install wheels, keep the part; the fused-CE and fused-target GPU tests,
 #               bench_fused_ce (27B drafter head)
-#   firstturns  (carry part-b + data) the SmolLM2 folder; the GPU generate test; bench_eval_overhead; the first
+#   firstturns  (carry the last GGUF part + data) the SmolLM2 folder; the GPU generate test; bench_eval_overhead; the first
 #               user turn of every ShareGPT conversation regenerated (--turns first)
-#   bench       (carry part-b + data) the SmolLM2 folder, bench_generate, whole-conversation regeneration
+#   bench       (carry the last GGUF part + data) the SmolLM2 folder, bench_generate, whole-conversation regeneration
 #   regen       continue the whole-conversation regeneration
-#   whole       (carry part-b + data) the SmolLM2 folder, probe_slots' decode forms -> slot_probe_h200.json, then
+#   whole       (carry the last GGUF part + data) the SmolLM2 folder, probe_slots' decode forms -> slot_probe_h200.json, then
 #               the whole-conversation regeneration on the continuous backend (WHOLE) with the fastest form
 #               (2026-12-01: eager sdpa, 8-9.5K tok/s; the compiled step did not compile within a call)
-#   wholemore   continue WHOLE (the model folder must still be on the warm machine, else carry part-b again)
+#   wholemore   continue WHOLE (the model folder must still be on the warm machine, else carry a GGUF part again)
 #   wholestatic the same regeneration on round-by-round static batches in chunks of 2,048 conversations (the
 #               fallback when slot_probe_h200.json shows the slot decoder slow)
 # Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-ASSETS=$HOME/dflash_assets
+. benchmarks/h200_assets.sh
+stash_parts
 export DFLASH_HOME=$ASSETS           # the smollm2_dir test fixture finds the converted folder there
 MODEL=$ASSETS/smollm2-135m-instruct
 REGEN=$ASSETS/regen/sharegpt_regen.jsonl.gz
@@ -30,8 +32,8 @@ left() { echo $(( ${1:-590} - ($(date +%s) - T0) )); }
 
 model() {
   [ -f "$MODEL/dflash-asset.json" ] && return 0
-  cat "$ASSETS/smollm2.gguf.part-a" .assets/smollm2.gguf.part-b > "$ASSETS/smollm2.gguf" || return 1
-  python3 -c "from dflash.target.assets import convert_gguf_to_hf as c; print(c('$ASSETS/smollm2.gguf', '$MODEL'))" \
+  gguf_joined || return 1
+  python3 -c "from dflash.target.assets import convert_gguf_to_hf as c; print(c('$GGUF', '$MODEL'))" \
     2>&1 | tail -n 1
 }
 generate() {  # $1: seconds, $2: output, rest: options
@@ -48,7 +50,7 @@ generate() {  # $1: seconds, $2: output, rest: options
 whole() {  # the continuous backend on the slot decoder form whole chose (no choice recorded: the defaults, eager sdpa: 8-9.5K tok/s)
   local attn step
   read -r attn step < "$ASSETS/slot_choice" 2>/dev/null || { attn=sdpa; step=eager; }
-  DFLASH_SLOT_ATTENTION=$attn DFLASH_SLOT_STEP=$step generate "$(left 585)" "$WHOLE" --backend continuous \
+  DFLASH_SLOT_ATTENTION=$attn DFLASH_SLOT_STEP=$step generate "$(left "${WHOLE_SECONDS:-585}")" "$WHOLE" --backend continuous \
     --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 --window 1024
 }
 
@@ -58,7 +60,6 @@ case "$stage" in
   stash)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl || exit 1
-    mkdir -p "$ASSETS" && cp .assets/smollm2.gguf.part-a "$ASSETS/" || exit 1
     for t in tests/gpu/test_fused_ce_gpu.py tests/gpu/test_target_fused_gpu.py; do
       timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning "$t" 2>&1 | tail -n 8
     done
@@ -69,8 +70,7 @@ case "$stage" in
     timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
       2>&1 | tail -n 5
     if [ -f benchmarks/bench_eval_overhead.py ]; then
-      timeout 300 python3 benchmarks/bench_eval_overhead.py --gguf-parts "$ASSETS/smollm2.gguf.part-a" \
-        .assets/smollm2.gguf.part-b --workdir "$ASSETS/eo" --json "$LOGS/eval_overhead_h200.json" 2>&1 \
+      timeout 300 python3 benchmarks/bench_eval_overhead.py --gguf-parts "$GGUF" --workdir "$ASSETS/eo" --json "$LOGS/eval_overhead_h200.json" 2>&1 \
         | tr '\r' '\n' | grep -v "it/s\]$" | tail -n 25 || rc=$?
     fi
     generate "$(left 585)" "$FIRST" --turns first --max-new-tokens 256 --max-length 1024 \
@@ -87,13 +87,19 @@ case "$stage" in
   whole)  # the slot decoder: probe its decode forms (benchmarks/probe_slots.py), then regenerate on the fastest
     model || exit 1
     cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
+    # the graph-captured step may serve only if it reproduces HF generate (fp32, tests/gpu): a wrong capture would
+    # write wrong training data silently
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
+      -k graphs 2>&1 | tail -n 3
+    export SLOT_GRAPHS_OK=$([ "${PIPESTATUS[0]}" = 0 ] && echo 1 || echo 0)
     # 110 s: the eager and graph forms finish in ~30 s; a compiled form only counts if it compiles in time
     timeout 110 python3 benchmarks/probe_slots.py --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
       --parts decode --out "$LOGS/slot_probe_h200.json" 2>&1 | grep -v "Loading weights" | tail -n 1 | cut -c1-300
     python3 - "$LOGS/slot_probe_h200.json" > "$ASSETS/slot_choice" <<'PY' || echo "sdpa eager" > "$ASSETS/slot_choice"
-import json, sys
+import json, os, sys
 d = json.load(open(sys.argv[1]))["decode_ms"]
-ok = {k: v["ms"] for k, v in d.items() if "ms" in v and k.endswith("kv2048")}
+ok = {k: v["ms"] for k, v in d.items() if "ms" in v and k.endswith("kv2048")
+      and ("/graphs/" not in k or os.environ.get("SLOT_GRAPHS_OK") == "1")}
 attn, mode, _ = min(ok, key=ok.get).split("/")
 print(attn, mode if mode in ("eager", "graphs") else "compiled")
 PY

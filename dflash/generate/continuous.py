@@ -48,16 +48,17 @@ class ContinuousConfig:
     """Seconds without any finished request before the run is declared stuck."""
     cuda_graphs: bool | None = None
     """transformers' use_cuda_graph (None: its own choice); False also keeps the slot decoder's step eager."""
-    slot_attention: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_ATTENTION", "sdpa"))
-    """The slot decoder's decode attention: "sdpa" (with a mask) or "bmm" (scores as one batched matmul);
-    benchmarks/probe_slots.py times both (the environment variable is that probe's switch). H200, 512 slots:
-    sdpa 38 ms a step, bmm 42 (eager, results/slot_probe_h200.json)."""
-    slot_step: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_STEP", "eager"))
-    """How the slot decoder runs its decode step on CUDA (env DFLASH_SLOT_STEP): "eager"; "graphs" (captured as
-    a CUDA graph per kv bucket); "compiled" (torch.compile reduce-overhead). Eager by default, as measured: on
-    the H200 the compiled step's compiles (one per kv bucket) took 1.9 s a step averaged over a 2-minute call,
-    against the eager step's 28-31 ms in a real regeneration (results/regen_runs_h200.json); graphs are not yet
-    timed there (benchmarks/probe_slots.py)."""
+    slot_attention: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_ATTENTION", "bmm"))
+    """The slot decoder's decode attention: "bmm" (scores as one batched matmul) or "sdpa" (with a mask);
+    benchmarks/probe_slots.py times both (the environment variable is that probe's switch). H200, 512 slots,
+    kv 2048, graph-captured step: bmm 14.0 ms, sdpa 15.3 ms (results/slot_probe_h200.json, 2026-12-02)."""
+    slot_step: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_STEP", "graphs"))
+    """How the slot decoder runs its decode step on CUDA (env DFLASH_SLOT_STEP): "graphs" (captured as a CUDA
+    graph per kv bucket; eager if a capture fails), "eager", or "compiled" (torch.compile reduce-overhead).
+    The eager step is launch-bound: on the H200 at 512 slots it took 22.7-29.4 ms against 14.0 ms replayed as a
+    graph (slot_probe_h200.json), and whole-conversation regeneration ran at 12.6-13.0K response tok/s with
+    graphs against 8.3-9.5K eager (regen_runs_h200.json); the compiled step's compiles (one per kv bucket)
+    took 1.9 s a step averaged over a 2-minute call. Off CUDA the step is always eager."""
 
     def __post_init__(self) -> None:
         if self.slot_attention not in ("bmm", "sdpa"):

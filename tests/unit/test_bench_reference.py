@@ -210,18 +210,41 @@ def test_eval_responses_generates_a_set_new_to_the_run(tmp_path, monkeypatch):
 
 def test_heldout_prompts_avoid_training_turns(tmp_path):
     """The held-out ShareGPT prompts come from the end of the file, distinct, none a training user turn; the run
-    counts any overlap it is given."""
-    from make_quality_assets import last_distinct, user_turns, write_jsonl
+    trains without every conversation that holds one as a user turn (at any turn, surrounding spaces aside), and
+    keeps the training file itself when none does."""
+    from make_quality_assets import last_distinct, prompt_texts, user_turns, write_jsonl
 
     texts = ["a", "b", "", "c", "b", "x" * 50, "d", "c"]
     assert last_distinct(texts, count=3, exclude={"d"}, max_chars=10) == ["a", "b", "c"]
     assert last_distinct(texts, count=9, exclude=set(), max_chars=10) == ["a", "b", "d", "c"]
     prompts, train = tmp_path / "heldout.jsonl", tmp_path / "train.jsonl"
     write_jsonl(prompts, [{"messages": [{"role": "user", "content": t}]} for t in ("p1", "p2")])
-    write_jsonl(train, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"},
-                                      {"role": "user", "content": " p2 "}, {"role": "assistant", "content": "s"}]}])
+    keep = {"id": "k", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "p1"}]}
+    drop = {"id": "d", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"},
+                                    {"role": "user", "content": " p2 "}, {"role": "assistant", "content": "s"}]}
+    write_jsonl(train, [keep, drop, keep])
     assert user_turns([str(train)]) == {"q", "p2"}
-    assert br.heldout_overlap(prompts, user_turns([str(train)])) == 1
+    heldout = prompt_texts(prompts)
+    out, dropped = br.without_heldout(str(train), heldout, tmp_path / "minus.jsonl")
+    assert dropped == 1 and [json.loads(s) for s in open(out)] == [keep, keep]
+    assert not user_turns([out]) & heldout
+    assert br.without_heldout(out, heldout, tmp_path / "again.jsonl") == (out, 0)
+    assert not (tmp_path / "again.jsonl").exists()
+
+
+def test_training_data_identity_across_calls(tmp_path):
+    """The GPU default trains on the committed regenerated conversations, in file order; their sha256 is the
+    run's data identity (a resumed call on other data is refused in main)."""
+    args = br.parse_args([])
+    inputs = br.train_data_inputs(args)
+    assert inputs and [pathlib.Path(p).name for p in inputs] == sorted(pathlib.Path(p).name for p in inputs)
+    assert all(pathlib.Path(p).parent == br.bq.COMMITTED_ASSETS for p in inputs)
+    assert br.train_data_inputs(br.parse_args(["--tiny"])) == []
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"x" * 3_000_000)
+    b.write_bytes(b"y")
+    assert br.files_sha256([str(a), str(b)]) != br.files_sha256([str(b), str(a)])
+    assert br.files_sha256([str(a)]) == br.files_sha256([str(a)])
 
 
 def test_caches_needed_by_runs_still_to_train():

@@ -87,10 +87,10 @@ def test_slot_decoder_switches_come_from_the_environment(monkeypatch):
 
     monkeypatch.delenv("DFLASH_SLOT_STEP", raising=False)
     monkeypatch.delenv("DFLASH_SLOT_ATTENTION", raising=False)
-    assert (ContinuousConfig().slot_step, ContinuousConfig().slot_attention) == ("eager", "sdpa")
-    monkeypatch.setenv("DFLASH_SLOT_STEP", "graphs")
-    monkeypatch.setenv("DFLASH_SLOT_ATTENTION", "bmm")
     assert (ContinuousConfig().slot_step, ContinuousConfig().slot_attention) == ("graphs", "bmm")
+    monkeypatch.setenv("DFLASH_SLOT_STEP", "eager")
+    monkeypatch.setenv("DFLASH_SLOT_ATTENTION", "sdpa")
+    assert (ContinuousConfig().slot_step, ContinuousConfig().slot_attention) == ("eager", "sdpa")
     monkeypatch.setenv("DFLASH_SLOT_ATTENTION", "flash")
     with pytest.raises(ConfigError, match="DFLASH_SLOT_ATTENTION"):
         ContinuousConfig()

