@@ -232,6 +232,25 @@ def test_heldout_prompts_avoid_training_turns(tmp_path):
     assert not (tmp_path / "again.jsonl").exists()
 
 
+def test_committed_heldout_prompts_are_unique_first_turns():
+    """The committed held-out ShareGPT prompts are first user turns of the package, each a user turn of exactly
+    one conversation: holding them out removes one training conversation each (make_quality_assets)."""
+    from collections import Counter
+
+    from dflash.data import iter_records
+    from dflash.data.assets import sharegpt_path
+    from make_quality_assets import prompt_texts
+
+    held = prompt_texts(br.bq.COMMITTED_ASSETS / br.HELDOUT_PROMPTS)
+    uses, firsts = Counter(), set()
+    for rec in iter_records(sharegpt_path()):
+        msgs = getattr(rec, "messages", None) or []
+        uses.update({m["content"].strip() for m in msgs if m["role"] == "user"})
+        firsts.update(m["content"].strip() for m in msgs[:1] if m["role"] == "user")
+    assert len(held) == 244 and held <= firsts
+    assert all(uses[t] == 1 for t in held)
+
+
 def test_training_data_identity_across_calls(tmp_path):
     """The GPU default trains on the committed regenerated conversations, in file order; their sha256 is the
     run's data identity (a resumed call on other data is refused in main)."""
