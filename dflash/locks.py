@@ -15,7 +15,9 @@ A second holder fails at once with dflash.errors.LockedError, one line naming th
 time and purpose, and the lock file to delete if that process is known to be gone.
 
 How: the lock file (FOLDER/.dflash-lock by default) is created with O_CREAT|O_EXCL and holds JSON
-{pid, host, started, purpose}; the creator also takes fcntl.flock on it where the filesystem supports it.
+{pid, host, started, purpose}; the creator also takes fcntl.flock on it where the filesystem supports it, and
+writes its holder only once it has the flock (another process checking the file may hold that flock for the
+instant it reads it: the creator waits that out), so a written holder's flock is held for as long as it lives.
 O_EXCL alone cannot tell a live holder from a killed one (kill -9 leaves the file); flock is dropped by the
 kernel when the holder dies, so on one host it is the liveness test. On the same host a lock file is stale
 when its PID is dead or its flock can be taken (the PID was reused); a stale file is taken over with a log
@@ -96,6 +98,19 @@ def _flock(fd: int) -> bool | None:
         raise
 
 
+def _flock_created(fd: int) -> bool | None:
+    """flock a lock file this process just created. Another process's _take_over_stale may hold the flock for
+    the instant it reads the (still empty) file; writing the holder without the flock would let that reader
+    find a live holder it could flock and take it over as stale ("PID reused": two winners, seen under load).
+    So wait for the flock, up to half of _YOUNG_S (after that the reader may take the empty file over)."""
+    deadline = time.monotonic() + _YOUNG_S / 2
+    while True:
+        got = _flock(fd)
+        if got is not False or time.monotonic() > deadline:
+            return got
+        time.sleep(0.002)
+
+
 def _read_holder(fd: int) -> LockHolder | None:
     """The holder recorded in an open lock file, None while it is empty or unreadable."""
     try:
@@ -140,8 +155,12 @@ class FolderLock:
                 if self._take_over_stale(me):
                     break
                 continue
-            # flock before writing: a reader that sees the empty file and can flock it waits for _YOUNG_S.
-            _flock(fd)
+            # flock before writing: a reader that sees the empty file and can flock it waits for _YOUNG_S, and
+            # one that finds a written holder and can flock it takes that holder for dead
+            if _flock_created(fd) is False or not _same_file(fd, self.path):
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise self._locked(holder)
             _write_holder(fd, me)
             self._fd = fd
             break

@@ -110,6 +110,38 @@ def test_empty_file_being_written_is_held_but_an_old_one_is_stale(tmp_path):
         assert lock.held
 
 
+def test_the_creator_writes_its_holder_only_under_its_flock(tmp_path, monkeypatch):
+    """The race behind two winners: another process checking the lock file flocks it in the instant between its
+    creation and the creator's own flock. The creator must wait for the flock before it writes its holder;
+    otherwise it holds no flock, and a checker that then flocks the file and reads a live holder of this host
+    takes it over as stale ("PID reused")."""
+    import threading
+
+    from dflash import locks
+
+    real = locks._flock
+    checker: list[int] = []
+
+    def checker_first(fd):
+        if not checker:  # the creator's first flock: a checker's flock of the new file lands first
+            checker.append(os.open(tmp_path / LOCK_FILE, os.O_RDWR))
+            assert real(checker[0]) is True
+            threading.Timer(0.05, os.close, (checker[0],)).start()  # dropped when the checker closes its fd
+        return real(fd)
+
+    monkeypatch.setattr(locks, "_flock", checker_first)
+    with FolderLock(tmp_path, purpose="creator") as lock:
+        assert lock.held and checker
+        time.sleep(0.2)  # the checker has closed its fd by now
+        probe = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
+        try:
+            assert real(probe) is False, "the holder's flock is not held: a checker would take over a live lock"
+        finally:
+            os.close(probe)
+        with pytest.raises(LockedError, match="creator"):
+            FolderLock(tmp_path).acquire()
+
+
 def test_exactly_one_of_many_racing_processes_wins(tmp_path):
     start = time.time() + 1.0
     procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), str(start)], stdout=subprocess.PIPE,
