@@ -30,6 +30,7 @@ CPU smoke: python benchmarks/bench_quality.py --tiny   (a few minutes on 2 cores
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -64,10 +65,13 @@ class Stages:
     def __init__(self, result: dict, path: pathlib.Path, *, earlier: dict | None = None) -> None:
         self.result, self.path = result, path
         self.earlier = earlier or {}
-        # the earlier records stay in the saved JSON until their stage is visited: a call that fails on the way
-        # does not lose the finished stages after the failure point
+        # the earlier records stay in the saved JSON until this call sets them again: a call that fails on the way
+        # loses neither the finished stages after the failure point nor the fields that later calls check (the
+        # eval responses' and the training data's sha256)
         result.setdefault("stage_seconds", dict(self.earlier.get("stage_seconds", {})))
         result.setdefault("stage_out", dict(self.earlier.get("stage_out", {})))
+        for key, value in self.earlier.items():
+            result.setdefault(key, copy.deepcopy(value))
         self.visited: dict = {}
 
     def run(self, name: str, fn, *, resumable: bool = True, valid=None):

@@ -586,6 +586,13 @@ def main(argv=None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     result = bq.result_header(args, bench="quality_reference", device=device, argv=argv)
     earlier = bq.earlier_result(args, out_json)
+    inputs = train_data_inputs(args)
+    data_sha = files_sha256(inputs) if inputs else None
+    if (was := (earlier or {}).get("train_data_sha256")) and was != data_sha:  # refused before anything is written
+        raise SystemExit(f"the training data ({', '.join(inputs) or 'regenerated'}) is not the data of the run "
+                         f"this call continues (sha256 {was[:12]}...): pass the same --train-data, or start a new "
+                         "run with another --json")
+    result["train_data_sha256"] = data_sha
     result["calls"] = bq.call_history(earlier, result["date"], result["command"])
     st = Stages(result, out_json, earlier=earlier)
     kw = dict(device=device, dtype=dtype, max_length=args.max_length, batch_tokens=args.extract_batch_tokens)
@@ -595,12 +602,6 @@ def main(argv=None) -> dict:
         # the eval prompts (and, --tiny, the first-turn training prompts); the GPU machine has no asset packages:
         # .assets/ (scripts/make_quality_assets.py) or --mtbench-file/--humaneval-file, and --train-data
         prompts = bq.prompt_files(args, work) if args.tiny else eval_prompt_files(args)
-        inputs = train_data_inputs(args)
-        result["train_data_sha256"] = files_sha256(inputs) if inputs else None
-        if (was := st.earlier.get("train_data_sha256")) and was != result["train_data_sha256"]:
-            raise SystemExit(f"the training data ({', '.join(inputs) or 'regenerated'}) is not the data of the run "
-                             f"this call continues (sha256 {was[:12]}...): pass the same --train-data, or start a new "
-                             "run with another --json")
         raw_train = st.run("b_train_data", lambda: train_data_file(args, model, work, device, dtype, prompts),
                            valid=lambda out: pathlib.Path(out).is_file())
         # --tiny trains on generated (pre-tokenized) first turns: its prompt file holds their user turns

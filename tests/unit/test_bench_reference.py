@@ -136,10 +136,15 @@ def test_stage_redone_when_its_files_are_gone(tmp_path):
     import bench_quality as bq
 
     earlier = {"stage_out": {"a_target": str(tmp_path / "gone"), "e_train_all": {"steps": 7}},
-               "stage_seconds": {"a_target": 1.0, "e_train_all": 2.0}}
-    st = bq.Stages({}, tmp_path / "r.json", earlier=earlier)
+               "stage_seconds": {"a_target": 1.0, "e_train_all": 2.0}, "eval_responses_sha256": {"mtbench": "e"},
+               "train_data_sha256": "d", "date": "then"}
+    st = bq.Stages({"date": "now"}, tmp_path / "r.json", earlier=earlier)
     st.save()  # a call that fails before visiting a stage keeps its earlier record in the saved JSON
-    assert json.loads((tmp_path / "r.json").read_text())["stage_out"]["e_train_all"] == {"steps": 7}
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["stage_out"]["e_train_all"] == {"steps": 7}
+    # and the fields later calls check (a failed call must not let the next one score on other data)
+    assert saved["eval_responses_sha256"] == {"mtbench": "e"} and saved["train_data_sha256"] == "d"
+    assert saved["date"] == "now"  # what this call sets wins
     calls = []
     here = tmp_path / "here"
     here.mkdir()
