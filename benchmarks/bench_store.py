@@ -6,7 +6,8 @@ published once. Then `--reps` rounds, each timing in alternating order:
 - direct: `CacheReader(URL)` (ranged GETs, what train/eval/sweep read a URL with), opened (commit records,
   manifest, shard indexes: timed on their own as `direct_open_s`) and read in full: every sample in the training
   order (plan_epoch), micro-batches of --batch-tokens, two read_many calls in flight (the loader's two reader
-  threads), each into its own reused buffers, crc32c checked, all taps;
+  threads), each into its own reused buffers, crc32c checked, all taps. The buffers are allocated and touched
+  before the clock, as the loader's pinned ones are (timed apart: direct_buffers_s, read_ratio_with_buffers);
 - plain_get: every object of the same cache (the shard objects; no records, no manifest) fetched into memory
   by the same client and thread count, each object in 8 MB ranged parts (what parallel downloaders do; a whole
   1.7 GB object is one ~250 MB/s stream here), no parsing, no crc, no placement. The floor.
@@ -14,7 +15,19 @@ published once. Then `--reps` rounds, each timing in alternating order:
 - fetch: `fetch_cache` (the --store-mirror path: store -> local folder).
 read_ratio_vs_plain_get = median over rounds of plain_get seconds / direct seconds (opening included): the same
 cache read in full by both, so the direct side pays for its own extra bytes (whole crc chunks at the ends of a
-sample's rows, ~6%) and requests. read_ratio_steady excludes the opening.
+sample's rows, ~4.5%) and requests. read_ratio_steady excludes the opening.
+Where the rest of the gap goes (--variants): direct_ranges_as_plain_get replays the direct read's own ranged GETs
+(same keys, offsets, order; bytes() of each, as plain_get does) with no crc, placement or reader: about the most
+any client-side change to the reader can reach. 2026-12-02 (idle box): it ran at 0.71x the plain GET, the direct
+read itself at 0.73x, i.e. the reader's crc and copy cost no wall time here; the gap is in the ranges. By CPU
+seconds of the client and the weed process (3 rounds, medians): the direct read's 477 ranges (a sample's tap
+run, cut where a 32 MB write block ends; +4.4% bytes) cost the server 3.11 s against 2.33 s for plain_get's 326
+parts, the client 2.15 vs 1.72 s. The server keeps an uploaded object as its 5 MiB multipart parts cut into
+4 + 1 MiB chunks, and a range that starts or ends inside a chunk costs about that whole chunk: 488 GETs of
+5 MiB aligned to the parts vs shifted by 2.5 MiB, same bytes, cost the server 2.08 vs 2.99 s (2.03 vs 2.59 s
+wall). A sample's runs start and end at random offsets and their neighbours are read at random times (the same
+ranges sorted by offset: 2.82 s), where plain_get's neighbouring parts arrive together. The server shares the
+2 cores, so on this machine the ranges, not the client's crc and copy, set the gap.
 Write: publish_cache (objects, a commit record per shard, the manifest last) vs a plain parallel PUT of the same
 files (no records, no manifest), same client and threads, on a smaller cache (--write-tokens, one default-size
 shard) so a round stays under a minute. Subset: the bytes the direct reader fetches for 2 of 5 taps over all.
@@ -32,7 +45,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -81,10 +93,17 @@ def local_files(root: pathlib.Path) -> list[tuple[str, bytes]]:
 
 
 def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, ...] | None,
-                in_flight: int = 2, verify: bool = True) -> tuple[int, float, float]:
+                in_flight: int = 2, verify: bool = True) -> tuple[int, float, float, float]:
     """Every sample of the cache at `url` through CacheReader(url) the way the training loader reads it:
     shuffled micro-batches (plan_epoch), two read_many calls in flight, each into its own reused buffers.
-    Returns (bytes fetched, seconds opening the reader and the first batch's shard indexes, seconds in all)."""
+    The buffers are allocated and touched outside the clock, as the loader's are: on a GPU box it allocates
+    pinned buffers once per epoch (pinning faults every page in), before the first read. Here a round reads
+    only ~12 micro-batches, so their ~420 MB of first touches (~110K page faults, 0.2-0.3 CPU s measured) would
+    be charged to 2.6 GB of reads instead of to an epoch's TBs; their seconds are returned apart.
+    Returns (bytes fetched, seconds opening the reader and the first batch's shard indexes, seconds in all but
+    the buffers, seconds allocating and touching the buffers)."""
+    import queue
+
     from dflash.cache import CacheReader
     from dflash.cache.reader import PackedBuffers
     from dflash.train.loader import plan_epoch
@@ -98,16 +117,42 @@ def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, .
         # what opening costs: the reader (records, samples arrays) and every shard's hidden index
         r._map(lambda s: r._array(s, "hidden"), list(range(len(r.index.shard_names))))
         opened = time.perf_counter() - t0
-        mine = threading.local()  # one reused buffer per reader thread
+        t_alloc = time.perf_counter()
+        free: queue.Queue = queue.Queue()  # one buffer per read in flight, reused (the loader's free queue)
+        for _ in range(in_flight):
+            buf = PackedBuffers.allocate(tokens=most, num_taps=k, hidden_size=r.hidden_size, storage=r.storage)
+            for t in (buf.hidden, buf.scales, buf.input_ids, buf.loss_mask):
+                if t is not None:
+                    t.zero_()  # fault the pages in, as pinning does
+            free.put(buf)
+        alloc = time.perf_counter() - t_alloc
 
         def read(mb) -> None:
-            if not hasattr(mine, "buf"):
-                mine.buf = PackedBuffers.allocate(tokens=most, num_taps=k, hidden_size=r.hidden_size,
-                                                  storage=r.storage)
-            r.read_many(mb, taps=taps, out=mine.buf)
+            buf = free.get()
+            try:
+                r.read_many(mb, taps=taps, out=buf)
+            finally:
+                free.put(buf)
         with ThreadPoolExecutor(in_flight) as readers:  # the loader's num_readers
             list(readers.map(read, batches))
-        return r.bytes_read, opened, time.perf_counter() - t0
+        return r.bytes_read, opened, time.perf_counter() - t0 - alloc, alloc
+
+
+def direct_ranges(url: str, *, threads: int, batch_tokens: int) -> list[tuple[str, int, int]]:
+    """(key, start, end) of every ranged GET of one direct read, in the order they were issued."""
+    from dflash.store import direct
+    got: list[tuple[str, int, int]] = []
+    read_at = direct.ObjectRanges.read_at
+
+    def recording(self, offset: int, length: int, scratch):
+        got.append((self.key, offset, offset + length))  # list.append is atomic: the reader's threads share it
+        return read_at(self, offset, length, scratch)
+    direct.ObjectRanges.read_at = recording
+    try:
+        direct_read(url, threads=threads, batch_tokens=batch_tokens, taps=None)
+    finally:
+        direct.ObjectRanges.read_at = read_at
+    return got
 
 
 def plain_get(store, sizes: list[tuple[str, int]], pool: ThreadPoolExecutor, *, part: int | None) -> int:
@@ -116,6 +161,12 @@ def plain_get(store, sizes: list[tuple[str, int]], pool: ThreadPoolExecutor, *, 
     if part is None:
         return sum(pool.map(lambda ks: len(bytes(obstore.get(store.client, ks[0]).bytes())), sizes))
     jobs = [(k, o, min(n, o + part)) for k, n in sizes for o in range(0, n, part)]
+    return sum(pool.map(lambda j: len(bytes(obstore.get_range(store.client, j[0], start=j[1], end=j[2]))), jobs))
+
+
+def get_ranges(store, jobs: list[tuple[str, int, int]], pool: ThreadPoolExecutor) -> int:
+    """Each (key, start, end) into memory as bytes, on the pool, as plain_get fetches its parts; returns bytes."""
+    import obstore
     return sum(pool.map(lambda j: len(bytes(obstore.get_range(store.client, j[0], start=j[1], end=j[2]))), jobs))
 
 
@@ -132,7 +183,8 @@ def main() -> None:
     ap.add_argument("--write-reps", type=int, default=3)
     ap.add_argument("--variants", action="store_true",
                     help="also time the direct read with the crc check off and with 2x threads, 2x micro-batches in "
-                         "flight, each round (where its gap to the plain GET goes; variant_ratios in the JSON)")
+                         "flight, and the direct read's own ranged GETs as plain GETs, each round (where its gap to "
+                         "the plain GET goes; variant_ratios in the JSON)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store_s3_cpu.json"))
     args = ap.parse_args()
     shard_tokens = args.shard_tokens or default_shard_tokens()
@@ -150,8 +202,8 @@ def main() -> None:
     server = SeaweedServer(work / "server", volume_mb=128, max_volumes=160)
     server.start()
     os.environ.update(server.env())
-    sec: dict[str, list[float]] = {k: [] for k in ("direct", "direct_open", "plain_get", "plain_whole", "fetch",
-                                                   "publish", "plain_put")}
+    sec: dict[str, list[float]] = {k: [] for k in ("direct", "direct_open", "direct_buffers", "plain_get",
+                                                   "plain_whole", "fetch", "publish", "plain_put")}
     try:
         server.create_bucket("dflash-bench")
         local = work / "read"
@@ -167,10 +219,11 @@ def main() -> None:
 
         def direct() -> None:
             nonlocal direct_bytes
-            direct_bytes, opened, total = direct_read(url, threads=args.threads, batch_tokens=args.batch_tokens,
-                                                      taps=None)
+            direct_bytes, opened, total, alloc = direct_read(url, threads=args.threads,
+                                                             batch_tokens=args.batch_tokens, taps=None)
             sec["direct"].append(total)
             sec["direct_open"].append(opened)
+            sec["direct_buffers"].append(alloc)
 
         def timed(name, fn) -> None:
             t = time.perf_counter()
@@ -189,14 +242,22 @@ def main() -> None:
                     "direct_wide": dict(threads=2 * args.threads, in_flight=4)} if args.variants else {}
         for name, kw in variants.items():
             sec[name] = []
-            steps.append(lambda name=name, kw=kw: timed(name, lambda: direct_read(
-                url, batch_tokens=args.batch_tokens, taps=None, **kw)))
+            steps.append(lambda name=name, kw=kw: sec[name].append(direct_read(
+                url, batch_tokens=args.batch_tokens, taps=None, **kw)[2]))
+        if args.variants:
+            # the direct read's own ranges (same keys, offsets, order) as plain GETs: no crc, no placement, no
+            # reader. Its ratio is the ceiling of any client-side change to the reader: the rest of the gap is
+            # the ranges themselves (random samples' runs, cut where the store's chunks are not)
+            ranges = direct_ranges(url, threads=args.threads, batch_tokens=args.batch_tokens)
+            variants["direct_ranges_as_plain_get"] = {}
+            sec["direct_ranges_as_plain_get"] = []
+            steps.append(lambda: timed("direct_ranges_as_plain_get", lambda: get_ranges(store, ranges, pool)))
         for rep in range(args.reps):
             for step in (steps if rep % 2 == 0 else steps[::-1]):  # alternate the order
                 step()
             print(f"round {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in sec.items() if v), flush=True)
-        sub_bytes, _, _ = direct_read(url, threads=args.threads, batch_tokens=args.batch_tokens,
-                                      taps=(TAPS[1], TAPS[3]))
+        sub_bytes, _, _, _ = direct_read(url, threads=args.threads, batch_tokens=args.batch_tokens,
+                                         taps=(TAPS[1], TAPS[3]))
         sub_mirror = fetch_cache(url=url, local=str(work / "sub"), taps=(TAPS[1], TAPS[3]),
                                  num_threads=args.threads).bytes
         shutil.rmtree(work / "sub")
@@ -223,9 +284,11 @@ def main() -> None:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    def ratio(num: str, den: str, *, minus: str | None = None) -> float:
-        """Median over rounds of sec[num] / (sec[den] - sec[minus]) (per round: drift between rounds cancels)."""
+    def ratio(num: str, den: str, *, minus: str | None = None, plus: str | None = None) -> float:
+        """Median over rounds of sec[num] / (sec[den] - sec[minus] + sec[plus]) (per round: drift between rounds
+        cancels)."""
         d = sec[den] if minus is None else [a - b for a, b in zip(sec[den], sec[minus])]
+        d = d if plus is None else [a + b for a, b in zip(d, sec[plus])]
         return statistics.median(a / b for a, b in zip(sec[num], d))
     import torch
     med = {k: statistics.median(v) for k, v in sec.items()}
@@ -235,15 +298,18 @@ def main() -> None:
         "command": " ".join([sys.executable, *sys.argv]),
         "read_ratio_vs_plain_get": ratio("plain_get", "direct"),
         "read_ratio_includes": "the whole cache read by CacheReader(URL) in training order, opening the reader "
-                               "(commit records, samples arrays, shard indexes) included, vs plain ranged GETs of "
-                               "every shard object; per-round ratio of seconds, median over rounds",
+                               "(commit records, samples arrays, shard indexes) included, the destination buffers' "
+                               "allocation not (direct_buffers_s), vs plain ranged GETs of every shard object; "
+                               "per-round ratio of seconds, median over rounds",
         "read_ratio_steady": ratio("plain_get", "direct", minus="direct_open"),
+        "read_ratio_with_buffers": ratio("plain_get", "direct", plus="direct_buffers"),
         "read_ratio_vs_plain_whole_get": ratio("plain_whole", "direct"),
         "write_ratio_vs_plain_put": ratio("plain_put", "publish"),
         "subset_bytes_ratio": sub_bytes / direct_bytes,
         "mirror_read_ratio_vs_plain_get": ratio("plain_get", "fetch"),
         "mirror_subset_bytes_ratio": sub_mirror / fetch_bytes,
         "direct_open_s": med["direct_open"],
+        "direct_buffers_s": med["direct_buffers"],
         "variant_ratios": {name: ratio("plain_get", name) for name in variants},
         "seconds": med,
         "seconds_all_rounds": sec,
@@ -269,9 +335,10 @@ def main() -> None:
           f"write: {write_tokens:,} tokens; {args.threads} threads, median of {args.reps} / {args.write_reps}")
     for k, v in out["mb_per_s"].items():
         print(f"  {k:<12}{v:9.1f} MB/s")
-    for k in ("read_ratio_vs_plain_get", "read_ratio_steady", "read_ratio_vs_plain_whole_get",
+    for k in ("read_ratio_vs_plain_get", "read_ratio_steady", "read_ratio_with_buffers",
+              "read_ratio_vs_plain_whole_get",
               "write_ratio_vs_plain_put", "subset_bytes_ratio", "mirror_read_ratio_vs_plain_get",
-              "mirror_subset_bytes_ratio", "direct_open_s"):
+              "mirror_subset_bytes_ratio", "direct_open_s", "direct_buffers_s"):
         print(f"  {k:<30}{out[k]:7.3f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
