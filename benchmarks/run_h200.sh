@@ -80,10 +80,7 @@ storage4() { local stage=$1; shift
 gpu_tests() { timeout "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
   tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py; }  # named files: no hypothesis there
 block_mask() { timeout "${1:-200}" python3 benchmarks/bench_block_mask.py; }
-sweep_then_storage4() { local stage=$1; shift
-             if [ "$stage" = tau ]; then gguf_joined || return 1; set -- --gguf "$GGUF" --workdir /tmp/bs4 "$@"; fi
-             timeout 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
-gpu_tests() { sweep "$1"; gpu_tests 120; }
+sweep_then_gpu_tests() { sweep "$1"; gpu_tests 120; }
 quality_parts() { quality "$1" "${QPARTS[@]}"; }
 # both NAME0 "CMD0 ARGS" NAME1 "CMD1 ARGS": two stages at once, GPU 0 and GPU 1, logs in $LOGS/NAME.log
 both() {
