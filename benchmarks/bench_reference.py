@@ -28,7 +28,9 @@ generated). Stages:
 Top-level numbers: tau_mtbench, tau_humaneval, tau_sharegpt_heldout (held-out, final drafter of the reference run),
 train_acceptance_over_heldout (trainer's last-window batch acceptance over the mean MT-Bench / HumanEval tau),
 fp8_rel_diff_mtbench/_humaneval ((tau_fp8 - tau_bf16) / tau_bf16 at the final point), train_samples (regenerated
-assistant turns; train_conversations the cache samples holding them); plus `curves` and `data_scaling`.
+assistant turns; train_conversations the cache samples holding them); plus `curves`, `data_scaling` and
+`repetition` (the share of response tokens that repeat an 8-gram of their own turn, training data and each
+held-out set: repetitive text is easy to draft, so it is read beside the train/held-out ratio).
 
 Sizing (H200, measured 2026-12-02 on the first 12,930 whole conversations, 44,304 assistant turns, <= 256 new
 tokens a turn: results/quality_reference_first12930_h200.json): 13.0M tokens at --max-length 2048, 37.8 GB in fp8
@@ -525,6 +527,72 @@ def planned_tokens(model: str, data: list[str], work: pathlib.Path, *, dtype: st
     return res, cfg
 
 
+REPEAT_N = 8
+REPEAT_TRAIN_RECORDS = 2000
+
+
+def repeated_tokens(ids, *, n: int = REPEAT_N) -> int:
+    """Tokens of one response that complete an n-gram the response already completed earlier: position i >= n-1
+    counts when ids[i-n+1 : i+1] also ends at some j < i (a turn repeating its own text, which a drafter learns
+    to predict easily)."""
+    seen: set[tuple] = set()
+    count = 0
+    for i in range(n - 1, len(ids)):
+        gram = tuple(ids[i - n + 1:i + 1])
+        if gram in seen:
+            count += 1
+        else:
+            seen.add(gram)
+    return count
+
+
+def repetition(path: str, tokenizer, *, limit: int | None = None, n: int = REPEAT_N) -> dict:
+    """Share of response tokens that repeat an n-gram of their own turn, over the first `limit` records of a file
+    (responses as extraction reads them: assistant messages tokenized alone, or the loss-masked spans of
+    pre-tokenized records)."""
+    from dflash.data.skips import Skip
+    from dflash.data.sources import iter_records
+
+    rep = tokens = turns = records = 0
+    for rec in iter_records(path):
+        if isinstance(rec, Skip):
+            continue
+        if limit is not None and records >= limit:
+            break
+        records += 1
+        if rec.messages is not None:
+            spans = [tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+                     for m in rec.messages if m["role"] == "assistant"]
+        else:
+            spans, cur = [], []
+            for tok, keep in zip(rec.input_ids, rec.loss_mask):
+                if keep:
+                    cur.append(tok)
+                elif cur:
+                    spans.append(cur)
+                    cur = []
+            spans += [cur] if cur else []
+        for ids in spans:
+            rep, tokens, turns = rep + repeated_tokens(ids, n=n), tokens + len(ids), turns + 1
+    return {"repeated_fraction": rep / tokens if tokens else None, "tokens": tokens, "turns": turns,
+            "records": records}
+
+
+def repetition_table(model: str, train_data: str, work: pathlib.Path) -> dict:
+    """How repetitive the training responses (the first REPEAT_TRAIN_RECORDS records) and each held-out set's
+    target-greedy responses are: the trainer's batch acceptance on repetitive text runs ahead of held-out tau
+    without any memorising, so this is read beside train_acceptance_over_heldout and the ShareGPT set's tau."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    out = {"n": REPEAT_N, f"train_first_{REPEAT_TRAIN_RECORDS}": repetition(train_data, tok,
+                                                                           limit=REPEAT_TRAIN_RECORDS)}
+    out.update({name: repetition(str(work / f), tok) for name, f in HELDOUT_SETS.items()})
+    log("responses repeating an 8-gram of their own turn: " + ", ".join(
+        f"{k} {v['repeated_fraction']:.1%}" for k, v in out.items() if isinstance(v, dict) and v["tokens"]))
+    return out
+
+
 def assistant_turns(path: str) -> int:
     """Responses a drafter learns from in a data file, by the records extraction reads
     (dflash.data.sources.normalise_record): assistant messages, or loss-masked spans of pre-tokenized records."""
@@ -620,6 +688,7 @@ def main(argv=None) -> dict:
                                                          scored=tuple(earlier_sha)),
                valid=lambda out: all((work / f).is_file() for f in HELDOUT_SETS.values()))
         result["eval_responses_sha256"] = same_eval_responses(work, earlier_sha)
+        result["repetition"] = st.run("c_repetition", lambda: repetition_table(model, train_data, work))
         plan = runs_plan(args)
         caches = {"eval": ([str(work / f) for f in HELDOUT_SETS.values()], "bf16")}
         for _, cname, _ in plan:

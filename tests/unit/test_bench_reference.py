@@ -279,3 +279,27 @@ def test_caches_needed_by_runs_still_to_train():
     assert br.caches_needed(plan, frozenset({"all_fp8", "n2000"})) == {"eval", "train_fp8", "train_n8000"}
     done = frozenset({"all_fp8", "all_noise", "all_seed1", "n2000"})
     assert br.caches_needed(plan, done) == {"eval", "train_n8000"}
+
+
+def test_repeated_tokens_and_repetition(tmp_path):
+    """A token counts when the n-gram it completes was completed before in the same response; responses are
+    assistant messages (tokenized alone) or the loss-masked spans of pre-tokenized records."""
+    assert br.repeated_tokens([1, 2, 3, 1, 2, 3, 1, 2], n=3) == 3
+    assert br.repeated_tokens([1, 2, 3, 4, 5], n=3) == 0 and br.repeated_tokens([7] * 5, n=2) == 3
+    assert br.repeated_tokens([1, 2], n=3) == 0
+
+    class Chars:  # a tokenizer of one id per character
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [ord(c) for c in text]}
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "abcabc"},
+                                             {"role": "assistant", "content": "xyxyxy"}]}) + "\n"
+                    + json.dumps({"input_ids": [5, 1, 2, 1, 2, 9, 3, 3, 3], "loss_mask": [0, 1, 1, 1, 1, 0, 1, 1, 1]})
+                    + "\n")
+    got = br.repetition(str(data), Chars(), limit=None, n=2)
+    # "xyxyxy": bigrams xy yx xy yx xy -> 3 repeats of 6; [1,2,1,2]: 12 21 12 -> 1 of 4; [3,3,3]: 33 33 -> 1 of 3
+    assert (got["tokens"], got["turns"], got["records"]) == (13, 3, 2)
+    assert got["repeated_fraction"] == 5 / 13
+    assert br.repetition(str(data), Chars(), limit=1, n=2)["turns"] == 1
+    assert br.repetition(str(data), Chars(), limit=None)["repeated_fraction"] == 0  # no 8-gram repeats here
