@@ -12,7 +12,8 @@
 #   regen       continue the whole-conversation regeneration
 #   whole       (carry the last GGUF part + data) the SmolLM2 folder, probe_slots' decode forms -> slot_probe_h200.json, then
 #               the whole-conversation regeneration on the continuous backend (WHOLE) with the fastest form
-#               (2026-12-01: eager sdpa, 8-9.5K tok/s; the compiled step did not compile within a call)
+#               (2026-12-01: eager sdpa, 8-9.5K tok/s; 2026-12-02: bmm replayed as CUDA graphs, 12.6-13.0K tok/s,
+#               after the fp32 GPU test of the captured step passed; the compiled step did not compile within a call)
 #   wholemore   continue WHOLE (the model folder must still be on the warm machine, else carry a GGUF part again)
 #   wholestatic the same regeneration on round-by-round static batches in chunks of 2,048 conversations (the
 #               fallback when slot_probe_h200.json shows the slot decoder slow)
@@ -47,9 +48,9 @@ generate() {  # $1: seconds, $2: output, rest: options
   python3 benchmarks/pack_regen.py "$out" "$LOGS" --prefix "$(basename "$out" .jsonl.gz)"
 }
 
-whole() {  # the continuous backend on the slot decoder form whole chose (no choice recorded: the defaults, eager sdpa: 8-9.5K tok/s)
+whole() {  # the continuous backend on the slot decoder form whole chose (no choice recorded: the defaults, bmm graphs)
   local attn step
-  read -r attn step < "$ASSETS/slot_choice" 2>/dev/null || { attn=sdpa; step=eager; }
+  read -r attn step < "$ASSETS/slot_choice" 2>/dev/null || { attn=bmm; step=graphs; }
   DFLASH_SLOT_ATTENTION=$attn DFLASH_SLOT_STEP=$step generate "$(left "${WHOLE_SECONDS:-585}")" "$WHOLE" --backend continuous \
     --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 --window 1024
 }
