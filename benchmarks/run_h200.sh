@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements, sized so that each stage fits one device call (10 min). Run from the repo root on the
-# H200 machine with the carried wheels in .whl/ (zarr, numcodecs, donfig, google-crc32c, crc32c, msgspec,
-# fla-core, flash-linear-attention, gguf; see the README of the device tool):
+# H200 machine with the carried wheels in .whl/ (bash scripts/fetch_gpu_wheels.sh: zarr and its codecs, crc32c,
+# msgspec, gguf, FLA, SpecForge's extras) and, for the SmolLM2 stages, the GGUF parts of scripts/split_gguf.sh and
+# the prompt files of scripts/make_quality_assets.py in .assets/ (both git-ignored: make them in every new checkout):
 #   bash benchmarks/run_h200.sh io      # bench_cache (~2 min) + bench_extract 600K tokens (~7 min)
 #   bash benchmarks/run_h200.sh extract # bench_extract 600K tokens alone (~7 min: ~5 timed, 1 untimed warm-up pass)
 #   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
@@ -25,6 +26,10 @@
 #       (--eval-responses DIR, carried), e.g. reference --eval-responses .assets --skip all_bf16 --drop-caches --resume
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
 #       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
+#   bash benchmarks/run_h200.sh peer [ARGS]   # bench_peer (issue 15): SpecForge's DFlash trainer and dflash side by
+#       side, the target from the stashed GGUF parts; SpecForge's extra wheels (yunchang, datasets, dill,
+#       multiprocess: benchmarks/peer/env.py WHEELS) go in .whl with the others. Three calls on one warm machine:
+#         peer --stop-after dflash;  peer --resume --stop-after specforge;  peer --resume
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
@@ -74,6 +79,9 @@ reference() { local t=$1; shift; mkdir -p /tmp/bref
 evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
                    --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
 
+peer() { gguf_joined || return 1; mkdir -p /tmp/peer
+         timeout 570 python3 benchmarks/bench_peer.py --gguf "$GGUF" --wheels .whl --workdir /tmp/peer/work \
+           --json /tmp/peer/peer_specforge_h200.json "$@"; }  # outside the synced tree: --resume reads it
 storage4() { local stage=$1; shift
              if [ "$stage" = tau ]; then gguf_joined || return 1; set -- --gguf "$GGUF" --workdir /tmp/bs4 "$@"; fi
              timeout 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
@@ -104,15 +112,17 @@ case "$stage" in
   reference) reference 570 "$@" || rc=$? ;;
   evaloverhead) evaloverhead || rc=$? ;;
   storage4) storage4 "$@" || rc=$? ;;
+  peer) peer "$@" || rc=$? ;;
   pair1) cache; both extract "extract 410" train "train 410" ;;
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files
 [ -n "${OUT:-}" ] && find benchmarks/results /tmp/bq/quality_smollm2.json /tmp/bref/quality_reference_h200.json \
+  /tmp/peer/peer_specforge_h200.json \
   -maxdepth 1 -newer "$START" \( -name '*_h200.json' -o -name 'quality_reference_*.png' \) \
   -exec cp {} "$OUT"/ \; 2>/dev/null
 exit $rc
