@@ -677,8 +677,9 @@ def main(argv=None) -> dict:
 
         prompts["sharegpt"] = heldout_prompt_file(
             args, work, lambda: user_turns([raw_train] + ([str(prompts["train"])] if args.tiny else [])))
-        train_data, dropped = without_heldout(raw_train, prompt_texts(prompts["sharegpt"]),
-                                              work / "train_minus_heldout.jsonl")
+        train_data, dropped = st.run("b_train_minus_heldout", lambda: without_heldout(
+            raw_train, prompt_texts(prompts["sharegpt"]), work / "train_minus_heldout.jsonl"),
+            valid=lambda out: pathlib.Path(out[0]).is_file())  # a pass over all the data: once per workdir
         result["train_data_file"] = train_data
         result["heldout_conversations_removed"] = dropped
         if dropped:
