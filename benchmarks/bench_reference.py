@@ -546,6 +546,17 @@ def repeated_tokens(ids, *, n: int = REPEAT_N) -> int:
     return count
 
 
+def masked_spans(ids, mask) -> list[list[int]]:
+    """The responses of a pre-tokenized record: its runs of loss-masked tokens, in order."""
+    spans: list[list[int]] = []
+    for i, (tok, keep) in enumerate(zip(ids, mask)):
+        if keep:
+            if i == 0 or not mask[i - 1]:
+                spans.append([])
+            spans[-1].append(tok)
+    return spans
+
+
 def repetition(path: str, tokenizer, *, limit: int | None = None, n: int = REPEAT_N) -> dict:
     """Share of response tokens that repeat an n-gram of their own turn, over the first `limit` records of a file
     (responses as extraction reads them: assistant messages tokenized alone, or the loss-masked spans of
@@ -564,14 +575,7 @@ def repetition(path: str, tokenizer, *, limit: int | None = None, n: int = REPEA
             spans = [tokenizer(m["content"], add_special_tokens=False)["input_ids"]
                      for m in rec.messages if m["role"] == "assistant"]
         else:
-            spans, cur = [], []
-            for tok, keep in zip(rec.input_ids, rec.loss_mask):
-                if keep:
-                    cur.append(tok)
-                elif cur:
-                    spans.append(cur)
-                    cur = []
-            spans += [cur] if cur else []
+            spans = masked_spans(rec.input_ids, rec.loss_mask)
         for ids in spans:
             rep, tokens, turns = rep + repeated_tokens(ids, n=n), tokens + len(ids), turns + 1
     return {"repeated_fraction": rep / tokens if tokens else None, "tokens": tokens, "turns": turns,
@@ -606,7 +610,7 @@ def assistant_turns(path: str) -> int:
         if rec.messages is not None:
             n += sum(m["role"] == "assistant" for m in rec.messages)
         else:
-            n += sum(1 for i, v in enumerate(rec.loss_mask) if v and (i == 0 or not rec.loss_mask[i - 1]))
+            n += len(masked_spans(rec.loss_mask, rec.loss_mask))
     return n
 
 

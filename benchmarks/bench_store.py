@@ -160,8 +160,7 @@ def plain_get(store, sizes: list[tuple[str, int]], pool: ThreadPoolExecutor, *, 
     import obstore
     if part is None:
         return sum(pool.map(lambda ks: len(bytes(obstore.get(store.client, ks[0]).bytes())), sizes))
-    jobs = [(k, o, min(n, o + part)) for k, n in sizes for o in range(0, n, part)]
-    return sum(pool.map(lambda j: len(bytes(obstore.get_range(store.client, j[0], start=j[1], end=j[2]))), jobs))
+    return get_ranges(store, [(k, o, min(n, o + part)) for k, n in sizes for o in range(0, n, part)], pool)
 
 
 def get_ranges(store, jobs: list[tuple[str, int, int]], pool: ThreadPoolExecutor) -> int:

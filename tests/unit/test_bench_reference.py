@@ -287,6 +287,7 @@ def test_repeated_tokens_and_repetition(tmp_path):
     assert br.repeated_tokens([1, 2, 3, 1, 2, 3, 1, 2], n=3) == 3
     assert br.repeated_tokens([1, 2, 3, 4, 5], n=3) == 0 and br.repeated_tokens([7] * 5, n=2) == 3
     assert br.repeated_tokens([1, 2], n=3) == 0
+    assert br.masked_spans([5, 1, 2, 9, 3], [0, 1, 1, 0, 1]) == [[1, 2], [3]] and br.masked_spans([4], [0]) == []
 
     class Chars:  # a tokenizer of one id per character
         def __call__(self, text, add_special_tokens):
