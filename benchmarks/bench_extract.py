@@ -22,10 +22,11 @@ Measures on the same samples (lengths drawn from real ShareGPT token lengths, be
       also save one file per sample), over >= 100K tokens, after an untimed pass of the same forwards (warm
       kernels and allocator, as (a) and (b) get). `ratio_vs_peer_style` is reported only for a run of at least
       PEER_MIN_TOKENS tokens: the 2026-12-01 figure (38x) timed ~7 cold samples, mostly first-call compiles.
-With --compile-elementwise every forward here (extraction, forward-only, peer) runs dflash.target.fused's
-compiled Qwen3.5 norm/gate chains: compare forward_only_tok_s and tok_s with a run without it. With
---compare-compile the eager run times its forward-only pass once more compiled (after an untimed compiling
-pass), in the same run: compile_compare.speedup.
+--compile-elementwise (ExtractConfig.compile_elementwise, default auto = on CUDA, as `dflash extract`) runs
+dflash.target.fused's compiled Qwen3.5 norm/gate chains in the extractions and the forward-only floor (the
+same setting on both sides of ratio_vs_forward_only). --compare-compile times the forward-only pass once more
+with the setting flipped (a compiled flip first makes an untimed compiling pass), in the same run:
+compile_compare.speedup is compiled over eager. The peer-style run is eager, as the peers' HF path is.
 
 The 27B-shape target has random weights built directly on the GPU: a 54 GB checkpoint cannot be written to
 the 64 GB disk beside the cache, so `load_target` is replaced by a function returning that model (with the
@@ -277,18 +278,17 @@ def main() -> None:
     p.add_argument("--work-dir", default="/tmp/dflash_bench_extract", help="local-disk folder for caches")
     p.add_argument("--tiny", action="store_true", help="tiny random Qwen3.5 (CPU smoke run)")
     p.add_argument("--fla-conv", action="store_true", help="FLA Triton causal_conv1d in place of the torch fallback")
-    p.add_argument("--compile-elementwise", action="store_true",
-                   help="torch.compile'd Qwen3.5 norm/gate chains (dflash.target.fused) in every forward here")
+    p.add_argument("--compile-elementwise", choices=("auto", "on", "off"), default="auto",
+                   help="ExtractConfig.compile_elementwise of the extractions and the forward-only floor (auto = on "
+                        "CUDA): torch.compile'd Qwen3.5 norm/gate chains (dflash.target.fused)")
     p.add_argument("--compare-compile", action="store_true",
-                   help="also time the forward-only pass with the compiled norm/gate chains (compile_compare)")
+                   help="also time the forward-only pass with --compile-elementwise flipped (compile_compare)")
     p.add_argument("--load-seconds", type=float, default=None,
                    help="stand-in for the checkpoint load before each extraction (default: 5 on CUDA, 0 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-name", default=None, help="results file name suffix (default: h200 on CUDA, cpu)")
     p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"), help="folder of the result JSON")
     args = p.parse_args()
-    if args.compare_compile and args.compile_elementwise:
-        p.error("--compare-compile compares against the eager forward: leave out --compile-elementwise")
 
     import dflash.target.load as target_load
     from dflash.extract.driver import ExtractConfig, run_rank
@@ -312,12 +312,12 @@ def main() -> None:
     t = time.perf_counter()
     model, tokenizer = build_random_model(model_dir, device, fla_conv=args.fla_conv)
     build_s = time.perf_counter() - t
-    fused_modules = {}
-    if args.compile_elementwise:  # the driver's TappedForward runs this same model instance, so it gets them too
-        from dflash.target.fused import compile_elementwise
+    from dflash.target.fused import compile_elementwise, restore_elementwise
 
-        fused_modules = compile_elementwise(model)
-        print(f"compiled norm/gate chains: {fused_modules}", flush=True)
+    compiled = args.compile_elementwise == "on" or (args.compile_elementwise == "auto" and device.type == "cuda")
+    # the driver's TappedForward compiles this same model instance too (idempotent); forward_only's sees it
+    fused_modules = compile_elementwise(model) if compiled else {}
+    print(f"compiled norm/gate chains: {fused_modules or 'none (eager)'}", flush=True)
     load_s = args.load_seconds if args.load_seconds is not None else (5.0 if device.type == "cuda" else 0.0)
 
     def load_prebuilt(*_a, **_k):  # see module docstring
@@ -331,6 +331,7 @@ def main() -> None:
     def cfg_for(src, storage, out):
         return ExtractConfig(model=str(model_dir), data=(str(src),), output=str(out), storage=storage,
                              max_length=4096, batch_tokens=args.batch_tokens, show_progress=False,
+                             compile_elementwise="on" if compiled else "off",
                              dtype="bfloat16")  # the forward-only floor runs bf16 (also on CPU)
 
     quiet = lambda *_: None  # noqa: E731
@@ -373,16 +374,21 @@ def main() -> None:
     fo_s, real, padded, batch_sizes = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
     fo_timeline = timeline.take()
     compiled_cmp = None
-    if args.compare_compile:  # the same batches once more with the compiled norm/gate chains, then eager again
-        from dflash.target.fused import compile_elementwise, restore_elementwise
-
-        counts = compile_elementwise(model)
-        first_s, *_ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)  # compiles
-        fc_s, *_ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
-        restore_elementwise(model)
+    if args.compare_compile:  # the same batches once more with the setting flipped, then back
+        if compiled:
+            restore_elementwise(model)
+            counts, first_s = fused_modules, None
+        else:
+            counts = compile_elementwise(model)
+            first_s, *_ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)  # compiles
+        flip_s, *_ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
         timeline.take()
-        compiled_cmp = {"modules": counts, "forward_only_tok_s": real / fc_s, "eager_forward_only_tok_s": real / fo_s,
-                        "speedup": fo_s / fc_s, "first_pass_s": first_s}
+        fc_s, eager_s = (fo_s, flip_s) if compiled else (flip_s, fo_s)
+        compiled_cmp = {"modules": counts, "forward_only_tok_s": real / fc_s,
+                        "eager_forward_only_tok_s": real / eager_s,
+                        "speedup": eager_s / fc_s, "first_pass_s": first_s,
+                        "flipped_to": "eager" if compiled else "compiled"}
+    restore_elementwise(model)  # the peer-style run below is HF's eager forward, as the peers run it
     num_layers_run = max(taps) + 1
     flops = target_flops(model.config, num_layers_run=num_layers_run)
     total_flops = flops.forward_flops(lengths)
@@ -432,9 +438,12 @@ def main() -> None:
                      f"{peer['padding_fraction']:.2f}, {peer['io_threads']} saver threads"
                      + ("" if peer["tokens"] >= PEER_MIN_TOKENS else f"; < {PEER_MIN_TOKENS:,} tokens: no ratio")))
     if compiled_cmp:
-        rows.append(("forward only, compiled norm/gate chains", compiled_cmp["forward_only_tok_s"],
-                     f"x{compiled_cmp['speedup']:.3f} of eager forward only; first pass "
-                     f"{compiled_cmp['first_pass_s']:.1f}s (compiles)"))
+        flip = compiled_cmp["flipped_to"]
+        first = compiled_cmp["first_pass_s"]
+        rows.append((f"forward only, {flip} norm/gate chains",
+                     compiled_cmp[("eager_" if flip == "eager" else "") + "forward_only_tok_s"],
+                     f"compiled x{compiled_cmp['speedup']:.3f} of eager forward only"
+                     + (f"; first compiled pass {first:.1f}s (compiles)" if first is not None else "")))
     rows.append(("FLOP floor", floor_tok_s, f"{total_flops / real / 1e9:.1f} GFLOP/tok, measured peak "
                  f"{peak / 1e12:.3g} TFLOP/s"))
     rows.append(("FLOP floor at the 989T spec", H200_SPEC_BF16 * real / total_flops, "H200 dense bf16 spec"))
@@ -451,7 +460,8 @@ def main() -> None:
                      "transformers": __import__("transformers").__version__,
                      "fla": package_version("fla-core"), "zarr": package_version("zarr")},
         "model": "tiny Qwen3.5" if args.tiny else "Qwen3.5-27B shape, random weights",
-        "kernels": str(getattr(model, "dflash_kernels", "")), "compiled_elementwise_modules": fused_modules,
+        "kernels": str(getattr(model, "dflash_kernels", "")), "compile_elementwise": args.compile_elementwise,
+        "compiled_elementwise_modules": fused_modules, "peer_style_elementwise": "eager",
         "taps": list(taps), "layers_run": num_layers_run, "samples": len(lengths), "real_tokens": real,
         "padded_tokens": padded, "padding_fraction_full_dataset_plan": full_padding, "batch_tokens": args.batch_tokens, "matmul_peak_flops": peak,
         "forward_flops_per_token": total_flops / real, "model_build_s": build_s, "load_seconds_stand_in": load_s,

@@ -4,7 +4,8 @@
 # msgspec, gguf, FLA, SpecForge's extras) and, for the SmolLM2 stages, the GGUF parts of scripts/split_gguf.sh and
 # the prompt files of scripts/make_quality_assets.py in .assets/ (both git-ignored: make them in every new checkout):
 #   bash benchmarks/run_h200.sh io      # bench_cache (~2 min) + bench_extract 600K tokens (~7 min)
-#   bash benchmarks/run_h200.sh extract # bench_extract 600K tokens alone (~7 min: ~5 timed, 1 untimed warm-up pass)
+#   bash benchmarks/run_h200.sh extract [ARGS]  # bench_extract 600K tokens alone (~7 min: ~5 timed, 1 untimed
+#       warm-up pass); ARGS go to bench_extract, e.g. --storage fp8 --compare-compile (issue 20: compiled vs eager)
 #   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
 #   bash benchmarks/run_h200.sh sweep   # bench_sweep --synthetic (27B features, 4 drafters)
 #   bash benchmarks/run_h200.sh check   # the gpu-marked tests + bench_block_mask (~3 min)
@@ -55,7 +56,8 @@ START=$(mktemp /tmp/run_h200_start.XXXXXX)
 
 cache() { timeout 170 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --result-name h200
           rm -rf /tmp/dflash_bench_cache; }
-extract() { timeout "${1:-410}" python3 benchmarks/bench_extract.py --tokens 600000 --peer-tokens 100000 --fla-conv; }
+extract() { timeout "${1:-410}" python3 benchmarks/bench_extract.py --tokens 600000 --peer-tokens 100000 --fla-conv \
+              "${@:2}"; }
 train() { timeout "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
 sweep() { timeout "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
 quality() { local t=$1; shift
@@ -104,7 +106,7 @@ stage=${1:-io}; shift || true
 rc=0
 case "$stage" in
   io) cache; extract || rc=$? ;;
-  extract) extract 560 || rc=$? ;;
+  extract) extract 560 "$@" || rc=$? ;;
   train) train || rc=$? ;;
   sweep) sweep || rc=$? ;;
   check) gpu_tests || rc=$?; block_mask || rc=$? ;;

@@ -49,6 +49,9 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--fla-conv/--no-fla-conv", default=True, show_default=True,
               help="On CUDA with flash-linear-attention: FLA's Triton causal conv1d for Gated-DeltaNet layers "
                    "(faster than transformers' torch fallback). Ignored on CPU.")
+@click.option("--compile-elementwise", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Qwen3.5 targets: run the layers' RMSNorm, gated RMSNorm and SiLU-gating chains torch.compile'd "
+                   "(one fused kernel each; float rounding only). auto: on CUDA. Other architectures: no effect.")
 @click.option("--dry-run", is_flag=True, default=False,
               help="Print samples, tokens, bytes on disk and an ETA, then stop without loading the model.")
 @click.option("--repair", is_flag=True, default=False,
@@ -56,7 +59,7 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
                    "and extract their samples again.")
 @click.option("--no-progress", is_flag=True, default=False, help="Do not draw the progress bar.")
 def command(model, data, output, taps, storage, max_length, num_procs, batch_tokens, shard_tokens, no_thinking,
-            dtype, device, fla_conv, dry_run, repair, no_progress) -> None:
+            dtype, device, fla_conv, compile_elementwise, dry_run, repair, no_progress) -> None:
     """Run the target model over conversation data and write the hidden-state cache.
 
     Prints the plan (samples, tokens, bytes on disk, ETA) before any model work and refuses to start when
@@ -72,8 +75,8 @@ def command(model, data, output, taps, storage, max_length, num_procs, batch_tok
         model=model, data=tuple(data), output=output, taps=taps, storage=storage, max_length=max_length,
         batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         template_kwargs={"enable_thinking": False} if no_thinking else {},
-        dtype=dtype, device=device, fla_conv=fla_conv, dry_run=dry_run, repair=repair,
-        show_progress=not no_progress)
+        dtype=dtype, device=device, fla_conv=fla_conv, compile_elementwise=compile_elementwise, dry_run=dry_run,
+        repair=repair, show_progress=not no_progress)
     try:
         from dflash.store.url import is_store_url
 

@@ -63,6 +63,12 @@ class ExtractConfig:
     """On CUDA with flash-linear-attention, run Gated-DeltaNet's causal conv1d with FLA's Triton kernel instead
     of transformers' torch fallback (per op 5e-8 relative in fp32; 10.3K vs ~8.9K tokens/s on the 27B shape,
     DESIGN.md). Ignored on CPU and for targets without Gated-DeltaNet layers."""
+    compile_elementwise: str = "auto"
+    """"auto" (on CUDA), "on" or "off": run the Qwen3.5 layers' RMSNorm / gated RMSNorm / SiLU-gating chains
+    torch.compile'd (dflash.target.fused: one fused kernel each instead of ~7 eager fp32 element-wise launches).
+    Float rounding only (checked per layer against transformers' layers, tests/gpu/test_target_fused_gpu.py), so
+    it is not part of the cache fingerprint. Other architectures are left as they are; on CPU inductor's compile
+    costs more than it saves."""
     dry_run: bool = False
     """Print the plan (samples, tokens, bytes, ETA) and stop."""
     store_rate: StoreRate | None = None
@@ -97,6 +103,8 @@ class ExtractConfig:
             raise ConfigError(f"shard_tokens={self.shard_tokens}: must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device={self.device!r}: use auto, cpu or cuda")
+        if self.compile_elementwise not in ("auto", "on", "off"):
+            raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: use auto, on or off")
 
 
     def compute_dtype(self) -> str:
@@ -233,7 +241,10 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
             tokens=most, num_taps=len(pre.fingerprint.tap_layer_ids), hidden=pre.fingerprint.hidden_size,
             storage=cfg.storage))
     model, _ = load_target(cfg.model, device=device, dtype=dtype_of(cfg.compute_dtype()), fla_conv=cfg.fla_conv)
-    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids)
+    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids, compile_elementwise=cfg.compile_elementwise == "on"
+                           or (cfg.compile_elementwise == "auto" and device.type == "cuda"))
+    if tapped.fused_modules:
+        log.info("compiled norm/gate chains: %s", tapped.fused_modules)
     pad_id = pre.tokenizer.pad_token_id if pre.tokenizer.pad_token_id is not None else 0
     counters = RankCounters()
     reporter = ProgressReporter(rank=rank, world_size=world_size if distributed else 1,
