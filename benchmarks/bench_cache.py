@@ -6,7 +6,15 @@ Writes a cache of realistic shape (ShareGPT-like sample lengths: lognormal aroun
 through CacheReader.read_many, the loader's path. Prints a table; the last stdout line is the result JSON,
 also written to benchmarks/results/cache_<name>.json. Needs only numpy, torch, crc32c (and zarr installed).
 
+Read baselines over the same bytes: the raw file read by one thread (8 MiB reads) and by --threads threads
+(the file cut into that many contiguous ranges, each read sequentially by its own thread and fd:
+read_ratio_vs_raw_threaded), and the per-sample files loaded by --threads threads. With --reps R every cold read
+runs R times, interleaved (raw, raw threaded, cache, per-sample, ...), and the ratios are of median seconds:
+cold reads on shared or virtual disks vary run to run (on the 2-core dev box, 0.6-1.8 GB/s for the same cache
+read). --cache-threads 16,32 also times the cache read at those reader thread counts (same reps).
+
     python benchmarks/bench_cache.py --tokens 30000 --result-name cpu
+    python benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --reps 3 --cache-threads 32,64
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +48,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=30_000, help="total tokens of the bf16 cache")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drop-caches", action="store_true", help="cold reads: drop the page cache (or fadvise)")
-    p.add_argument("--threads", type=int, default=8, help="reader threads (I/O bound: more than cores helps)")
+    p.add_argument("--threads", type=int, default=8, help="reader threads of the cache, threaded raw and "
+                   "per-sample reads (I/O bound: more than cores helps)")
+    p.add_argument("--reps", type=int, default=1, help="cold reads per variant, interleaved; ratios of medians")
+    p.add_argument("--cache-threads", default="", help="comma-separated extra reader thread counts for the cache "
+                   "read (read_cache_threads_N)")
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per read_many call")
     p.add_argument("--shard-tokens", type=int, default=1 << 16)
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
@@ -147,6 +160,32 @@ def read_raw(path) -> float:
     return time.perf_counter() - t0
 
 
+def read_raw_threaded(path, threads: int) -> float:
+    """The file cut into `threads` contiguous ranges, each read sequentially (8 MiB preads) by its own thread
+    and fd: the multi-threaded sequential read of the same bytes."""
+    size = os.path.getsize(path)
+    step = -(-size // threads)
+
+    def part(a: int) -> int:
+        buf = np.empty(8 << 20, np.uint8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            n, z = 0, min(size, a + step)
+            while a < z:
+                got = os.preadv(fd, [buf[:min(len(buf), z - a)]], a)
+                if got <= 0:
+                    break
+                a, n = a + got, n + got
+            return n
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        assert sum(ex.map(part, range(0, size, step))) == size
+    return time.perf_counter() - t0
+
+
 def read_per_sample(d, threads) -> float:
     files = sorted(all_files(d))
     t0 = time.perf_counter()
@@ -189,14 +228,30 @@ def main() -> None:
     del enc4
 
     cold = make_cold([cache, per, cache8, cache4, args.out], args.drop_caches)
-    t_rr = read_raw(raw)
-    make_cold([args.out], args.drop_caches)
-    t_rc, bytes_all = read_cache(cache, args)
-    make_cold([args.out], args.drop_caches)
     taps2 = list(fingerprint(args, "bf16").tap_layer_ids[:2])
-    t_rs, bytes_two = read_cache(cache, args, taps2)
+    extra_threads = [int(x) for x in args.cache_threads.split(",") if x.strip()]
+    bytes_all = 0
+
+    def cache_read() -> float:
+        nonlocal bytes_all
+        secs, bytes_all = read_cache(cache, args)
+        return secs
+
+    variants = {"read_raw": lambda: read_raw(raw),
+                "read_raw_threaded": lambda: read_raw_threaded(raw, args.threads),
+                "read_cache": cache_read,
+                "read_per_sample": lambda: read_per_sample(per, args.threads),
+                **{f"read_cache_threads_{n}": (lambda n=n: read_cache(cache, argparse.Namespace(
+                    **{**vars(args), "threads": n}))[0]) for n in extra_threads}}
+    reps: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(max(1, args.reps)):
+        for name, fn in variants.items():
+            make_cold([args.out], args.drop_caches)
+            reps[name].append(fn())
+    med = {k: statistics.median(v) for k, v in reps.items()}
+    t_rr, t_rt, t_rc, t_rp = med["read_raw"], med["read_raw_threaded"], med["read_cache"], med["read_per_sample"]
     make_cold([args.out], args.drop_caches)
-    t_rp = read_per_sample(per, args.threads)
+    t_rs, bytes_two = read_cache(cache, args, taps2)
     make_cold([args.out], args.drop_caches)
     t_r4, bytes_4 = read_cache(cache4, args)
 
@@ -204,6 +259,7 @@ def main() -> None:
     res = {
         "write_ratio_vs_raw": t_wr / t_wc,
         "read_ratio_vs_raw": t_rr / t_rc,
+        "read_ratio_vs_raw_threaded": t_rt / t_rc,
         "read_subset_bytes_ratio": bytes_two / bytes_all,
         "read_ratio_vs_per_sample_files": t_rp / t_rc,
         "bytes_per_token_bf16": st.bytes_written / st.tokens,
@@ -215,14 +271,18 @@ def main() -> None:
         "gbps": {"write_cache": gbps(payload, t_wc), "write_raw": gbps(payload, t_wr),
                  "write_per_sample": gbps(payload, t_wp), "read_cache": gbps(payload, t_rc),
                  "read_cache_2_taps": gbps(payload * 2 / K, t_rs), "read_raw": gbps(payload, t_rr),
-                 "read_per_sample": gbps(payload, t_rp), "read_cache_int4_stored_bytes": gbps(bytes_4, t_r4)},
+                 "read_per_sample": gbps(payload, t_rp), "read_cache_int4_stored_bytes": gbps(bytes_4, t_r4),
+                 "read_raw_threaded": gbps(payload, t_rt),
+                 **{k: gbps(payload, med[k]) for k in med if k.startswith("read_cache_threads_")}},
+        "read_seconds_per_rep": reps,
         "seconds": {"write_cache": t_wc, "write_raw": t_wr, "write_per_sample": t_wp, "read_cache": t_rc,
                     "read_cache_2_taps": t_rs, "read_raw": t_rr, "read_per_sample": t_rp, "read_cache_int4": t_r4,
                     "writer_blocked": st.seconds_blocked},
         "cold_reads": cold,
         "config": {"taps": K, "hidden": D, "tokens": T, "samples": len(lengths), "payload_bytes": payload,
                    "mean_length": float(lengths.mean()), "threads": args.threads, "batch_tokens": args.batch_tokens,
-                   "shard_tokens": args.shard_tokens, "chunk_bytes": args.chunk_bytes, "block_bytes": args.block_bytes, "seed": args.seed,
+                   "shard_tokens": args.shard_tokens, "chunk_bytes": args.chunk_bytes,
+                   "block_bytes": args.block_bytes, "seed": args.seed, "reps": max(1, args.reps),
                    "shards": st.shards_committed, "fp8_tokens": st8.tokens, "int4_tokens": st4.tokens},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "disk": _disk(args.out)},
@@ -232,11 +292,14 @@ def main() -> None:
     rows = [("cache write", res["gbps"]["write_cache"]), ("raw write", res["gbps"]["write_raw"]),
             ("per-sample write", res["gbps"]["write_per_sample"]), ("cache read", res["gbps"]["read_cache"]),
             ("cache read 2 taps", res["gbps"]["read_cache_2_taps"]), ("raw read", res["gbps"]["read_raw"]),
-            ("per-sample read", res["gbps"]["read_per_sample"])]
+            (f"raw read {args.threads} threads", res["gbps"]["read_raw_threaded"]),
+            ("per-sample read", res["gbps"]["read_per_sample"]),
+            *[(f"cache read {n} threads", res["gbps"][f"read_cache_threads_{n}"]) for n in extra_threads]]
     print(f"{T:,} tokens, {len(lengths)} samples, {payload / 1e9:.2f} GB hidden, reads: {cold}")
     for name, v in rows:
         print(f"  {name:<20}{v:8.2f} GB/s")
-    for k in ("write_ratio_vs_raw", "read_ratio_vs_raw", "read_subset_bytes_ratio", "read_ratio_vs_per_sample_files",
+    for k in ("write_ratio_vs_raw", "read_ratio_vs_raw", "read_ratio_vs_raw_threaded", "read_subset_bytes_ratio",
+              "read_ratio_vs_per_sample_files",
               "bytes_per_token_bf16", "bytes_per_token_fp8", "fp8_over_bf16", "bytes_per_token_int4", "int4_over_bf16"):
         print(f"  {k:<32}{res[k]:10.3f}")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)

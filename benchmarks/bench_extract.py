@@ -312,9 +312,10 @@ def main() -> None:
     t = time.perf_counter()
     model, tokenizer = build_random_model(model_dir, device, fla_conv=args.fla_conv)
     build_s = time.perf_counter() - t
+    from dflash.compiled import compile_wanted
     from dflash.target.fused import compile_elementwise, restore_elementwise
 
-    compiled = args.compile_elementwise == "on" or (args.compile_elementwise == "auto" and device.type == "cuda")
+    compiled = compile_wanted(args.compile_elementwise, device)
     # the driver's TappedForward compiles this same model instance too (idempotent); forward_only's sees it
     fused_modules = compile_elementwise(model) if compiled else {}
     print(f"compiled norm/gate chains: {fused_modules or 'none (eager)'}", flush=True)

@@ -5,8 +5,9 @@ the real CacheWriter, extraction tok/s, and training tok/s from the caches.
     python benchmarks/bench_storage4.py --stage extract                # H200, ~6 min: bench_extract fp8 vs int4
     python benchmarks/bench_storage4.py --stage train                  # H200, ~6 min: trainer from fp8 vs int4
     python benchmarks/bench_storage4.py --stage train --tiny           # CPU smoke run of the train stage
-    python benchmarks/bench_storage4.py --stage tau --workdir DIR --gguf GGUF --records 2500 [--resume]
-        # H200: held-out tau per storage on the committed whole conversations (~2.5M tokens)
+    python benchmarks/bench_storage4.py --stage tau --workdir DIR --gguf GGUF --storages bf16,int4 [--resume]
+        # H200: held-out tau per storage on the first 2,500 committed whole conversations (1.7M tokens at
+        # max-length 1024), 600 steps per drafter, 2 seeds: ~13 minutes (2 calls)
     python benchmarks/bench_storage4.py --stage tau --tiny              # CPU smoke run of the tau stage (~1 min)
 
 bytes: the same features (27B shape: 5 taps x 5120, random normal with massive channels and spikes, the mix
@@ -25,7 +26,7 @@ train: one fp8 cache of random features with real ShareGPT lengths (common.make_
   tok_s_aggregate / mean fp8 (bench_train.window_summary: all tokens over all time after the warm-up).
 
 tau: held-out tau per storage with seeds, on the SmolLM2 target (issue 16's tau bound, issue 14's fp8 one). The
-  first --records (8000) records of --train-data (regenerated first turns) are extracted in bf16, int4 and fp8
+  first --records (2500) records of --train-data (regenerated whole conversations) are extracted in bf16, int4 and fp8
   (bench_reference.extract_cache), the MT-Bench + HumanEval target-greedy eval cache is built
   (bench_quality.generate_all, one cache of both sets), and the same drafter (bench_quality's GPU defaults,
   fixed --steps) is trained per storage and seed (bench_reference.train_once, held-out tau at the end through
@@ -69,8 +70,11 @@ from common import machine_info, package_version  # noqa: E402
 ISSUE_BOUND = 14_340  # issue 16: <= 0.28 x bf16's 51,200 hidden bytes per token, all in
 BF16_HIDDEN_27B = 5 * 5120 * 2
 INT4 = "int4"
-TAU_STEPS = 100  # 8000 records (2.55M tokens) at the H200 rates: ~654 s fresh (2 calls), ~537 s with --model and
-# --eval-cache from an earlier run (1 call); --steps 400: ~1,000 s (2 calls)
+# ~6 epochs of --records 2500 (2,362 samples, 1.70M tokens at max-length 1024: ~104 steps an epoch), the paper's
+# epoch count. Measured on the H200 (2026-12-02, storage4_h200.json): 100 steps take ~22 s a run (96-98K tok/s),
+# and at 100 steps (one epoch) the drafters reach only tau 1.07 / 1.13, where any two storages agree; 600 steps:
+# ~130 s a run, ~13 minutes for bf16,int4 x 2 seeds with the eval set and two extractions (2 calls)
+TAU_STEPS = 600
 TAU_TINY_STEPS = 2
 
 
@@ -608,7 +612,7 @@ def tau_args(args, rest: list[str]) -> None:
     import bench_quality as bq
 
     args.steps = args.steps or (TAU_TINY_STEPS if args.tiny else TAU_STEPS)
-    args.records = args.records or (4 if args.tiny else 8000)
+    args.records = args.records or (4 if args.tiny else 2500)
     args.eval_every = args.eval_every or args.steps  # held-out tau once, at the end (it is timed out of tok/s)
     args.storages = tuple(args.storages.split(","))
     if "bf16" not in args.storages:
@@ -663,7 +667,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     t = p.add_argument_group("tau stage (other flags go to bench_quality's parser: --gguf-parts, --batch-tokens, ...)")
     t.add_argument("--train-data", help="regenerated conversations (default .assets/sharegpt_first_all-00.jsonl.gz)")
-    t.add_argument("--records", type=int, help="first N records of --train-data (default 8000; tiny 4)")
+    t.add_argument("--records", type=int, help="first N records of --train-data (default 2500; tiny 4)")
     t.add_argument("--seeds", type=int, default=2, help="drafter seeds per storage (init, anchors, data order)")
     t.add_argument("--storages", default=",".join(TAU_STORAGES), help="storages in run order (bf16 first)")
     t.add_argument("--eval-every", type=int, help="held-out tau every N steps (default: only at the end)")

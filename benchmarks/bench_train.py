@@ -310,6 +310,7 @@ def main() -> None:
 
     os.environ["DFLASH_NO_PROGRESS"] = "1"  # our own per-record lines instead of a tqdm bar in a log file
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from dflash.compiled import compile_wanted
     from dflash.train.config import TrainConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -377,7 +378,7 @@ def main() -> None:
 
     compile_cmp = None
     if args.compare_compile and resident:
-        compiled_now = args.compile_elementwise == "on" or (args.compile_elementwise == "auto" and device.type == "cuda")
+        compiled_now = compile_wanted(args.compile_elementwise, device)
         flipped = "off" if compiled_now else "on"
         say(f"run D: the same resident steps with compile_elementwise={flipped}")
         compile_cmp = compare_runs({("on" if compiled_now else "off"): resident, flipped: _fresh_resident(

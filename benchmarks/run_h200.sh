@@ -3,7 +3,9 @@
 # H200 machine with the carried wheels in .whl/ (bash scripts/fetch_gpu_wheels.sh: zarr and its codecs, crc32c,
 # msgspec, gguf, FLA, SpecForge's extras) and, for the SmolLM2 stages, the GGUF parts of scripts/split_gguf.sh and
 # the prompt files of scripts/make_quality_assets.py in .assets/ (both git-ignored: make them in every new checkout):
-#   bash benchmarks/run_h200.sh io      # bench_cache (~2 min) + bench_extract 600K tokens (~7 min)
+#   bash benchmarks/run_h200.sh io      # bench_cache (~4 min: 3 interleaved cold reads per variant) + bench_extract
+#       600K tokens (~7 min; together past one call's 10 minutes: `cache` alone, then `extract`)
+#   bash benchmarks/run_h200.sh cache   # bench_cache alone (issue 20's read ratios, ~4 min)
 #   bash benchmarks/run_h200.sh extract [ARGS]  # bench_extract 600K tokens alone (~7 min: ~5 timed, 1 untimed
 #       warm-up pass); ARGS go to bench_extract, e.g. --storage fp8 --compare-compile (issue 20: compiled vs eager)
 #   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
@@ -54,7 +56,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 LOGS=${OUT:-/tmp}
 START=$(mktemp /tmp/run_h200_start.XXXXXX)
 
-cache() { timeout 170 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --result-name h200
+cache() { timeout 330 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --reps 3 \
+            --cache-threads 32,64 --result-name h200
           rm -rf /tmp/dflash_bench_cache; }
 extract() { timeout "${1:-410}" python3 benchmarks/bench_extract.py --tokens 600000 --peer-tokens 100000 --fla-conv \
               "${@:2}"; }
@@ -106,6 +109,7 @@ stage=${1:-io}; shift || true
 rc=0
 case "$stage" in
   io) cache; extract || rc=$? ;;
+  cache) cache || rc=$? ;;
   extract) extract 560 "$@" || rc=$? ;;
   train) train || rc=$? ;;
   sweep) sweep || rc=$? ;;
@@ -119,7 +123,7 @@ case "$stage" in
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|extract|train|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

@@ -3,16 +3,21 @@ forward run compiled (norms, RoPE, SiLU-gating, the fused CE epilogue).
 
 Why one place: each function is compiled once per process with dynamic shapes (packed batches change shape every
 step; torch.compile's automatic dynamic shapes would recompile once first), and every caller gets the same
-compiled object, so a function used by two components is compiled once.
+compiled object, so a function used by two components is compiled once. compile_wanted is the one rule for
+the compile_elementwise settings of extraction and training.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["compiled_op"]
+__all__ = ["COMPILE_SETTINGS", "compiled_op", "compile_wanted"]
+
+COMPILE_SETTINGS = ("auto", "on", "off")
 
 _compiled_ops: dict[Callable, Callable] = {}
 
@@ -22,5 +27,15 @@ def compiled_op(fn: Callable) -> Callable:
     chains of memory-bound kernels with fp32 temporaries (forward and backward); compiled, each is one fused
     kernel per direction."""
     if fn not in _compiled_ops:
+        import torch
+
         _compiled_ops[fn] = torch.compile(fn, dynamic=True)
     return _compiled_ops[fn]
+
+
+def compile_wanted(setting: str, device: torch.device | str) -> bool:
+    """Whether a compile_elementwise setting ("auto", "on", "off") compiles on `device`: auto means on CUDA only
+    (on CPU inductor's compile costs more than the fused kernels save). No torch import: configs use it."""
+    if setting not in COMPILE_SETTINGS:
+        raise ValueError(f"compile_elementwise={setting!r}: choose auto, on or off")
+    return setting == "on" or (setting == "auto" and str(device).split(":")[0] == "cuda")

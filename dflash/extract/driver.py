@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.cache.format import resolve_storage
+from dflash.compiled import COMPILE_SETTINGS, compile_wanted
 from dflash.dtypes import DTYPES, default_dtype, dtype_of
 from dflash.errors import ConfigError, DflashError
 from dflash.extract.plan import PlannedBatch
@@ -103,7 +104,7 @@ class ExtractConfig:
             raise ConfigError(f"shard_tokens={self.shard_tokens}: must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device={self.device!r}: use auto, cpu or cuda")
-        if self.compile_elementwise not in ("auto", "on", "off"):
+        if self.compile_elementwise not in COMPILE_SETTINGS:
             raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: use auto, on or off")
 
 
@@ -241,8 +242,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
             tokens=most, num_taps=len(pre.fingerprint.tap_layer_ids), hidden=pre.fingerprint.hidden_size,
             storage=cfg.storage))
     model, _ = load_target(cfg.model, device=device, dtype=dtype_of(cfg.compute_dtype()), fla_conv=cfg.fla_conv)
-    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids, compile_elementwise=cfg.compile_elementwise == "on"
-                           or (cfg.compile_elementwise == "auto" and device.type == "cuda"))
+    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids, compile_elementwise=compile_wanted(cfg.compile_elementwise, device))
     if tapped.fused_modules:
         log.info("compiled norm/gate chains: %s", tapped.fused_modules)
     pad_id = pre.tokenizer.pad_token_id if pre.tokenizer.pad_token_id is not None else 0

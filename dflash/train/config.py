@@ -13,6 +13,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from dflash.compiled import COMPILE_SETTINGS
 from dflash.errors import ConfigError
 from dflash.train.noise import NoiseConfig
 
@@ -158,7 +159,7 @@ class TrainConfig:
         if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError(f"lr={self.lr}, grad_clip={self.grad_clip}, weight_decay={self.weight_decay}: "
                               "lr must be > 0, grad_clip and weight_decay >= 0")
-        if self.compile_elementwise not in ("auto", "on", "off"):
+        if self.compile_elementwise not in COMPILE_SETTINGS:
             raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: choose auto, on or off")
         if self.loss_impl not in ("fused", "fused_eager", "checkpoint"):
             raise ConfigError(f"loss_impl={self.loss_impl!r}: choose fused, fused_eager or checkpoint")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dflash.compiled import compile_wanted
 from dflash.errors import ConfigError
 from dflash.train import checkpoint as ckpt
 from dflash.train.build import (build_drafter_config, check_target_matches, resolve_mask_token_id,
@@ -199,7 +200,7 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
         reasons.extend(resolved.reasons)
     torch.manual_seed(cfg.seed)  # identical init on every rank (built on the CPU, then moved)
     drafter = DFlashDrafter(dc).to(info.device)
-    if cfg.compile_elementwise == "on" or (cfg.compile_elementwise == "auto" and info.device.type == "cuda"):
+    if compile_wanted(cfg.compile_elementwise, info.device):
         drafter.compile_elementwise()
         reasons.append(f"norms, RoPE, SiLU-gating and the fused CE's elementwise work: torch.compile'd "
                        f"(compile_elementwise={cfg.compile_elementwise})")
