@@ -17,6 +17,10 @@
 #   wholemore   continue WHOLE (the model folder must still be on the warm machine, else carry a GGUF part again)
 #   wholestatic the same regeneration on round-by-round static batches in chunks of 2,048 conversations (the
 #               fallback when slot_probe_h200.json shows the slot decoder slow)
+#   sampled SEED [TEMP]  (carry the last GGUF part + data, or on a machine that ran a stage above) the same whole
+#               conversations sampled at temperature TEMP (0.8) with seed SEED on the slot decoder (its bmm graphs;
+#               the GPU test of the sampled graph step first): more of the target's text from the same prompts
+#               (issue 14). Rerun the same command to continue. Output sharegpt_sampled_t<TEMP>_s<SEED>.
 # Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -112,6 +116,18 @@ PY
     # static batches; large chunks keep each round's batches full (944 tok/s at 256 conversations per chunk)
     generate "$(left 585)" "$ASSETS/regen/sharegpt_whole_static.jsonl.gz" --backend static --turns all \
       --max-new-tokens 256 --max-length 2048 --chunk-conversations 2048 || rc=$? ;;
-  *) echo "usage: $0 stash|firstturns|bench|regen|whole|wholemore|wholestatic" >&2; exit 2 ;;
+  sampled) model || exit 1
+    seed=${2:?sampled SEED [TEMP]} temp=${3:-0.8}
+    if [ ! -f "$ASSETS/sampled_graphs_ok" ]; then  # a wrong capture would write wrong training data silently
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu/test_generate_gpu.py \
+        -k sampled 2>&1 | tail -n 3
+      [ "${PIPESTATUS[0]}" = 0 ] && touch "$ASSETS/sampled_graphs_ok"
+    fi
+    step=$([ -f "$ASSETS/sampled_graphs_ok" ] && echo graphs || echo eager)
+    DFLASH_SLOT_ATTENTION=bmm DFLASH_SLOT_STEP=$step generate "$(left 585)" \
+      "$ASSETS/regen/sharegpt_sampled_t${temp}_s${seed}.jsonl.gz" --backend continuous --temperature "$temp" \
+      --seed "$seed" --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 --window 1024 \
+      || rc=$? ;;
+  *) echo "usage: $0 stash|firstturns|bench|regen|whole|wholemore|wholestatic|sampled SEED [TEMP]" >&2; exit 2 ;;
 esac
 exit $rc

@@ -28,9 +28,15 @@ import click
               help="eager: HF generate; static: compiled static-cache decode in length-sorted batches, round by "
                    "round; continuous: transformers' continuous batching, one request per turn, the next turn "
                    "queued as soon as its previous one ends (for whole conversations); auto: static on CUDA, "
-                   "eager elsewhere.")
+                   "eager elsewhere (continuous with --temperature > 0).")
 @click.option("--window", default=2048, show_default=True, type=int,
               help="--backend continuous: most conversations in flight (chunks are admitted in order).")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="0: greedy. > 0: sample each token from softmax(logits / T), the same tokens whatever the batch "
+                   "or a resume (more training text from the same prompts; records marked greedy: false, so never "
+                   "an eval cache). Runs in the continuous backend's slot decoder (Llama-family targets).")
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="With --temperature > 0: the sampling seed (another seed, other responses).")
 @click.option("--no-thinking", is_flag=True, help="Render the chat template with enable_thinking=False.")
 @click.option("--limit", default=None, type=int, help="Use only the first N usable conversations.")
 @click.option("--device", default=None, help="cuda / cpu (default: cuda when available).")
@@ -51,9 +57,11 @@ import click
 @click.option("--keep-shards", is_flag=True,
               help="Keep OUTPUT.parts/shards/*.jsonl.gz after the merge (each readable by dflash extract --data).")
 def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, max_length, batch_size,
-            chunk_conversations, backend, window, no_thinking, limit, device, dtype, stop_after, endpoint, served_model,
-            concurrency, request_timeout, retries, max_consecutive_errors, overwrite, keep_shards) -> None:
-    """Regenerate assistant turns greedily (do_sample=False) with the target, or through a served endpoint."""
+            chunk_conversations, backend, window, temperature, seed, no_thinking, limit, device, dtype, stop_after,
+            endpoint, served_model, concurrency, request_timeout, retries, max_consecutive_errors, overwrite,
+            keep_shards) -> None:
+    """Regenerate assistant turns with the target (greedy, or sampled with --temperature), or through a served
+    endpoint."""
     common = dict(data=tuple(data), prompts=prompts_path, output=output_path, turns=turns,
                   max_new_tokens=max_new_tokens, max_length=max_length, chunk_conversations=chunk_conversations,
                   template_kwargs={"enable_thinking": False} if no_thinking else {}, limit=limit, overwrite=overwrite,
@@ -63,6 +71,9 @@ def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, 
 
         if served_model is None:
             raise click.UsageError("--endpoint needs --served-model (the model name the server serves)")
+        if temperature > 0:
+            raise click.UsageError("--temperature is for in-process generation (--model); an endpoint's records "
+                                   "are requested at temperature 0")
         cfg = EndpointConfig(url=endpoint, served_model=served_model, model=model_path, concurrency=concurrency,
                              request_timeout=request_timeout, retries=retries,
                              max_consecutive_errors=max_consecutive_errors, **common)
@@ -73,7 +84,6 @@ def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, 
         if model_path is None:
             raise click.UsageError("--model is required (or --endpoint with --served-model)")
         cfg = RegenerateConfig(model=model_path, batch_size=batch_size, backend=backend, window=window, device=device,
-                               dtype=dtype,
-                               **common)
+                               dtype=dtype, temperature=temperature, seed=seed, **common)
         stats = regenerate(cfg, echo=click.echo, stop_after=stop_after)
     click.echo(stats.summary())

@@ -60,6 +60,11 @@ class ContinuousConfig:
     graphs against 8.3-9.5K eager (regen_runs_h200.json); the compiled step's compiles (one per kv bucket)
     took 1.9 s a step averaged over a 2-minute call. Off CUDA the step is always eager."""
 
+    temperature: float = 0.0
+    """0: greedy; > 0: sampled (dflash.generate.sampling), in the slot decoder only."""
+    seed: int = 0
+    """Sampling seed (temperature > 0)."""
+
     def __post_init__(self) -> None:
         if self.slot_attention not in ("bmm", "sdpa"):
             raise ConfigError(f"slot_attention={self.slot_attention!r} (DFLASH_SLOT_ATTENTION): choose bmm or sdpa")
@@ -188,9 +193,13 @@ def open_engine(model, *, stop_ids, cfg: ContinuousConfig, log=None):
     try:
         check_supported(model.config)
     except DflashError as e:
+        if cfg.temperature > 0:
+            raise ConfigError(f"sampled regeneration (temperature {cfg.temperature}) runs in the slot decoder: {e}") \
+                from None
         if log is not None:
             log(f"continuous backend: {e}; using transformers' continuous batching instead")
         return ContinuousEngine(model, stop_ids=stop_ids, cfg=cfg)
     step = cfg.slot_step if cfg.cuda_graphs is not False else "eager"
     return SlotEngine(model, stop_ids=stop_ids, slots=cfg.max_requests, cache_len=cfg.max_length,
-                      compile=step == "compiled", cuda_graphs=step == "graphs", decode_bmm=cfg.slot_attention == "bmm")
+                      compile=step == "compiled", cuda_graphs=step == "graphs", decode_bmm=cfg.slot_attention == "bmm",
+                      temperature=cfg.temperature, seed=cfg.seed)

@@ -70,6 +70,12 @@ class RegenerateConfig:
     """Replace an existing output of another job."""
     keep_shards: bool = False
     """Keep OUTPUT.parts/shards after the merge (pieces under 16 MiB to move; in chunk order they are OUTPUT)."""
+    temperature: float = 0.0
+    """0: greedy (the target's greedy responses: eval caches need them). > 0: sampled from softmax(logits /
+    temperature), reproducibly whatever the batching (dflash.generate.sampling); needs the continuous backend's
+    slot decoder (backend auto picks it); the records are marked greedy: false with the temperature and seed."""
+    seed: int = 0
+    """Sampling seed (with temperature > 0): another seed samples other responses to the same conversations."""
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_length", "batch_size", "chunk_conversations"):
@@ -83,6 +89,11 @@ class RegenerateConfig:
             raise ConfigError(f"turns={self.turns!r}: choose one of {', '.join(TURN_MODES)}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit={self.limit}: must be >= 1 (or unset for all conversations)")
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if self.temperature > 0 and self.backend not in ("auto", "continuous"):
+            raise ConfigError(f"temperature={self.temperature} with backend={self.backend}: sampling runs in the "
+                              "continuous backend's slot decoder; use --backend continuous (or auto)")
 
     @property
     def turn_mode(self) -> str:
@@ -277,9 +288,12 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
     convs = load_conversations(data=cfg.data, prompts=cfg.prompts, limit=cfg.limit, skips=read_skips)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = cfg.dtype or default_dtype(device)   # the one CPU-vs-CUDA rule of every command (dflash.dtypes)
-    backend = resolve_backend(cfg.backend, torch.device(device).type)
+    backend = "continuous" if cfg.temperature > 0 else resolve_backend(cfg.backend, torch.device(device).type)
     mfp = model_fingerprint(model_dir)
-    job = job_of(cfg, model=mfp, extra={"batch_size": cfg.batch_size, "dtype": dtype, "backend": backend})
+    # a greedy job's fingerprint is what it was before sampling existed, so its outputs still resume
+    sampled = {"temperature": cfg.temperature, "seed": cfg.seed} if cfg.temperature > 0 else {}
+    job = job_of(cfg, model=mfp, extra={"batch_size": cfg.batch_size, "dtype": dtype, "backend": backend,
+                                        **sampled})
     out = ShardedOutput(cfg.output, job=job, overwrite=cfg.overwrite)
     try:
         return _regenerate_open(cfg, out=out, convs=convs, read_skips=read_skips, model_dir=model_dir, mfp=mfp,
@@ -323,7 +337,9 @@ def _regenerate_open(cfg: RegenerateConfig, *, out, convs, read_skips, model_dir
                           "cannot extend the generated ids exactly; use --turns first or --turns last")
     rules = DialogRules(tokenizer=tokenizer, mode=cfg.turn_mode, max_new_tokens=cfg.max_new_tokens,
                         max_length=cfg.max_length, template_kwargs=dict(cfg.template_kwargs), end_id=end_id)
-    meta = {"target": cfg.model, "target_config_hash": mfp["config_hash"], "dtype": dtype, "greedy": True,
+    meta = {"target": cfg.model, "target_config_hash": mfp["config_hash"], "dtype": dtype,
+            "greedy": cfg.temperature == 0, **({"temperature": cfg.temperature, "seed": cfg.seed}
+                                               if cfg.temperature > 0 else {}),
             "backend": backend, "max_new_tokens": cfg.max_new_tokens, "max_length": cfg.max_length,
             "turn_mode": cfg.turn_mode, "template_kwargs": dict(cfg.template_kwargs)}
     if backend == "continuous":
@@ -331,7 +347,8 @@ def _regenerate_open(cfg: RegenerateConfig, *, out, convs, read_skips, model_dir
 
         ccfg = ContinuousConfig(max_requests=engine_slots(batch_size=cfg.batch_size, window=cfg.window,
                                                           conversations=len(convs)),
-                                window=cfg.window, max_length=cfg.max_length)
+                                window=cfg.window, max_length=cfg.max_length, temperature=cfg.temperature,
+                                seed=cfg.seed)
         engine = open_engine(model, stop_ids=stops, cfg=ccfg, log=log.info)
         try:
             return run_chunks(cfg=cfg, convs=convs, out=out, read_skips=read_skips, progress=progress, t0=t0,

@@ -1,4 +1,5 @@
-"""Greedy continuous decoding with one KV-cache slot per conversation, for Llama-family decoders.
+"""Continuous decoding (greedy, or sampled: dflash.generate.sampling) with one KV-cache slot per conversation, for
+Llama-family decoders.
 
 Why not transformers' own continuous batching: without flash-attn it runs paged SDPA with no CUDA graphs and
 reached 2.5-2.8K tok/s on the H200 (benchmarks/results/continuous_probe_h200.json), and HF's static-cache
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 from dflash.errors import ConfigError
 from dflash.generate.decode import Decoded
+from dflash.generate.sampling import pick_tokens, request_key
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ class SlotDecoder:
     """The model's layers over a per-slot KV cache: prefill(ids per slot) and a fixed-shape decode step."""
 
     def __init__(self, model, *, slots: int, cache_len: int, compile: bool, decode_bmm: bool = False,
-                 compile_mode: str = "reduce-overhead", cuda_graphs: bool = False) -> None:
+                 compile_mode: str = "reduce-overhead", cuda_graphs: bool = False, temperature: float = 0.0) -> None:
         import torch
 
         check_supported(model.config)
@@ -136,6 +138,10 @@ class SlotDecoder:
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.device = p.device
         self.decode_bmm = decode_bmm
+        self.temperature = float(temperature)
+        # each slot's request stream id (dflash.generate.sampling.request_key), set as a request starts; read in
+        # place by the decode step, so a captured graph sees the current ones
+        self.key_S = torch.zeros(slots, dtype=torch.int64, device=p.device)
         self._decode = self._forward_all
         self._compiled = self._compiled_ok = False
         # kv_len -> (graph, token input, position input, output): the step captured with static buffers
@@ -197,10 +203,12 @@ class SlotDecoder:
 
         slot_S = torch.arange(self.slots, device=tok_S1.device)
         h = self._layers(self.model.model.embed_tokens(tok_S1), pos_S1, slot_S, kv_len=kv_len, decode=True)
-        return self.model.lm_head(h[:, -1]).argmax(-1)
+        return pick_tokens(self.model.lm_head(h[:, -1]), temperature=self.temperature, key_B=self.key_S,
+                           pos_B=pos_S1[:, -1])
 
     def decode(self, tok_S, pos_S, *, kv_len: int | None = None):
-        """One token for every slot: tok_S fed at position pos_S; returns the greedy next token per slot.
+        """One token for every slot: tok_S fed at position pos_S; returns the next token per slot (greedy, or
+        sampled at `temperature` with each slot's key_S).
         kv_len (default cache_len; kv_bucket of the longest live context) bounds the positions attention reads:
         a slot whose position is not below it gets a meaningless token."""
         import torch
@@ -253,7 +261,7 @@ class SlotDecoder:
         return out.clone()
 
     def prefill(self, slot_ids: list[int], ids: list[list[int]], starts: list[int]):
-        """ids[b] written into slot slot_ids[b] from position starts[b]; returns the greedy token after each."""
+        """ids[b] written into slot slot_ids[b] from position starts[b]; returns the token after each (as decode)."""
         import torch
 
         B, T = len(ids), max(len(x) for x in ids)
@@ -263,11 +271,13 @@ class SlotDecoder:
             tok[b, : len(x)] = torch.tensor(x, dtype=torch.long)
             pos[b] = torch.arange(s, s + T)
         last = torch.tensor([len(x) - 1 for x in ids], device=self.device)
+        last_pos = torch.tensor([s + len(x) - 1 for x, s in zip(ids, starts)], device=self.device)
         with torch.no_grad():
             slot_B = torch.tensor(slot_ids, device=self.device)
             h = self._layers(self.model.model.embed_tokens(tok.to(self.device)), pos.to(self.device), slot_B,
                              kv_len=kv_bucket(max(s + T for s in starts), cache_len=self.cache_len), decode=False)
-            return self.model.lm_head(h[torch.arange(B, device=self.device), last]).argmax(-1)
+            return pick_tokens(self.model.lm_head(h[torch.arange(B, device=self.device), last]),
+                               temperature=self.temperature, key_B=self.key_S[slot_B], pos_B=last_pos)
 
 
 class SlotEngine:
@@ -281,11 +291,13 @@ class SlotEngine:
     Python of a list-based step cost about as much as the GPU step."""
 
     def __init__(self, model, *, stop_ids, slots: int, cache_len: int, compile: bool = False,
-                 decode_bmm: bool = False, prefill_tokens: int = 16384, cuda_graphs: bool = False) -> None:
+                 decode_bmm: bool = False, prefill_tokens: int = 16384, cuda_graphs: bool = False,
+                 temperature: float = 0.0, seed: int = 0) -> None:
         import numpy as np
 
         self.dec = SlotDecoder(model, slots=slots, cache_len=cache_len, compile=compile, decode_bmm=decode_bmm,
-                               cuda_graphs=cuda_graphs)
+                               cuda_graphs=cuda_graphs, temperature=temperature)
+        self.seed = int(seed)
         self.stop_arr = np.array(sorted({int(i) for i in stop_ids}), dtype=np.int64)
         self.slots = [_Slot() for _ in range(slots)]
         self.pos = np.zeros(slots, np.int64)
@@ -328,6 +340,8 @@ class SlotEngine:
             slot.ctx = []
         slot.key, slot.todo = key, ids[n:]
         self.pos[s], self.n_out[s], self.budget[s], self.live[s] = n, 0, budget, False
+        if self.dec.temperature > 0:
+            self.dec.key_S[s] = request_key(self.seed, key)
         self.prefill_wait.add(s)
 
     def _reset(self, s: int) -> None:

@@ -64,3 +64,32 @@ def test_slot_engine_compiled_matches_eager_generate(smollm2_dir, step):
         assert eng.dec.cuda_graphs and eng.dec._graphs
     same = sum(got[f"p{i}"].response_ids == e.response_ids for i, e in enumerate(eager))
     assert same >= len(prompts) - 1
+
+
+def test_sampled_slot_engine_graphs_match_eager_step(smollm2_dir):
+    """Sampled regeneration (dflash.generate.sampling) with the decode step replayed as CUDA graphs, fp32: the
+    responses of the eager step (the graph reads each slot's request key in place), with 4 slots for 16
+    prompts, and not the greedy ones."""
+    from dflash.generate.decode import stop_token_ids
+    from dflash.generate.slots import SlotEngine
+    from dflash.generate.turns import render_prompt_ids
+    from dflash.target.load import load_target
+
+    model, tok = load_target(smollm2_dir, device="cuda", dtype=torch.float32)
+    stops = stop_token_ids(tok, model.generation_config, {})
+    prompts = [render_prompt_ids(tok, [{"role": "user", "content": q * (1 + i % 3)}], {})
+               for i, q in enumerate(QUESTIONS * 2)]
+
+    def run(graphs: bool, temperature: float):
+        eng = SlotEngine(model, stop_ids=stops, slots=4, cache_len=512, cuda_graphs=graphs,
+                         temperature=temperature, seed=5)
+        for i, p in enumerate(prompts):
+            eng.submit(f"p{i}", p, 32)
+        got = dict(eng.next_result() for _ in prompts)
+        assert eng.dec.cuda_graphs == graphs
+        return [got[f"p{i}"].response_ids for i in range(len(prompts))]
+
+    eager, graphs = run(False, 0.8), run(True, 0.8)
+    same = sum(a == b for a, b in zip(eager, graphs))
+    assert same >= len(prompts) - 1
+    assert run(True, 0.0) != graphs

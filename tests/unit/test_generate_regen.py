@@ -261,6 +261,29 @@ def test_continuous_backend_writes_the_eager_records_on_cpu(smollm2_dir, data_fi
         (e_stats.turns, e_stats.stopped_at_eos, e_stats.hit_max_tokens, e_stats.response_tokens)
 
 
+def test_sampled_regeneration_is_marked_and_independent_of_batching(smollm2_dir, data_file, tmp_path):
+    """--temperature > 0: whole conversations sampled in the slot decoder (backend auto picks continuous); the same
+    records with 2 slots and a window of 1 conversation as with 4 slots and all in flight; not the greedy
+    records; marked greedy: false with the temperature and seed, so extraction never calls them target-greedy;
+    and a backend that cannot sample is refused before any work."""
+    from dflash.errors import ConfigError
+    from dflash.extract.preflight import target_greedy_of
+    from dflash.generate.run import RegenerateConfig
+
+    _, a = _run(smollm2_dir, tmp_path / "a.jsonl.gz", data_file, temperature=0.9, seed=3, batch_size=2, window=1)
+    _, b = _run(smollm2_dir, tmp_path / "b.jsonl.gz", data_file, temperature=0.9, seed=3, batch_size=4)
+    _, g = _run(smollm2_dir, tmp_path / "g.jsonl.gz", data_file, backend="continuous")
+    assert [r["input_ids"] for r in a] == [r["input_ids"] for r in b]
+    assert [r["input_ids"] for r in a] != [r["input_ids"] for r in g]
+    meta = a[0]["dflash_generate"]
+    assert (meta["greedy"], meta["temperature"], meta["seed"], meta["backend"]) == (False, 0.9, 3, "continuous")
+    ok, _ = target_greedy_of([str(tmp_path / "a.jsonl.gz")], target_config_hash=meta["target_config_hash"],
+                             target_dtype=meta["dtype"])
+    assert ok is False
+    with pytest.raises(ConfigError, match="--backend continuous"):
+        RegenerateConfig(model="m", output="o.jsonl", data=("d",), temperature=0.5, backend="static")
+
+
 def test_extraction_refuses_a_greedy_marker_of_another_dtype(tmp_path):
     from dflash.extract.preflight import target_greedy_of
 

@@ -143,3 +143,42 @@ def test_slot_engine_equals_hf_generate(smollm2_dir, min_prefill_rows):
     prefilled = eng.counters["prefill_tokens"] - first
     assert key == "r0b" and d.response_ids == _hf(model, follow, 6, stops)
     assert prefilled == len(follow) - len(prompts[0]) - len(got["r0"]) + 1  # the last response token was not fed
+
+
+def _sampled_responses(model, prompts, *, slots: int, seed: int, temperature: float = 1.0, budget: int = 12):
+    eng = SlotEngine(model, stop_ids=[0], slots=slots, cache_len=128, compile=False, temperature=temperature,
+                     seed=seed)
+    for i, p in enumerate(prompts):
+        eng.submit(f"c0.v{i}.t0", p, budget, stream=i)
+    got = {}
+    while len(got) < len(prompts):
+        key, d = eng.next_result()
+        got[key] = d.response_ids
+        eng.release(int(key.split(".")[1][1:]))
+    return got
+
+
+def test_sampled_slot_engine_is_independent_of_the_slot_count():
+    """Sampling (dflash.generate.sampling) draws each token from (seed, request key, position): 1 slot (one
+    conversation at a time) and 3 slots (all together) give the same responses; another seed other ones; the
+    first token of a response is pick_tokens over the model's own logits with that request's key."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash.generate.sampling import pick_tokens, request_key
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval()
+    prompts = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 9)]
+    one = _sampled_responses(model, prompts, slots=1, seed=0)
+    three = _sampled_responses(model, prompts, slots=3, seed=0)
+    assert one == three and all(len(r) > 0 for r in one.values())
+    assert _sampled_responses(model, prompts, slots=3, seed=1) != one
+    greedy = _sampled_responses(model, prompts, slots=3, seed=0, temperature=0.0)
+    assert greedy != one
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[1]])).logits[:, -1]
+    first = pick_tokens(logits, temperature=1.0, key_B=torch.tensor([request_key(0, "c0.v1.t0")]),
+                        pos_B=torch.tensor([len(prompts[1]) - 1]))
+    assert one["c0.v1.t0"][0] == int(first)
