@@ -9,6 +9,8 @@
 #   bash benchmarks/run_h200.sh extract [ARGS]  # bench_extract 600K tokens alone (~7 min: ~5 timed, 1 untimed
 #       warm-up pass); ARGS go to bench_extract, e.g. --storage fp8 --compare-compile (issue 20: compiled vs eager)
 #   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
+#   bash benchmarks/run_h200.sh trainreal  # bench_train_real: real ShareGPT lengths and equal 2,048-token
+#       sequences from a disk cache, 27B drafter shape (issue 20's train_real_lengths_h200.json, ~6-7 min)
 #   bash benchmarks/run_h200.sh sweep   # bench_sweep --synthetic (27B features, 4 drafters)
 #   bash benchmarks/run_h200.sh check   # the gpu-marked tests + bench_block_mask (~3 min)
 #   bash benchmarks/run_h200.sh quality GGUF_PART... [--resume]   # bench_quality, 2000 prompts, 400 steps, 3 seeds
@@ -63,6 +65,7 @@ extract() { timeout "${1:-410}" python3 benchmarks/bench_extract.py --tokens 600
               "${@:2}"; }
 train() { timeout "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
 sweep() { timeout "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
+trainreal() { timeout "${1:-560}" python3 benchmarks/bench_train_real.py; }
 quality() { local t=$1; shift
             timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --seeds 3 --workdir /tmp/bq \
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
@@ -112,6 +115,7 @@ case "$stage" in
   cache) cache || rc=$? ;;
   extract) extract 560 "$@" || rc=$? ;;
   train) train || rc=$? ;;
+  trainreal) trainreal || rc=$? ;;
   sweep) sweep || rc=$? ;;
   check) gpu_tests || rc=$?; block_mask || rc=$? ;;
   quality) quality 560 "$@" || rc=$? ;;
@@ -123,7 +127,7 @@ case "$stage" in
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files
