@@ -42,7 +42,7 @@ from dflash.cache import CacheReader, CacheWriter, Fingerprint, PackedBuffers  #
 from dflash.cache.format import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="/tmp/dflash_bench_cache", help="scratch directory (deleted first)")
     p.add_argument("--taps", type=int, default=5)
@@ -66,7 +66,9 @@ def parse_args() -> argparse.Namespace:
                    help="fp8 and int4 cache sizes relative to bf16 (bytes/token, and an int4 read)")
     p.add_argument("--result-name", default="cpu")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
-    return p.parse_args()
+    p.add_argument("--results-dir", default=os.path.join(ROOT, "benchmarks", "results"),
+                   help="folder of the result JSON")
+    return p.parse_args(argv)
 
 
 def sample_lengths(rng: np.random.Generator, total: int) -> np.ndarray:
@@ -233,8 +235,8 @@ def read_per_sample(d, threads) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     K, D = args.taps, args.hidden
@@ -343,12 +345,13 @@ def main() -> None:
               "read_ratio_vs_per_sample_files",
               "bytes_per_token_bf16", "bytes_per_token_fp8", "fp8_over_bf16", "bytes_per_token_int4", "int4_over_bf16"):
         print(f"  {k:<32}{res[k]:10.3f}")
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", f"cache_{args.result_name}.json"), "w") as f:
+    os.makedirs(args.results_dir, exist_ok=True)
+    with open(os.path.join(args.results_dir, f"cache_{args.result_name}.json"), "w") as f:
         json.dump(res, f, indent=1)
     if not args.keep:
         shutil.rmtree(args.out)
     print(json.dumps(res))
+    return res
 
 
 def _disk(path: str) -> dict:
