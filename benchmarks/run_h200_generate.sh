@@ -19,8 +19,9 @@
 #               fallback when slot_probe_h200.json shows the slot decoder slow)
 #   sampled SEED [TEMP]  (carry the last GGUF part + data, or on a machine that ran a stage above) the same whole
 #               conversations sampled at temperature TEMP (0.8) with seed SEED on the slot decoder (its bmm graphs;
-#               the GPU test of the sampled graph step first): more of the target's text from the same prompts
-#               (issue 14). Rerun the same command to continue. Output sharegpt_sampled_t<TEMP>_s<SEED>.
+#               the GPU test of the sampled graph step first, then probe_sampling_diversity.py on the 244 held-out
+#               prompts): more of the target's text from the same prompts (issue 14). Rerun the same command to
+#               continue. Output sharegpt_sampled_t<TEMP>_s<SEED>.
 # Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -124,6 +125,11 @@ PY
       [ "${PIPESTATUS[0]}" = 0 ] && touch "$ASSETS/sampled_graphs_ok"
     fi
     step=$([ -f "$ASSETS/sampled_graphs_ok" ] && echo graphs || echo eager)
+    if [ ! -f "$ASSETS/sampling_diversity_done" ]; then  # how much new text a sampled pass adds (~1 min)
+      DFLASH_SLOT_STEP=$step timeout 150 python3 benchmarks/probe_sampling_diversity.py --model "$MODEL" \
+        --limit 244 --max-new-tokens 256 --temperature "$temp" --batch-size 256 2>&1 | grep -v "^{" | tail -n 9 \
+        && cp benchmarks/results/sampling_diversity_h200.json "$LOGS/" && touch "$ASSETS/sampling_diversity_done"
+    fi
     DFLASH_SLOT_ATTENTION=bmm DFLASH_SLOT_STEP=$step generate "$(left 585)" \
       "$ASSETS/regen/sharegpt_sampled_t${temp}_s${seed}.jsonl.gz" --backend continuous --temperature "$temp" \
       --seed "$seed" --turns all --max-new-tokens 256 --max-length 2048 --chunk-conversations 128 --window 1024 \

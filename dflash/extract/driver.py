@@ -242,7 +242,8 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
             tokens=most, num_taps=len(pre.fingerprint.tap_layer_ids), hidden=pre.fingerprint.hidden_size,
             storage=cfg.storage))
     model, _ = load_target(cfg.model, device=device, dtype=dtype_of(cfg.compute_dtype()), fla_conv=cfg.fla_conv)
-    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids, compile_elementwise=compile_wanted(cfg.compile_elementwise, device))
+    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids,
+                           compile_elementwise=compile_wanted(cfg.compile_elementwise, device))
     if tapped.fused_modules:
         log.info("compiled norm/gate chains: %s", tapped.fused_modules)
     pad_id = pre.tokenizer.pad_token_id if pre.tokenizer.pad_token_id is not None else 0
