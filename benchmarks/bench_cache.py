@@ -128,11 +128,15 @@ def write_cache(path, args, storage, lengths, pool, pool_scales, pool_groups=Non
     return time.perf_counter() - t0, w.stats
 
 
+def raw_append(fd, rows, pool) -> None:
+    os.write(fd, memoryview(pool[rows].numpy()).cast("B"))
+
+
 def write_raw(path, lengths, pool) -> float:
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for _, _, rows in sample_rows(lengths, pool):
-        os.write(fd, memoryview(pool[rows].numpy()).cast("B"))
+        raw_append(fd, rows, pool)
     os.fsync(fd)
     os.close(fd)
     return time.perf_counter() - t0
@@ -161,17 +165,17 @@ def rewrite_interleaved(cache, raw, per, args, lengths, pool) -> None:
         with cache_writer(cache, args, "bf16") as w:
             for i, L, rows in sample_rows(lengths, pool):
                 cache_append(w, i, L, rows, pool)
-                os.write(fd, memoryview(pool[rows].numpy()).cast("B"))
+                raw_append(fd, rows, pool)
                 per_sample_save(per, i, L, rows, pool)
     finally:
         os.close(fd)
     os.sync()
 
 
-def read_cache(path, args, taps=None) -> tuple[float, int]:
-    r = CacheReader(path, num_threads=args.threads)
+def read_cache(path, *, threads: int, batch_tokens: int, taps=None) -> tuple[float, int]:
+    r = CacheReader(path, num_threads=threads)
     K = len(r.tap_positions(taps))
-    out = PackedBuffers.allocate(tokens=max(args.batch_tokens, int(r.index.length.max())), num_taps=K,
+    out = PackedBuffers.allocate(tokens=max(batch_tokens, int(r.index.length.max())), num_taps=K,
                                  hidden_size=r.hidden_size, storage=r.storage)
     out.hidden.zero_()  # the loader allocates (pins) its buffers once; do not time first-touch page faults
     t0 = time.perf_counter()
@@ -276,15 +280,16 @@ def main(argv=None) -> dict:
 
     def cache_read() -> float:
         nonlocal bytes_all
-        secs, bytes_all = read_cache(cache, args)
+        secs, bytes_all = read_cache(cache, threads=args.threads, batch_tokens=args.batch_tokens)
         return secs
 
     variants = {"read_raw": lambda: read_raw(raw),
                 "read_raw_threaded": lambda: read_raw_threaded(raw, args.threads),
                 "read_cache": cache_read,
                 "read_per_sample": lambda: read_per_sample(per, args.threads),
-                **{f"read_cache_threads_{n}": (lambda n=n: read_cache(cache, argparse.Namespace(
-                    **{**vars(args), "threads": n}))[0]) for n in extra_threads}}
+                **{f"read_cache_threads_{n}": (lambda n=n: read_cache(cache, threads=n,
+                                                                      batch_tokens=args.batch_tokens)[0])
+                   for n in extra_threads}}
     reps: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(max(1, args.reps)):
         for name, fn in variants.items():
@@ -293,9 +298,9 @@ def main(argv=None) -> dict:
     med = {k: statistics.median(v) for k, v in reps.items()}
     t_rr, t_rt, t_rc, t_rp = med["read_raw"], med["read_raw_threaded"], med["read_cache"], med["read_per_sample"]
     make_cold([args.out], args.drop_caches)
-    t_rs, bytes_two = read_cache(cache, args, taps2)
+    t_rs, bytes_two = read_cache(cache, threads=args.threads, batch_tokens=args.batch_tokens, taps=taps2)
     make_cold([args.out], args.drop_caches)
-    t_r4, bytes_4 = read_cache(cache4, args)
+    t_r4, bytes_4 = read_cache(cache4, threads=args.threads, batch_tokens=args.batch_tokens)
 
     gbps = lambda b, t: b / t / 1e9  # noqa: E731
     res = {

@@ -27,7 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_quality as bq  # noqa: E402
-from bench_reference import REPEAT_N, masked_spans, repeated_tokens  # noqa: E402
+from bench_reference import REPEAT_N, masked_spans, repetition  # noqa: E402
 
 
 def grams(ids: list[int], n: int = REPEAT_N) -> set[tuple]:
@@ -44,11 +44,6 @@ def responses(path: pathlib.Path) -> dict[str, list[int]]:
             spans = masked_spans(r["input_ids"], r["loss_mask"])
             out[str(r.get("id", i))] = spans[0] if spans else []
     return out
-
-
-def repetition_share(resp: dict[str, list[int]]) -> float:
-    tokens = sum(len(v) for v in resp.values())
-    return sum(repeated_tokens(v) for v in resp.values()) / max(tokens, 1)
 
 
 def overlap(a: dict[str, list[int]], b: dict[str, list[int]]) -> float:
@@ -84,7 +79,7 @@ def main(argv=None) -> dict:
     prompts = str(bq.asset_file(args.prompts, "sharegpt_heldout_prompts.jsonl", lambda: sys.exit(
         "no prompt file: pass --prompts (scripts/make_quality_assets.py writes the ShareGPT ones)")))
     sets: dict[str, dict[str, list[int]]] = {}
-    seconds = {}
+    seconds, repeated = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, temp, seed in [("greedy", 0.0, 0)] + [(f"t{args.temperature}_s{s}", args.temperature, s)
                                                         for s in range(1, args.seeds + 1)]:
@@ -96,6 +91,7 @@ def main(argv=None) -> dict:
                                         temperature=temp, seed=seed), progress=False)
             seconds[name] = round(time.perf_counter() - t, 1)
             sets[name] = responses(out)
+            repeated[name] = repetition(str(out), None)["repeated_fraction"]  # pre-tokenized: no tokenizer
             print(f"{name}: {sum(map(len, sets[name].values())):,} response tokens in {seconds[name]} s", flush=True)
     names = list(sets)
     res = {"bench": "sampling_diversity", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -103,7 +99,7 @@ def main(argv=None) -> dict:
            "versions": {"python": platform.python_version(), "torch": torch.__version__},
            "config": {k: v for k, v in vars(args).items()}, "n": REPEAT_N, "seconds": seconds,
            "response_tokens": {k: sum(map(len, v.values())) for k, v in sets.items()},
-           "repetition": {k: repetition_share(v) for k, v in sets.items()},
+           "repetition": repeated,
            **{f"overlap_{a}_in_{b}": overlap(sets[a], sets[b]) for a in names for b in names if a != b}}
     for k, v in res.items():
         if k.startswith(("overlap_", "repetition")):
