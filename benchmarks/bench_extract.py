@@ -363,7 +363,7 @@ def main() -> None:
                             "tok_s": res.num_tokens / (secs - res.setup_seconds),
                             # steady state: first batch start .. last append (no startup, no final drain)
                             "loop_seconds": res.loop_seconds, "setup_seconds": res.setup_seconds,
-                            "drain_seconds": res.drain_seconds,
+                            "drain_seconds": res.drain_seconds, "drain_parts": res.drain_parts,
                             "tok_s_steady": res.num_tokens / res.loop_seconds if res.loop_seconds else None,
                             "wait_on_disk_s": res.wait_s, "bytes_on_disk": on_disk,
                             "bytes_per_token": on_disk / res.num_tokens,
@@ -411,7 +411,7 @@ def main() -> None:
             **mfu_fields(r["tok_s"] * total_flops / real / peak, peak=peak),
             "ratio_vs_forward_only": r["tok_s"] / fo_tok_s,
             "tok_s_steady": r["tok_s_steady"], "loop_seconds": r["loop_seconds"],
-            "setup_seconds": r["setup_seconds"], "drain_seconds": r["drain_seconds"],
+            "setup_seconds": r["setup_seconds"], "drain_seconds": r["drain_seconds"], "drain_parts": r["drain_parts"],
             "ratio_steady_vs_forward_only": r["tok_s_steady"] / fo_tok_s if r["tok_s_steady"] else None,
             "ratio_vs_peer_style": peer_ratio(r["tok_s"], peer),
             "padding_fraction": 1 - real / padded, "storage": storage,

@@ -50,6 +50,12 @@ class WriteStats:
     """Time `append` waited on a full queue (disk back-pressure)."""
     seconds_committing: float = 0.0
     """Time the writer thread spent writing and committing shards."""
+    queued_at_close: int = 0
+    """Batches still queued when `close` was called (the work left for the final drain)."""
+    seconds_close: float = 0.0
+    """Wall time of `close`: those queued batches, the last (partial) shard's commit and the manifest."""
+    seconds_last_commit: float = 0.0
+    """Of the shard committed last: its commit (remaining blocks, fsync, small arrays, rename, record)."""
 
 
 _CLOSE = object()
@@ -290,6 +296,8 @@ class CacheWriter:
                 self._rank_lock.release()
             return self.stats
         self._closed = True
+        t0 = time.perf_counter()
+        self.stats.queued_at_close = self._queue.qsize()
         try:
             self._stop_thread()
             if self._error is not None:
@@ -297,6 +305,7 @@ class CacheWriter:
             self._update_manifest()
         finally:
             self._rank_lock.release()
+        self.stats.seconds_close = time.perf_counter() - t0
         return self.stats
 
     def abort(self) -> None:
@@ -494,7 +503,8 @@ class CacheWriter:
         st.loss_tokens += record.num_loss_tokens
         st.bytes_written += nbytes
         st.shards_committed += 1
-        st.seconds_committing += time.perf_counter() - t_start
+        st.seconds_last_commit = time.perf_counter() - t_start
+        st.seconds_committing += st.seconds_last_commit
         self._samples, self._tokens = [], 0
         if self.max_held_shards is not None:
             self._wait_until_held(self.max_held_shards)

@@ -138,6 +138,9 @@ class ExtractResult:
     """Start to the first batch (rank 0): preflight, tokenization, model load, writer open."""
     drain_seconds: float = 0.0
     """Last append to the end (rank 0): the writer's queue drain, last shard commit, final reduction."""
+    drain_parts: dict = field(default_factory=dict)
+    """Of drain_seconds (rank 0): batches still queued at the writer's close, the close's wall time, and of it
+    the last shard's commit (WriteStats.queued_at_close / seconds_close / seconds_last_commit)."""
     eta_seconds: float | None = None
     """The calibrated estimate of loop_seconds printed before the loop (None: plan too small to calibrate)."""
     planned_samples: int = 0
@@ -283,7 +286,10 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
         loop_s = float(slowest[0])
         dist.barrier()
     result = _result(cfg, pre, totals, t0, world_size if distributed else 1, dry_run=False, loop_s=loop_s,
-                     setup_s=t_first - t0, drain_s=time.perf_counter() - t_last, eta_s=eta_s)
+                     setup_s=t_first - t0, drain_s=time.perf_counter() - t_last, eta_s=eta_s,
+                     drain_parts={"queued_batches": writer.stats.queued_at_close,
+                                  "writer_close_s": writer.stats.seconds_close,
+                                  "last_commit_s": writer.stats.seconds_last_commit})
     if rank == 0:
         echo(format_summary(result, skips_text=pre.skips.summary()))
     return result
@@ -341,13 +347,13 @@ def _calibrated_eta(loop, batches, pre, *, device: torch.device, echo) -> float 
 
 def _result(cfg, pre, totals: torch.Tensor, t0: float, world_size: int, *, dry_run: bool,
             loop_s: float = 0.0, setup_s: float = 0.0, drain_s: float = 0.0,
-            eta_s: float | None = None) -> ExtractResult:
+            eta_s: float | None = None, drain_parts: dict | None = None) -> ExtractResult:
     return ExtractResult(
         num_samples=int(totals[SAMPLES]), num_tokens=int(totals[TOKENS]), num_padded_tokens=int(totals[PADDED]),
         bytes_written=int(totals[BYTES]), wait_s=float(totals[WAIT_S]) / max(world_size, 1),
         seconds=time.perf_counter() - t0, num_committed_before=pre.plan.num_committed,
         skip_counts=dict(pre.skips.counts), dry_run=dry_run, loop_seconds=loop_s, setup_seconds=setup_s,
-        drain_seconds=drain_s, eta_seconds=eta_s, planned_samples=pre.plan.num_todo,
+        drain_seconds=drain_s, drain_parts=drain_parts or {}, eta_seconds=eta_s, planned_samples=pre.plan.num_todo,
         planned_tokens=pre.plan.num_tokens_todo, planned_padded_tokens=pre.plan.num_padded_tokens,
         planned_batches=sum(len(b) for b in pre.plan.rank_batches))
 

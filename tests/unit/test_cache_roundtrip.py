@@ -117,6 +117,19 @@ def test_tap_subset_reads_proportional_bytes(tmp_path):
     assert 0.39 < two / r.bytes_read <= 0.41
 
 
+def test_close_stats_time_the_final_drain(tmp_path):
+    """close() reports what the final drain did: batches still queued, its wall time, the last commit's."""
+    D = 32
+    rng = np.random.default_rng(2)
+    w = CacheWriter(tmp_path, make_fp("fp8", D=D), shard_tokens=64)
+    for i in range(3):
+        w.append(sample_ids=np.array([i]), lengths=np.array([50]), **make_batch(rng, [50], 5, D))
+    st = w.close()
+    assert st.shards_committed == 3 and 0 <= st.queued_at_close <= 3
+    assert 0 < st.seconds_last_commit <= st.seconds_committing
+    assert st.seconds_close >= st.seconds_last_commit  # the last (partial) shard is committed by close
+
+
 def test_no_cache_and_non_empty_dir(tmp_path):
     with pytest.raises(CacheNotFoundError):
         CacheReader(tmp_path)
