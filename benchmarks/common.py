@@ -50,6 +50,27 @@ def matmul_peak(device: torch.device) -> float:
     return 2 * n**3 / statistics.median(times[2:])
 
 
+def matmul_sustained(device: torch.device, *, seconds: float | None = None) -> float:
+    """The same products as matmul_peak back to back for `seconds` (3 on CUDA, 0.5 on CPU): the rate a
+    minutes-long workload can expect once clocks and power settle. matmul_peak's 60 ms burst read 700-781
+    TFLOP/s across H200 sessions while the workloads' achieved FLOP/s stayed within ~4%; benchmarks record
+    this beside it (measured after their workload, on the warm GPU) so an MFU can be read against both."""
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    seconds = seconds if seconds is not None else (3.0 if device.type == "cuda" else 0.5)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    count = 0
+    sync(device)
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        for _ in range(20):  # ~30 ms of queued work on the H200 between host checks
+            a @ b
+        count += 20
+        sync(device)
+    return 2 * n**3 * count / (time.perf_counter() - t)
+
+
 def mfu_fields(mfu: float | None, *, peak: float) -> dict:
     """MFU over the measured matmul `peak` and over the H200 spec, with both denominators named. `mfu` is
     achieved FLOP/s over `peak` (what the trainer's metrics and the benchmarks compute)."""

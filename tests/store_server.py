@@ -44,12 +44,15 @@ def weed_binary() -> str:
 class SeaweedServer:
     """One `weed server -s3` process; `endpoint` is its S3 URL, `env()` the client environment for it."""
 
-    def __init__(self, root: Path, *, volume_mb: int = 16, max_volumes: int = 64) -> None:
+    def __init__(self, root: Path, *, volume_mb: int = 16, max_volumes: int = 64,
+                 extra_args: tuple[str, ...] = ()) -> None:
         """volume_mb x max_volumes bounds what the server can hold (1 GB by default: the tests' caches are
-        MBs; the benchmark asks for more)."""
+        MBs; the benchmark asks for more). extra_args: more `weed server` flags (the benchmark's server
+        settings, e.g. -s3.cacheCapacityMB=512)."""
         from dflash.procs import free_port
         self.root = root
         self.volume_mb, self.max_volumes = volume_mb, max_volumes
+        self.extra_args = tuple(extra_args)
         self.data = root / "data"
         self.data.mkdir(parents=True, exist_ok=True)
         self.ports = {name: free_port() for name in _PORTS}
@@ -72,7 +75,7 @@ class SeaweedServer:
                 f"-s3.config={self.config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-volume.max={self.max_volumes}", f"-master.volumeSizeLimitMB={self.volume_mb}",
                 "-master.telemetry=false"]
-        args += [f"-{name}={port}" for name, port in self.ports.items()]
+        args += [f"-{name}={port}" for name, port in self.ports.items()] + list(self.extra_args)
         log = open(self.root / "weed.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
