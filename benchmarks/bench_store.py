@@ -30,6 +30,11 @@ ranges sorted by offset: 2.82 s), where plain_get's neighbouring parts arrive to
 2 cores, so on this machine the ranges, not the client's crc and copy, set the gap. The publisher's multipart
 part size does not help (2026-12-02, --tokens 50000 --reps 3, two runs each, obstore.put chunk_size): 16 MiB parts
 read at 0.56-0.62 of plain GET against 0.74-0.75 with the 5 MiB default, and S3 refuses parts under 5 MiB.
+Nor did the server's own settings, tried with --weed-arg (2026-12-02): weed's S3 chunk cache
+(-s3.cacheCapacityMB=1024) read at 0.67 against 0.70 without it (50K tokens, 3 rounds, one run each), and a
+smaller split size (-filer.maxMB=2, default 4) at 0.748 / 0.817 against 0.757 / 0.757 for the default (100K tokens,
+5 rounds, two runs each, alternated; the 0.817 run shared the 2 cores with a test run): no gain that stands out
+of the run-to-run spread.
 Write: publish_cache (objects, a commit record per shard, the manifest last) vs a plain parallel PUT of the same
 files (no records, no manifest), same client and threads, on a smaller cache (--write-tokens, one default-size
 shard) so a round stays under a minute. Subset: the bytes the direct reader fetches for 2 of 5 taps over all.
