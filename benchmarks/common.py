@@ -52,7 +52,7 @@ def matmul_peak(device: torch.device) -> float:
 
 def matmul_sustained(device: torch.device, *, seconds: float | None = None) -> float:
     """The same products as matmul_peak back to back for `seconds` (3 on CUDA, 0.5 on CPU): the rate a
-    minutes-long workload can expect once clocks and power settle. matmul_peak's 60 ms burst read 700-781
+    minutes-long workload can expect once clocks and power settle. matmul_peak's 60 ms burst read 699-781
     TFLOP/s across H200 sessions while the workloads' achieved FLOP/s stayed within ~4%; benchmarks record
     this beside it (measured after their workload, on the warm GPU) so an MFU can be read against both."""
     n = 8192 if device.type == "cuda" else 1024
