@@ -22,13 +22,15 @@ generated). Stages:
      (one source each, so held-out tau comes per set)
   e. trainings, paper hyper-parameters (6 epochs, lr 6e-4 cosine, warmup 4%, 512 anchors, block 16, gamma 7),
      every one with `--eval-cache` every --eval-every steps: all_<storage> (the reference), all_<other storage>
-     (at the final point), all + feature noise, all seed 1 (the seed-to-seed spread), 2K and 8K (data scaling)
+     (at the final point), all + feature noise, all seed 1 (the seed-to-seed spread), all_<each --also-storages>
+     (e.g. int4 at the reference point: issue 16's check on a drafter that learned), 2K and 8K (data scaling)
   f. benchmarks/results/quality_reference_h200.json (--tiny: quality_reference_tiny_cpu.json) and a PNG per run
      of held-out tau against steps (quality_reference_<run>[_tiny].png) under benchmarks/results/
 Top-level numbers: tau_mtbench, tau_humaneval, tau_sharegpt_heldout (held-out, final drafter of the reference run),
 train_acceptance_over_heldout (trainer's last-window batch acceptance over the mean MT-Bench / HumanEval tau),
-fp8_rel_diff_mtbench/_humaneval ((tau_fp8 - tau_bf16) / tau_bf16 at the final point), train_samples (regenerated
-assistant turns; train_conversations the cache samples holding them); plus `curves`, `data_scaling` and
+fp8_rel_diff_mtbench/_humaneval ((tau_fp8 - tau_bf16) / tau_bf16 at the final point; int4_rel_diff_* likewise
+with --also-storages int4), train_samples (regenerated assistant turns; train_conversations the cache samples
+holding them); plus `curves`, `data_scaling` and
 `repetition` (the share of response tokens that repeat an 8-gram of their own turn, training data and each
 held-out set: repetitive text is easy to draft, so it is read beside the train/held-out ratio).
 
@@ -60,6 +62,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_quality as bq  # noqa: E402
 from bench_quality import Stages, log  # noqa: E402
+
+from dflash.cache.format import STORAGE_DTYPES as STORAGES  # noqa: E402  (int4: the default 4-bit format)
 
 EVAL_SETS = {"mtbench": "mtbench_greedy.jsonl", "humaneval": "humaneval_greedy.jsonl"}
 # The reference run also scores ShareGPT first turns that no training conversation holds as a user turn: beside
@@ -423,9 +427,12 @@ def parse_args(argv=None):
     ap.add_argument("--noise-start", type=float, default=0.1, help="peak relative feature noise of the noise run")
     ap.add_argument("--skip", default="", help="comma-separated runs not to train (all_fp8, all_noise, all_seed1, "
                     "n2000, ...)")
-    ap.add_argument("--storage", choices=["bf16", "fp8", "int4"], help="storage of the training caches (default "
+    ap.add_argument("--storage", choices=STORAGES, help="storage of the training caches (default "
                     "fp8 on the GPU: a bf16 whole-conversation cache does not fit the H200 machine's 64 GiB disk; "
                     "bf16 --tiny); the all_<other> runs compare another storage on all the data")
+    ap.add_argument("--also-storages", default="", metavar="LIST",
+                    help="comma-separated further storages (e.g. int4) each trained as all_<storage> on all the data "
+                         "from its own cache, after the all_* runs: <storage>_rel_diff_<set> against all_bf16")
     ap.add_argument("--bf16-online", action="store_true", help="train all_bf16 online (bf16 features from the live "
                     "target on the reference cache's token stream: what a bf16 cache gives, without one on disk; "
                     "~0.7x the cached speed)")
@@ -480,6 +487,8 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
     plan = [(f"all_{ref}", f"train_{ref}", {}), (f"all_{other}", *compare),
             ("all_noise", f"train_{ref}", {"noise_start": args.noise_start}),
             ("all_seed1", f"train_{ref}", {"seed": 1})]
+    plan += [(f"all_{x}", f"train_{x}", {}) for x in filter(None, args.also_storages.split(","))
+             if x not in (ref, other)]
     plan += [(f"n{n}", f"train_n{n}", {}) for n in map(int, args.scaling.split(","))]
     skip = set(filter(None, args.skip.split(",")))
     return [p for p in plan if p[0] not in skip]
@@ -766,7 +775,7 @@ def summarise(result: dict) -> None:
     """The top-level numbers of the issue from the runs finished so far."""
     runs = result.get("runs", {})
     ref_name = f"all_{result.get('reference_storage', 'bf16')}"
-    ref, bf16, fp8 = runs.get(ref_name), runs.get("all_bf16"), runs.get("all_fp8")
+    ref, bf16 = runs.get(ref_name), runs.get("all_bf16")
     if ref:
         result["tau_mtbench"], result["tau_humaneval"] = ref["tau_mtbench"], ref["tau_humaneval"]
         result["tau_sharegpt_heldout"] = ref.get("tau_sharegpt")
@@ -776,10 +785,12 @@ def summarise(result: dict) -> None:
         taus = [t for t in (ref["tau_mtbench"], ref["tau_humaneval"]) if t]
         acc = ref.get("final_train_accept_len")
         result["train_acceptance_over_heldout"] = acc / statistics.mean(taus) if acc and taus else None
-    if bf16 and fp8:
-        for ds in ("mtbench", "humaneval"):
-            b, f = bf16[f"tau_{ds}"], fp8[f"tau_{ds}"]
-            result[f"fp8_rel_diff_{ds}"] = (f - b) / b if b and f is not None else None
+    for name, run in runs.items():  # each storage on all the data against bf16: fp8_rel_diff_*, int4_rel_diff_*
+        storage = name[len("all_"):]
+        if bf16 and name.startswith("all_") and storage in STORAGES and storage != "bf16":
+            for ds in ("mtbench", "humaneval"):
+                b, f = bf16[f"tau_{ds}"], run[f"tau_{ds}"]
+                result[f"{storage}_rel_diff_{ds}"] = (f - b) / b if b and f is not None else None
     if ref and runs.get("all_seed1"):
         result["seed_spread"] = {ds: (runs["all_seed1"][f"tau_{ds}"] - ref[f"tau_{ds}"]) / ref[f"tau_{ds}"]
                                  for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"]}
@@ -796,8 +807,9 @@ def summarise(result: dict) -> None:
         "tau_at_least_2_3": bool(ref and all((ref[f"tau_{ds}"] or 0) >= 2.3 for ds in ("mtbench", "humaneval"))),
         "train_over_heldout_at_most_1_6": result.get("train_acceptance_over_heldout") is not None
                                           and result["train_acceptance_over_heldout"] <= 1.6,
-        "fp8_within_1pct": all(result.get(f"fp8_rel_diff_{ds}") is not None and abs(result[f"fp8_rel_diff_{ds}"]) <= 0.01
-                               for ds in ("mtbench", "humaneval"))}
+        **{f"{x}_within_1pct": all(result.get(f"{x}_rel_diff_{ds}") is not None
+                                   and abs(result[f"{x}_rel_diff_{ds}"]) <= 0.01 for ds in ("mtbench", "humaneval"))
+           for x in STORAGES if x != "bf16" and (x == "fp8" or f"all_{x}" in runs)}}
 
 
 def format_table(result: dict) -> str:
@@ -811,9 +823,11 @@ def format_table(result: dict) -> str:
                      f"{f(v.get('tau_sharegpt')):>9} {f(v['final_train_accept_len']):>9} "
                      f"{f(v['tokens_per_s'], '{:.0f}'):>8}")
     lines.append(f"tau_mtbench {f(result.get('tau_mtbench'))}, tau_humaneval {f(result.get('tau_humaneval'))}, "
-                 f"train/heldout {f(result.get('train_acceptance_over_heldout'), '{:.2f}')}, fp8 diff "
-                 f"{f(result.get('fp8_rel_diff_mtbench'), '{:+.2%}')}/{f(result.get('fp8_rel_diff_humaneval'), '{:+.2%}')}"
-                 f", checks {result.get('checks')}")
+                 f"train/heldout {f(result.get('train_acceptance_over_heldout'), '{:.2f}')}, "
+                 + "".join(f"{x} diff {f(result.get(f'{x}_rel_diff_mtbench'), '{:+.2%}')}/"
+                           f"{f(result.get(f'{x}_rel_diff_humaneval'), '{:+.2%}')}, "
+                           for x in STORAGES if f"{x}_rel_diff_mtbench" in result or x == "fp8")
+                 + f"checks {result.get('checks')}")
     return "\n".join(lines)
 
 

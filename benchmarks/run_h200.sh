@@ -29,6 +29,7 @@
 #       sha256 is the run's identity). Later sessions continue from the committed quality_reference_h200.json
 #       (its first --resume call seeds /tmp/bref from it) with the eval responses the first call brought back
 #       (--eval-responses DIR, carried), e.g. reference --eval-responses .assets --skip all_bf16 --drop-caches --resume
+#       (--also-storages int4 adds an all_int4 run from an int4 cache: issue 16's storage check at the reference point)
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
 #       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
 #   bash benchmarks/run_h200.sh peer [ARGS]   # bench_peer (issue 15): SpecForge's DFlash trainer and dflash side by

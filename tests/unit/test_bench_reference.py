@@ -70,6 +70,11 @@ def test_train_once_with_heldout_curve_summary_and_plot(tmp_path):
     assert [row["run"] for row in result["data_scaling"]] == ["n4", "all_bf16"]
     assert result["checks"] == {"tau_at_least_2_3": False, "train_over_heldout_at_most_1_6": True,
                                 "fp8_within_1pct": True}
+    # a further storage on all the data (--also-storages int4) is read against all_bf16 too, with its own check
+    result["runs"]["all_int4"] = base | {"tau_mtbench": 1.97, "tau_humaneval": 1.6}
+    br.summarise(result)
+    assert abs(result["int4_rel_diff_mtbench"] + 0.015) < 1e-12 and result["int4_rel_diff_humaneval"] == 0.0
+    assert result["checks"]["int4_within_1pct"] is False and result["checks"]["fp8_within_1pct"] is True
     png = br.plot_curve("run", c, tmp_path / "curve.png")
     assert pathlib.Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "all_bf16" in br.format_table(result)
@@ -102,6 +107,12 @@ def test_first_records_and_runs_plan(tmp_path):
     # --bf16-online: all_bf16 reads the fp8 cache's token stream, its features from the live target
     online = dict((p[0], p[1:]) for p in br.runs_plan(br.parse_args(["--bf16-online"])))
     assert online["all_bf16"] == ("train_fp8", {"online": True}) and online["all_fp8"] == ("train_fp8", {})
+    # --also-storages: one more all_<storage> run from its own cache after the all_* runs; the reference's and
+    # the compared storage are not run twice
+    more = br.runs_plan(br.parse_args(["--also-storages", "int4,fp8,bf16", "--skip", "all_noise,all_seed1"]))
+    assert [(p[0], p[1]) for p in more] == [("all_fp8", "train_fp8"), ("all_bf16", "train_bf16"),
+                                            ("all_int4", "train_int4"), ("n2000", "train_n2000"),
+                                            ("n8000", "train_n8000")]
 
 
 def test_assistant_turns_counts_what_extraction_reads(tmp_path):
