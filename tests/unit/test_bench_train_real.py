@@ -35,6 +35,16 @@ def test_real_workload_has_real_lengths_and_enough_steps():
     assert capped.max() <= 512
 
 
+def test_real_workload_is_the_one_of_the_h200_results():
+    """The H200 workload (30 steps of 4,096 tokens, seed 0) pinned: it is drawn through extraction's plan, so a
+    change there changes what train_real_lengths_h200.json times (3bcc50b did: 88 samples, 124,783 tokens and
+    602,976 block tokens before, these after). If this fails, tok/s is no longer comparable with the committed
+    result: say so in that JSON (earlier_runs) and the README, then update the numbers here."""
+    lengths, loss = workload("real", shapes(False), steps=30, batch_tokens=4096, seed=0, tiny=False)
+    blocks = int((16 * np.minimum(512, np.maximum(loss - 1, 0))).sum())  # block rows: what a step's cost follows
+    assert (len(lengths), int(lengths.sum()), int(loss.sum()), blocks) == (88, 124253, 96076, 692160)
+
+
 def test_random_cache_of_given_lengths_has_those_lengths_and_loss_tokens(tmp_path):
     from dflash.cache import CacheReader
 
