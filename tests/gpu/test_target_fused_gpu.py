@@ -15,11 +15,14 @@ WIDE = dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, n
 
 
 # fp32: max |compiled - eager| / max |eager| per layer, measured on the H200: 2026-12-01 1.33e-5 (GDN layer 0),
-# 2.2e-6, 1.2e-6, 8.8e-7; 2026-12-02 (FLA 0.6.0) 3.7e-4 (GDN layer 0), 1.5e-5, 1.3e-5, 1.0e-6. Likely (not
-# verified): FLA's chunked gated-delta kernels run fp32 dots in TF32 (tl.dot's default; 10-bit mantissa, ~5e-4
-# relative), so inputs that differ in the 7th digit can round to different TF32 values there; the attention
-# layer, with no FLA, stays at 1e-6. A wrong formula (a norm's weight offset, a missing gate) moves a layer's output on the scale of the
-# 0.3 spread given to the norm weights below, 100x over the fp32 bound
+# 2.2e-6, 1.2e-6, 8.8e-7; 2026-12-02 (FLA 0.6.0) 3.7e-4 (GDN layer 0), 1.5e-5, 1.3e-5, 1.0e-6. Why a GDN layer
+# can move by ~1e-4 in fp32: FLA 0.6.0's chunked gated-delta forward computes in TF32 (10-bit mantissa, ~5e-4
+# relative): fla/ops/gated_delta_rule/chunk_fwd.py sets SOLVE_TRIL_DOT_PRECISION = 'tf32' where TF32 is
+# supported, and its other tl.dot calls on fp32 tiles take Triton's default precision (tf32) unless they pass
+# allow_tf32=False (wy_fast.py does for one); so inputs that differ in the 7th digit can round to different TF32
+# values there. The attention layer, with no FLA, stays at 1e-6. A wrong formula (a norm's weight offset, a
+# missing gate) moves a layer's output on the scale of the 0.3 spread given to the norm weights below, 100x over
+# the fp32 bound
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
 def test_compiled_layers_match_transformers_layers_at_27b_width(dtype, tol):
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
