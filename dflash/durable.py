@@ -5,6 +5,7 @@ modes the umask asks for; a non-empty output folder is refused unless the caller
 from __future__ import annotations
 
 import os
+import stat
 from typing import Callable
 
 from dflash.errors import ConfigError
@@ -62,11 +63,16 @@ def refuse_nonempty(folder: str | os.PathLike, *, what: str, remedy: str,
     command never writes into a folder that holds something else unless it is resuming). The message names
     the folder, a few of its entries and `remedy`, e.g. "pass --resume to continue that run, or choose a new
     --output". Callers decide what resuming means; this is only the refusal, written once."""
-    if not os.path.isdir(folder):
-        if os.path.exists(folder):
-            raise ConfigError(f"{what} {os.fspath(folder)!r} exists and is not a folder: {remedy}")
+    # One stat, then one listdir: an isdir-then-exists pair raced with another rank creating the folder in
+    # between (rank 0 takes the run lock while rank 1 checks) and called the new folder "not a folder".
+    try:
+        is_dir = stat.S_ISDIR(os.stat(folder).st_mode)
+        names = os.listdir(folder) if is_dir else []
+    except FileNotFoundError:  # absent (or removed between the two calls): nothing to refuse
         return
-    names = sorted(n for n in os.listdir(folder) if ignore is None or not ignore(n))
+    if not is_dir:
+        raise ConfigError(f"{what} {os.fspath(folder)!r} exists and is not a folder: {remedy}")
+    names = sorted(n for n in names if ignore is None or not ignore(n))
     if names:
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise ConfigError(f"{what} {os.fspath(folder)!r} is not empty ({shown}): {remedy}")
