@@ -12,6 +12,7 @@ timeout).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -29,10 +30,24 @@ def default_num_procs() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def launch(cfg: ExtractConfig, *, num_procs: int | None = None, echo=print) -> ExtractResult:
-    """Run extraction on all ranks; returns rank 0's result (equal on every rank)."""
+@contextlib.contextmanager
+def torchrun_group():
+    """This torchrun rank in the job's gloo process group for the block: joined here unless the caller joined
+    already (then left to the caller, who may need it after, e.g. extract_to_store's last barrier)."""
     import torch.distributed as dist
 
+    joined = not dist.is_initialized()
+    if joined:
+        dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    try:
+        yield
+    finally:
+        if joined:
+            dist.destroy_process_group()
+
+
+def launch(cfg: ExtractConfig, *, num_procs: int | None = None, echo=print) -> ExtractResult:
+    """Run extraction on all ranks; returns rank 0's result (equal on every rank)."""
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" in os.environ and env_world > 1:  # torchrun: this process is one rank
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -40,12 +55,9 @@ def launch(cfg: ExtractConfig, *, num_procs: int | None = None, echo=print) -> E
             return run_rank(cfg, rank=rank, world_size=env_world, local_rank=local_rank,
                             echo=echo if rank == 0 else _silent)
         set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", env_world)))
-        dist.init_process_group("gloo", timeout=PG_TIMEOUT)
-        try:
+        with torchrun_group():
             return run_rank(cfg, rank=rank, world_size=env_world, local_rank=local_rank,
                             echo=echo if rank == 0 else _silent)
-        finally:
-            dist.destroy_process_group()
     n = num_procs or default_num_procs()
     if n < 1:
         raise DflashError(f"--gpus/--procs must be >= 1, got {n}")

@@ -152,18 +152,24 @@ def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None
     url = cfg.output
     torchrun = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = int(os.environ["RANK"]) if torchrun else 0
+    from dflash.extract.launch import torchrun_group
     from dflash.store.lease import ExtractLease, job_owner_id, wait_for_job_lease
     from dflash.store.throughput import probe_write_read
 
     store = open_store(url)
+    # under torchrun the ranks stay in one process group to the end: rank 0 releases the lease only after
+    # every rank has published its last shards (_extract_to_store's last barrier)
+    group = torchrun_group() if torchrun and not cfg.dry_run else contextlib.nullcontext()
     if rank != 0:  # rank 0 holds the job's lease (and renews it); the others start once it names their job
         if not cfg.dry_run:
             wait_for_job_lease(store, owner=job_owner_id())
-        return _extract_to_store(cfg, num_procs=num_procs, echo=echo, root=root, torchrun=torchrun, rank=rank,
-                                 lease=None)
+        with group:
+            return _extract_to_store(cfg, num_procs=num_procs, echo=echo, root=root, torchrun=torchrun, rank=rank,
+                                     lease=None)
     with contextlib.ExitStack() as held:
         lease = None if cfg.dry_run else held.enter_context(
             ExtractLease(store, owner=job_owner_id(), purpose=f"dflash extract --output {url}"))
+        held.enter_context(group)  # left before the lease is released (ExitStack: last in, first out)
         # the plan's throughput line (a dry run probes too: a few seconds, objects deleted after)
         cfg = dataclasses.replace(cfg, store_rate=probe_write_read(store)[0])
         return _extract_to_store(cfg, num_procs=num_procs, echo=echo, root=root, torchrun=torchrun, rank=rank,
@@ -248,6 +254,9 @@ def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, 
         lease.check()
     pub = state.get("pub") or publisher()
     st = pub.finish()
+    if torchrun:  # every rank's shards are on the store before rank 0 returns and releases the job's lease
+        import torch.distributed as dist
+        dist.barrier()
     if rank == 0:
         # the store's write rate while busy, to hold against the run's (docs/multinode.md, throughput model)
         rate = f" at {st.bytes / st.seconds / 1e6:.1f} MB/s" if st.seconds > 0 else ""

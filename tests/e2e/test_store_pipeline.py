@@ -113,8 +113,9 @@ def test_killed_extract_resumes_to_identical_content_on_the_store(setup, s3_serv
     assert manifest["totals"]["samples"] == NUM_GOOD
 
 
-def _two_nodes(server, tmp_path, name, args, timeout=240):
-    """Start `python -m torch.distributed.run --nnodes 2 ... -m cli.main ARGS` twice, as node 0 and 1."""
+def _two_nodes(server, tmp_path, name, args, timeout=240, entry=("-m", "cli.main")):
+    """Start `python -m torch.distributed.run --nnodes 2 ... ENTRY ARGS` twice, as node 0 and 1 (ENTRY: `-m
+    cli.main`, or a script that runs it)."""
     port = free_port()
     procs = []
     for node in (0, 1):
@@ -122,7 +123,7 @@ def _two_nodes(server, tmp_path, name, args, timeout=240):
                "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", name, "-m", "cli.main", *args]
+               "--rdzv-id", name, *entry, *args]
         log = open(tmp_path / f"{name}-node{node}.log", "wb")
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     for p, log in procs:
@@ -136,8 +137,10 @@ def test_two_node_extract_and_train_share_one_store_cache(setup, s3_server, tmp_
                                                           monkeypatch):
     model, data, ref = setup
     url = s3_server.create_bucket("dflash-nodes") + "/cache"
+    # rank 1's last publish is held back 3 s, so rank 0 is done first: it must keep the lease until rank 1 is
     _two_nodes(s3_server, tmp_path, "extract", ["extract", "--model", model, "--data", data, "--output", url,
-                                                *COMMON, "--no-progress"])
+                                                *COMMON, "--no-progress"],
+               entry=(str(Path(__file__).with_name("slow_last_publish.py")),))
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     fetch_cache(url=url, local=str(tmp_path / "check"))
