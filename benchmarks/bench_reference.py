@@ -785,9 +785,9 @@ def summarise(result: dict) -> None:
         taus = [t for t in (ref["tau_mtbench"], ref["tau_humaneval"]) if t]
         acc = ref.get("final_train_accept_len")
         result["train_acceptance_over_heldout"] = acc / statistics.mean(taus) if acc and taus else None
-    for name, run in runs.items():  # each storage on all the data against bf16: fp8_rel_diff_*, int4_rel_diff_*
-        storage = name[len("all_"):]
-        if bf16 and name.startswith("all_") and storage in STORAGES and storage != "bf16":
+    for storage in STORAGES:  # each storage on all the data against bf16: fp8_rel_diff_*, int4_rel_diff_*
+        run = runs.get(f"all_{storage}")
+        if bf16 and run and storage != "bf16":
             for ds in ("mtbench", "humaneval"):
                 b, f = bf16[f"tau_{ds}"], run[f"tau_{ds}"]
                 result[f"{storage}_rel_diff_{ds}"] = (f - b) / b if b and f is not None else None

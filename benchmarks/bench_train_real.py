@@ -51,8 +51,9 @@ sys.path.insert(0, str(ROOT))
 from bench_scaling import workload_lengths  # noqa: E402
 from bench_train import (patch_out_saving, run_resident, run_trainer, shapes, train_kwargs,  # noqa: E402
                          window_summary)
-from common import (drop_page_cache, machine_info, make_head_only_target, make_random_fp8_cache,  # noqa: E402
-                    matmul_peak, matmul_sustained, mfu_fields, package_version)
+from common import (SUSTAINED_DENOMINATOR, drop_page_cache, machine_info, make_head_only_target,  # noqa: E402
+                    make_random_fp8_cache, matmul_peak, matmul_sustained, mfu_fields, mfu_vs_sustained,
+                    package_version)
 
 WORKLOADS = ("real", "equal")
 HEADLINE = ("tok_s", "mfu", "mfu_vs_spec_989", "mfu_vs_sustained", "loader_stall_fraction", "trainer_wait_fraction",
@@ -184,7 +185,7 @@ def main() -> None:
     sustained = matmul_sustained(device)  # after the workloads: the GPU as warm as they left it
     say(f"matmul rate sustained for 3 s after the workloads: {sustained / 1e12:.3g} TFLOP/s")
     for r in results.values():
-        r["mfu_vs_sustained"] = r["mfu"] * peak / sustained
+        r["mfu_vs_sustained"] = mfu_vs_sustained(r["mfu"], peak=peak, sustained=sustained)
 
     print(f"\n{'workload':10s} {'tok/s':>10s} {'MFU meas.':>9s} {'MFU 989T':>9s} {'stall':>7s} {'wait':>7s} "
           f"{'GiB':>6s}", flush=True)
@@ -207,8 +208,7 @@ def main() -> None:
         **{k: head[k] for k in HEADLINE},
         "equal_lengths": {k: results["equal"][k] for k in HEADLINE} if "equal" in results else None,
         "matmul_peak_flops": peak, "matmul_sustained_flops": sustained,
-        "mfu_vs_sustained_denominator": "matmul_sustained: the same bf16 8192^3 products back to back for 3 s, "
-                                        "after the workloads",
+        "mfu_vs_sustained_denominator": SUSTAINED_DENOMINATOR,
         "steps": args.steps, "warmup_steps": args.warmup,
         "config": {**{k: v for k, v in train_kwargs(sh, cache=work, target=work, steps=args.warmup + args.steps,
                                                     batch_tokens=args.batch_tokens, log_every=args.log_every,

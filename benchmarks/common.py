@@ -71,6 +71,15 @@ def matmul_sustained(device: torch.device, *, seconds: float | None = None) -> f
     return 2 * n**3 * count / (time.perf_counter() - t)
 
 
+SUSTAINED_DENOMINATOR = ("matmul_sustained: the same bf16 8192^3 products back to back for 3 s, after the "
+                         "workload")
+
+
+def mfu_vs_sustained(mfu: float, *, peak: float, sustained: float) -> float:
+    """An MFU over the burst `peak` (mfu_fields' `mfu`) read over the sustained rate instead."""
+    return mfu * peak / sustained
+
+
 def mfu_fields(mfu: float | None, *, peak: float) -> dict:
     """MFU over the measured matmul `peak` and over the H200 spec, with both denominators named. `mfu` is
     achieved FLOP/s over `peak` (what the trainer's metrics and the benchmarks compute)."""
