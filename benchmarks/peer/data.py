@@ -133,6 +133,25 @@ def from_greedy_records(path: pathlib.Path) -> list[list[dict]]:
     return out
 
 
+def from_regenerated_conversations(paths: list[str], count: int) -> list[list[dict]]:
+    """The first `count` whole conversations of `dflash generate --turns all` outputs (the committed quality data,
+    bench_reference's training set): every user turn and regenerated assistant turn, with the system turn.
+    Conversations that do not alternate user/assistant from a user turn, or hold an empty turn, are passed over."""
+    from dflash.data import iter_records
+
+    out = []
+    for path in paths:
+        for rec in iter_records(path):
+            msgs = [m for m in (getattr(rec, "messages", None) or []) if m["role"] != "system"]
+            roles_ok = all(m["role"] == ("user", "assistant")[i % 2] for i, m in enumerate(msgs))
+            if len(msgs) >= 2 and roles_ok and all(m["content"] for m in msgs):
+                out.append([{"role": "system", "content": SYSTEM_PROMPT}]
+                           + [{"role": m["role"], "content": m["content"]} for m in msgs])
+                if len(out) == count:
+                    return out
+    return out
+
+
 def from_sharegpt(count: int, *, max_chars: int) -> list[list[dict]]:
     """First user turn and its answer of the first `count` ShareGPT records where both are 1..max_chars long
     (the CPU --tiny data: no generation needed)."""

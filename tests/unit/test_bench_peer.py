@@ -130,6 +130,49 @@ def test_real_conversations_tokenize_the_same_both_ways(smollm2_dir, specforge_p
     assert b.ids_equal == 0 and b.dropped["ids_differ"] == 6
 
 
+def test_committed_whole_conversations_tokenize_the_same_both_ways(smollm2_dir, specforge_parser, tmp_path):
+    """The GPU run's data: whole regenerated conversations (several assistant turns) from the committed quality
+    set. Every assistant turn adds exactly one tolerated mask difference (its newline after <|im_end|>)."""
+    from transformers import AutoTokenizer
+
+    from dflash.data import end_of_turn_ids
+
+    committed = sorted((ROOT / "benchmarks" / "assets" / "quality").glob("sharegpt_whole-*.jsonl.gz"))
+    convs = peer_data.from_regenerated_conversations([str(p) for p in committed], 8)
+    assert len(convs) == 8 and all(c[0]["role"] == "system" for c in convs)
+    turns = [sum(m["role"] == "assistant" for m in c) for c in convs]
+    assert max(turns) > 1, turns   # whole conversations, not first turns
+    parser_cls, template = specforge_parser
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    peer_data.write_both(convs, dflash_path=tmp_path / "d.jsonl", specforge_path=tmp_path / "s.jsonl")
+    ours = peer_data.dflash_tokenization(tmp_path / "d.jsonl", tok)
+    parser = parser_cls(tok, template)
+    theirs = {i: tuple(x.numpy() for x in parser.parse(c, 4096)) for i, c in enumerate(convs)}
+    a = peer_data.compare_tokenizations(ours=ours, theirs=theirs, max_length=4096, min_loss_tokens=1,
+                                        eot_ids=end_of_turn_ids(tok))
+    assert a.to_json()["ids_all_agree"], a.mismatches
+    assert a.kept == tuple(range(8))
+    assert [int(theirs[i][1].sum()) - int(ours[i][1].sum()) for i in range(8)] == turns
+
+
+def test_regenerated_conversation_reader_passes_over_broken_ones(tmp_path):
+    import json
+
+    recs = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                          {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]},
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]},
+            {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                          {"role": "assistant", "content": "c"}]},
+            {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "e"},
+                          {"role": "assistant", "content": "f"}]}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    convs = peer_data.from_regenerated_conversations([str(path)], 10)
+    assert [[m["content"] for m in c] for c in convs] == [[peer_data.SYSTEM_PROMPT, "a", "b", "c", "d"],
+                                                          [peer_data.SYSTEM_PROMPT, "e", "f"]]
+    assert len(peer_data.from_regenerated_conversations([str(path)], 1)) == 1
+
+
 def test_one_drafter_config_loads_in_zlab_with_dflash_names(peers):
     from transformers import Qwen3Config
 
