@@ -154,8 +154,11 @@ class MetricsClock:
         return self.stamps
 
 
-def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, device: str, dtype: str) -> dict:
-    """Stage f: extract + train, timed together; held-out tau on the MT-Bench cache with wall-time stamps."""
+def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, device: str, dtype: str,
+                 seed: int | None = None) -> dict:
+    """Stage f: extract + train, timed together; held-out tau on the MT-Bench cache with wall-time stamps.
+    With `seed` (another seed of the same recipe, for the seed-to-seed spread): training alone, from stage f's
+    cache, into its own run folder."""
     import torch
 
     from dflash.train.metrics import read_metrics
@@ -164,22 +167,24 @@ def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, dev
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    ext = bq.extract(model, work / "train_dflash.jsonl", work / "cache_train", storage="bf16", device=device,
-                     dtype=dtype, args=args)
+    ext = None if seed is not None else bq.extract(model, work / "train_dflash.jsonl", work / "cache_train",
+                                                   storage="bf16", device=device, dtype=dtype, args=args)
     t_extract = time.perf_counter() - t0
     steps = data["steps"]
-    cfg = peer_recipe.train_config(recipe, cache=str(work / "cache_train"), model=model, output=str(work / "run_dflash"),
+    run_dir = result_dflash_drafter(work, seed).parent
+    cfg = peer_recipe.train_config(recipe if seed is None else dataclasses.replace(recipe, seed=seed),
+                                   cache=str(work / "cache_train"), model=model, output=str(run_dir),
                                    steps=steps, batch_tokens=data["dflash_batch_tokens"],
                                    log_every=max(1, min(args.log_every, steps)))
     cfg = dataclasses.replace(cfg, eval_cache=str(work / "cache_mtbench"), eval_every=max(1, steps // args.evals))
     os.environ["DFLASH_NO_PROGRESS"] = "1"
-    clock = MetricsClock(work / "run_dflash", t0)
+    clock = MetricsClock(run_dir, t0)
     try:
         res = train(cfg, device=device)
     finally:
         stamps = clock.stop()
     wall = time.perf_counter() - t0
-    recs = read_metrics(work / "run_dflash")
+    recs = read_metrics(run_dir)
     tps = [r["tokens_per_s"] for r in recs[1:]] or [r["tokens_per_s"] for r in recs]
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     import resource
@@ -193,6 +198,11 @@ def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, dev
                         for t, r in stamps if r.get("heldout_tau") is not None],
             "loss_curve": [(r["step"], round(r["loss"], 4)) for r in recs],
             "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
+
+
+def extra_seeds(args) -> list[int]:
+    """The seeds of the extra dflash runs (--dflash-seeds counts the main run too)."""
+    return [args.seed + k for k in range(1, args.dflash_seeds)]
 
 
 def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict) -> dict:
@@ -240,9 +250,9 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict) 
     return out
 
 
-def result_dflash_drafter(work: pathlib.Path) -> pathlib.Path:
-    """The drafter folder `dflash train` exported for the run of stage f."""
-    return work / "run_dflash" / "drafter"
+def result_dflash_drafter(work: pathlib.Path, seed: int | None = None) -> pathlib.Path:
+    """The drafter folder `dflash train` exported for the run of stage f (or of another seed's run)."""
+    return work / ("run_dflash" if seed is None else f"run_dflash_seed{seed}") / "drafter"
 
 
 def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathlib.Path, name: str,
@@ -329,6 +339,14 @@ def summarise(result: dict) -> None:
         result["time_to_peer_tau"] = {"specforge_final_tau_mtbench": target, "dflash_first_at_or_above": hit,
                                       "specforge_wall_s": s["run"]["wall_s"],
                                       "note": "dflash wall time includes extraction and the held-out evaluations"}
+    seeds = sorted(w for w in ev if w == "dflash" or w.startswith("dflash_seed"))
+    if len(seeds) > 1:
+        spread = {}
+        for ds in ("mtbench", "humaneval"):
+            taus = [ev[w][ds]["tau"] for w in seeds if ds in ev[w]]
+            spread[ds] = {"taus": taus, "mean": statistics.mean(taus),
+                          "max_minus_min_over_mean": (max(taus) - min(taus)) / statistics.mean(taus)}
+        result["dflash_seed_spread"] = {"runs": seeds, **spread}
     checks = {}
     for ds in ("mtbench", "humaneval"):
         a, b = result.get(f"tau_dflash_{ds}"), result.get(f"tau_specforge_{ds}")
@@ -372,6 +390,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, help="steps per log line / metrics window")
+    ap.add_argument("--dflash-seeds", type=int, help="dflash runs, seeds --seed, --seed + 1, ...: the extra ones "
+                    "(training only, same cache) measure the seed-to-seed spread of tau in the same run")
     ap.add_argument("--evals", type=int, help="held-out evaluations during dflash training")
     ap.add_argument("--zlab-prompts", type=int, help="prompts per eval set in z-lab's loop")
     ap.add_argument("--wheels", help="folder of wheels for SpecForge's extra packages (offline install)")
@@ -387,10 +407,12 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     tiny = dict(train_source="sharegpt", train_prompts=4, max_prompt_chars=300, eval_prompts=2, max_new_tokens=32,
                 eval_max_new_tokens=24, gen_batch_size=8, max_length=512, extract_batch_tokens=4096, layers=1,
-                block_size=16, num_anchors=8, seqs_per_step=2, epochs=1, log_every=1, evals=2, zlab_prompts=1)
+                block_size=16, num_anchors=8, seqs_per_step=2, epochs=1, log_every=1, evals=2, zlab_prompts=1,
+                dflash_seeds=2)
     gpu = dict(train_source="committed", train_prompts=2000, max_prompt_chars=2000, eval_prompts=None, max_new_tokens=256,
                eval_max_new_tokens=256, gen_batch_size=2048, max_length=2048, extract_batch_tokens=65536, layers=5,
-               block_size=16, num_anchors=512, seqs_per_step=8, epochs=2, log_every=10, evals=10, zlab_prompts=10)
+               block_size=16, num_anchors=512, seqs_per_step=8, epochs=2, log_every=10, evals=10, zlab_prompts=10,
+               dflash_seeds=3)
     for k, v in (tiny if args.tiny else gpu).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -440,6 +462,10 @@ def main(argv=None) -> dict:
                                                                   dtype=dtype, args=args))
         result["dflash"] = st.run("f_dflash", lambda: dflash_side(args, model=model, work=work, recipe=recipe,
                                                                   data=data, device=device, dtype=dtype))
+        result["dflash_seeds"] = {
+            str(s): st.run(f"f_dflash_seed{s}", lambda s=s: dflash_side(args, model=model, work=work, recipe=recipe,
+                                                                         data=data, device=device, dtype=dtype, seed=s))
+            for s in extra_seeds(args)}
         if args.stop_after == "dflash":
             return result
         result["specforge"] = st.run("g_specforge", lambda: specforge_side(args, model=model, work=work, recipe=recipe,
@@ -448,6 +474,7 @@ def main(argv=None) -> dict:
             return result
         drafters = {"dflash": result["dflash"]["drafter"], "specforge": result["specforge"]["drafter"]}
         result["loading"] = load_checks(specforge_dir=drafters["specforge"], dflash_dir=drafters["dflash"])
+        drafters.update({f"dflash_seed{s}": str(result_dflash_drafter(work, s)) for s in extra_seeds(args)})
         drafters["untrained"] = bq.untrained_drafter(drafters["dflash"], work / "untrained", args.seed)
         result["eval"] = {}
         for who, ddir in drafters.items():
@@ -469,7 +496,7 @@ def zlab_stage(args, *, model: str, work: pathlib.Path, drafters: dict, device: 
     import zlab_loop
 
     return zlab_loop.run(zlab_dir=args.peers["zlab"], target_dir=model,
-                         drafters={k: v for k, v in drafters.items() if k != "untrained"},
+                         drafters={k: v for k, v in drafters.items() if k in ("dflash", "specforge")},
                          prompt_files={ds: work / f"{ds}_greedy.jsonl" for ds in ("mtbench", "humaneval")},
                          limit=args.zlab_prompts, device=device, dtype=dtype)
 
@@ -478,13 +505,14 @@ def format_table(result: dict) -> str:
     def f(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
 
-    lines = [f"{'drafter':<10} {'MT-Bench tau':>12} {'HumanEval tau':>13} {'z-lab tau':>9} {'wall s':>8} {'tok/s':>8}"]
+    lines = [f"{'drafter':<13} {'MT-Bench tau':>12} {'HumanEval tau':>13} {'z-lab tau':>9} {'wall s':>8} {'tok/s':>8}"]
     d, s = result.get("dflash", {}), result.get("specforge", {})
     walls = {"dflash": d.get("wall_s"), "specforge": s.get("run", {}).get("wall_s")}
     tps = {"dflash": d.get("tokens_per_s"), "specforge": s.get("tokens_per_s")}
-    for who in ("dflash", "specforge", "untrained"):
+    seeds = sorted(w for w in result.get("eval", {}) if w.startswith("dflash_seed"))
+    for who in ("dflash", *seeds, "specforge", "untrained"):
         ev = result.get("eval", {}).get(who, {})
-        lines.append(f"{who:<10} {f(ev.get('mtbench', {}).get('tau')):>12} {f(ev.get('humaneval', {}).get('tau')):>13} "
+        lines.append(f"{who:<13} {f(ev.get('mtbench', {}).get('tau')):>12} {f(ev.get('humaneval', {}).get('tau')):>13} "
                      f"{f(result.get(f'zlab_loop_tau_{who}')):>9} {f(walls.get(who), '{:.1f}'):>8} "
                      f"{f(tps.get(who), '{:.0f}'):>8}")
     ag = result.get("training_set", {}).get("agreement", {})

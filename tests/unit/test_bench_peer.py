@@ -276,6 +276,14 @@ def test_summary_numbers_and_checks(bench):
     r["dflash"]["heldout"] = [{"wall_s": 20.0, "step": 5, "tau": 1.2}]
     bench.summarise(r)
     assert r["time_to_peer_tau_ratio"] is None and "time_to_peer_tau_le_half" not in r["checks"]
+    assert "dflash_seed_spread" not in r   # one dflash run: no spread
+    ev["dflash_seed1"] = {"mtbench": {"tau": 1.44}, "humaneval": {"tau": 1.43}}
+    ev["dflash_seed2"] = {"mtbench": {"tau": 1.47}, "humaneval": {"tau": 1.41}}
+    bench.summarise(r)
+    sp = r["dflash_seed_spread"]
+    assert sp["runs"] == ["dflash", "dflash_seed1", "dflash_seed2"] and sp["mtbench"]["taus"] == [1.50, 1.44, 1.47]
+    assert sp["mtbench"]["max_minus_min_over_mean"] == pytest.approx(0.06 / 1.47)
+    assert r["tau_dflash_mtbench"] == 1.50   # the headline stays the main run's (seed --seed)
 
 
 def test_cpu_failure_reason_names_the_error(bench):
