@@ -265,7 +265,7 @@ def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathli
            *peer_recipe.specforge_args(recipe, target=model, draft_config=str(draft),
                                        data=str(work / "train_specforge.jsonl"), output=str(outdir),
                                        cache=str(work / f"specforge_cache_{name}"), log_interval=args.log_every,
-                                       num_workers=0 if args.cpu else 2)]
+                                       num_workers=0 if args.cpu else 2, num_proc=1 if args.cpu else 8)]
     env = peer_env.specforge_env(sf, cpu=args.cpu)
     env["PEER_CPU_DIST"] = level
     # SpecForge reuses a processed dataset keyed by the data file's path, not its content: a rerun in this work
@@ -409,7 +409,7 @@ def parse_args(argv=None):
                 eval_max_new_tokens=24, gen_batch_size=8, max_length=512, extract_batch_tokens=4096, layers=1,
                 block_size=16, num_anchors=8, seqs_per_step=2, epochs=1, log_every=1, evals=2, zlab_prompts=1,
                 dflash_seeds=2)
-    gpu = dict(train_source="committed", train_prompts=2000, max_prompt_chars=2000, eval_prompts=None, max_new_tokens=256,
+    gpu = dict(train_source="committed", train_prompts=1200, max_prompt_chars=2000, eval_prompts=None, max_new_tokens=256,
                eval_max_new_tokens=256, gen_batch_size=2048, max_length=2048, extract_batch_tokens=65536, layers=5,
                block_size=16, num_anchors=512, seqs_per_step=8, epochs=2, log_every=10, evals=10, zlab_prompts=10,
                dflash_seeds=3)
@@ -448,9 +448,10 @@ def main(argv=None) -> dict:
     try:
         model = args.model or st.run("a_target", lambda: bq.target_folder(args, work))
         result["target"] = model
-        prompts = st.run("b_prompts", lambda: bq.prompt_files(args, work), resumable=False)
-        if args.train_source != "regen":
-            prompts.pop("train")
+        # only the regen source generates training responses: the others need no ShareGPT prompt file (the GPU
+        # machine has no asset package)
+        prompts = st.run("b_prompts", lambda: bq.prompt_files(args, work) if args.train_source == "regen"
+                         else bq.eval_prompt_files(args), resumable=False)
         result["generate"] = st.run("c_generate", lambda: bq.generate_all(args, model, prompts, work, device, dtype))
         if args.stop_after == "generate":
             return result

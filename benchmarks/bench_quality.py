@@ -140,12 +140,17 @@ def asset_file(given: str | None, asset: str, fallback):
     return fallback()
 
 
-def prompt_files(args, work: pathlib.Path) -> dict[str, pathlib.Path]:
-    """name -> prompt file (train, mtbench, humaneval); the train file holds exactly --train-prompts prompts."""
+def eval_prompt_files(args) -> dict[str, pathlib.Path]:
+    """MT-Bench and HumanEval prompt files: the flag, else .assets/ or the committed copy, else the asset package."""
     from dflash.data.assets import humaneval_path, mtbench_questions_path
 
-    pick = asset_file
-    train_src = pick(args.prompts_file, "sharegpt_prompts.jsonl", lambda: None)
+    return {"mtbench": asset_file(args.mtbench_file, "mtbench_question.jsonl", mtbench_questions_path),
+            "humaneval": asset_file(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
+
+
+def prompt_files(args, work: pathlib.Path) -> dict[str, pathlib.Path]:
+    """name -> prompt file (train, mtbench, humaneval); the train file holds exactly --train-prompts prompts."""
+    train_src = asset_file(args.prompts_file, "sharegpt_prompts.jsonl", lambda: None)
     train = work / "train_prompts.jsonl"
     if train_src is None:
         from make_quality_assets import first_user_turns, write_jsonl
@@ -155,9 +160,7 @@ def prompt_files(args, work: pathlib.Path) -> dict[str, pathlib.Path]:
         lines = [ln for ln in train_src.read_text(encoding="utf-8").split("\n")  # not splitlines: prompts hold U+2028 etc.
                  if ln.strip() and _prompt_chars(ln) <= args.max_prompt_chars][: args.train_prompts]
         train.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return {"train": train,
-            "mtbench": pick(args.mtbench_file, "mtbench_question.jsonl", mtbench_questions_path),
-            "humaneval": pick(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
+    return {"train": train, **eval_prompt_files(args)}
 
 
 def _prompt_chars(line: str) -> int:

@@ -154,14 +154,6 @@ def without_heldout(train: str, heldout: set[str], out: pathlib.Path) -> tuple[s
     return str(out), dropped
 
 
-def eval_prompt_files(args) -> dict[str, pathlib.Path]:
-    """MT-Bench and HumanEval prompt files: the flag, else .assets/, else the asset package (bench_quality's order)."""
-    from dflash.data.assets import humaneval_path, mtbench_questions_path
-
-    return {"mtbench": bq.asset_file(args.mtbench_file, "mtbench_question.jsonl", mtbench_questions_path),
-            "humaneval": bq.asset_file(args.humaneval_file, "HumanEval.jsonl.gz", humaneval_path)}
-
-
 def heldout_prompt_file(args, work: pathlib.Path, avoid) -> pathlib.Path:
     """The held-out ShareGPT prompts: --heldout-prompts, else .assets/ or the committed file
     (scripts/make_quality_assets.py, for the GPU machine, which has no package), else made here from the package,
@@ -682,7 +674,7 @@ def main(argv=None) -> dict:
                        valid=lambda out: (pathlib.Path(out) / "config.json").is_file())
         # the eval prompts (and, --tiny, the first-turn training prompts); the GPU machine has no asset packages:
         # .assets/ (scripts/make_quality_assets.py) or --mtbench-file/--humaneval-file, and --train-data
-        prompts = bq.prompt_files(args, work) if args.tiny else eval_prompt_files(args)
+        prompts = bq.prompt_files(args, work) if args.tiny else bq.eval_prompt_files(args)
         raw_train = st.run("b_train_data", lambda: train_data_file(args, model, work, device, dtype, prompts),
                            valid=lambda out: pathlib.Path(out).is_file())
         # --tiny trains on generated (pre-tokenized) first turns: its prompt file holds their user turns

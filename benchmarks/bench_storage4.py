@@ -582,7 +582,7 @@ def tau_stage(args, device: torch.device, work: pathlib.Path, *, write, argv: li
         eval_cache = pathlib.Path(args.eval_cache)
         st.run("e_extract_eval", lambda: reused_eval_cache(eval_cache), into=(result, "eval_cache"))
     else:
-        st.run("d_generate_eval", lambda: bq.generate_all(args, model, br.eval_prompt_files(args), work, device.type,
+        st.run("d_generate_eval", lambda: bq.generate_all(args, model, bq.eval_prompt_files(args), work, device.type,
                                                           dtype))
         eval_cache = work / "cache_eval"
         st.run("e_extract_eval", lambda: br.extract_cache(model, [str(work / f) for f in br.EVAL_SETS.values()],

@@ -33,11 +33,16 @@ ZLAB_TAR = "zlab-dflash-44947fb.tar.gz"
 # pandas/xxhash/multiprocess/dill come with `datasets` (load_dataset("json"), Dataset.map/filter), dateutil with
 # pandas; yunchang is imported and called by specforge.distributed.init_distributed (set_seq_parallel_pg, sizes 1).
 # datasets 5.2 also needs pyarrow >= 24, fsspec <= 2026.9.0 and huggingface-hub >= 1.31 (the project's env has them).
+# pydantic: specforge/data/template.py's ChatTemplate (the GPU machine's image has none; CPU envs get it with
+# transformers serve's extras).
 NEEDED = {"yunchang": "yunchang", "datasets": "datasets", "dill": "dill", "multiprocess": "multiprocess",
-          "xxhash": "xxhash", "pandas": "pandas", "dateutil": "python-dateutil"}
+          "xxhash": "xxhash", "pandas": "pandas", "dateutil": "python-dateutil", "pydantic": "pydantic",
+          "pydantic_core": "pydantic-core", "annotated_types": "annotated-types",
+          "typing_inspection": "typing-inspection"}
 # Versions pinned for the GPU machine's .whl/ (python 3.12, manylinux2014_x86_64), the ones checked here on CPU.
 WHEELS = {"yunchang": "0.6.4", "datasets": "5.2.0", "dill": "0.4.1", "multiprocess": "0.70.19", "xxhash": "4.1.0",
-          "pandas": "3.1.1", "python-dateutil": "4.0.0", "pyarrow": "26.0.1"}
+          "pandas": "3.1.1", "python-dateutil": "4.0.0", "pyarrow": "26.0.1", "pydantic": "2.14.4",
+          "pydantic-core": "2.50.5", "annotated-types": "0.8.0", "typing-inspection": "0.4.5"}
 # Installed distributions datasets 5.2 needs newer than the project does (pyarrow >= 14 there).
 MIN_VERSIONS = {"pyarrow": (24,)}
 

@@ -137,7 +137,7 @@ def train_config(recipe: PeerRecipe, *, cache: str, model: str, output: str, ste
 
 
 def specforge_args(recipe: PeerRecipe, *, target: str, draft_config: str, data: str, output: str, cache: str,
-                   log_interval: int = 10, num_workers: int = 2) -> list[str]:
+                   log_interval: int = 10, num_workers: int = 2, num_proc: int = 1) -> list[str]:
     """train_dflash.py's arguments for the recipe (HF target backend, online)."""
     return ["--target-model-backend", "hf", "--target-model-path", target, "--draft-config-path", draft_config,
             "--block-size", str(recipe.block_size), "--mask-token-id", str(recipe.mask_token_id),
@@ -149,7 +149,7 @@ def specforge_args(recipe: PeerRecipe, *, target: str, draft_config: str, data: 
             "--warmup-ratio", _num(recipe.warmup_ratio), "--max-grad-norm", "1.0", "--seed", str(recipe.seed),
             "--output-dir", output, "--cache-dir", cache, "--report-to", "none",
             "--log-interval", str(log_interval), "--save-interval", str(10**9),
-            "--dataloader-num-workers", str(num_workers), "--build-dataset-num-proc", "1"]
+            "--dataloader-num-workers", str(num_workers), "--build-dataset-num-proc", str(num_proc)]
 
 
 def _num(x: float) -> str:
