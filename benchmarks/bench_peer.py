@@ -240,7 +240,12 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict) 
             "--attention-backend sdpa (flex attention: no CPU backward in torch 2.13)",
             "target in bf16 on CPU (SpecForge hard-codes torch.bfloat16; dflash's CPU runs use float32)"]
     else:
-        run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name="run", level="none")
+        run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name="run", level="none",
+                            timeout=args.specforge_timeout)
+    if run["timed_out"]:
+        progress = tqdm_progress(pathlib.Path(run["log"]).read_text(errors="replace"))
+        raise SpecForgeCut({"wall_s_at_cut": run["wall_s"], "epochs": recipe.epochs, **(progress or {}),
+                            "log_tail": run["log_tail"].splitlines()[-3:]})
     if run["returncode"] != 0:
         raise SystemExit(f"SpecForge failed (rc {run['returncode']}):\n{run['log_tail']}")
     ckpts = sorted((work / "run_specforge_cpu_patched" if args.cpu else work / "run_specforge_run").glob(
@@ -248,6 +253,32 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict) 
     out.update(run=run, drafter=str(ckpts[-1]), checkpoints=[p.name for p in ckpts],
                tokens_per_s=data["tokens"] * recipe.epochs / run["wall_s"] if run["wall_s"] else None)
     return out
+
+
+class SpecForgeCut(SystemExit):
+    """SpecForge's run hit --specforge-timeout: `info` says how far it got (recorded as specforge_cut)."""
+
+    def __init__(self, info: dict) -> None:
+        super().__init__(f"SpecForge stopped at --specforge-timeout: {info}")
+        self.info = info
+
+
+TQDM_LINE = re.compile(r"Training Epoch (\d+):\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d+)<[^,]*,\s*"
+                       r"([\d.]+)(it/s|s/it)")
+
+
+def tqdm_progress(log: str) -> dict | None:
+    """How far SpecForge's training got, from the last tqdm bar of its log (carriage returns split the updates):
+    epoch (1-based), micro-steps done in it and per epoch, seconds in it, the bar's rate in sequences/s."""
+    last = None
+    for last in TQDM_LINE.finditer(log):
+        pass
+    if last is None:
+        return None
+    epoch, done, total, h, m, sec, rate, unit = last.groups()
+    per_s = float(rate) if unit == "it/s" else 1.0 / float(rate)
+    return {"epoch": int(epoch) + 1, "micro_step_in_epoch": int(done), "micro_steps_per_epoch": int(total),
+            "seconds_in_epoch": int(h or 0) * 3600 + int(m) * 60 + int(sec), "sequences_per_s": per_s}
 
 
 def result_dflash_drafter(work: pathlib.Path, seed: int | None = None) -> pathlib.Path:
@@ -399,6 +430,8 @@ def parse_args(argv=None):
     ap.add_argument("--workdir", help="work folder (default: a temp folder, removed)")
     ap.add_argument("--resume", action="store_true", help="continue a cut run: same --workdir and --json")
     ap.add_argument("--json", help="result file (default benchmarks/results/peer_specforge_{h200,tiny_cpu}.json)")
+    ap.add_argument("--specforge-timeout", type=float, help="GPU: seconds SpecForge's run may take; past them it "
+                    "is stopped and how far it got is recorded as specforge_cut (run_h200.sh: what its call has left)")
     ap.add_argument("--blocker-timeout", type=float, default=900, help="CPU only: seconds each SpecForge run that "
                     "shows a CPU blocker may take before it is stopped")
     ap.add_argument("--stop-after", choices=["generate", "dflash", "specforge"], help="end the call after that stage "
@@ -469,8 +502,12 @@ def main(argv=None) -> dict:
             for s in extra_seeds(args)}
         if args.stop_after == "dflash":
             return result
-        result["specforge"] = st.run("g_specforge", lambda: specforge_side(args, model=model, work=work, recipe=recipe,
-                                                                           data=data))
+        try:
+            result["specforge"] = st.run("g_specforge", lambda: specforge_side(args, model=model, work=work,
+                                                                               recipe=recipe, data=data))
+        except SpecForgeCut as cut:
+            result["specforge_cut"] = cut.info   # saved by close_run; the stage stays undone for a --resume
+            raise
         if args.stop_after == "specforge":
             return result
         drafters = {"dflash": result["dflash"]["drafter"], "specforge": result["specforge"]["drafter"]}

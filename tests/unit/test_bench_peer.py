@@ -286,6 +286,21 @@ def test_summary_numbers_and_checks(bench):
     assert r["tau_dflash_mtbench"] == 1.50   # the headline stays the main run's (seed --seed)
 
 
+def test_tqdm_progress_reads_the_last_bar(bench):
+    """The H200 run of 2026-12-02 cut at the call limit: its log's last bar updates (carriage-return separated)."""
+    log = ("Starting training from epoch 0, step 0\n"
+           "Training Epoch 0: 100%|██████████| 1944/1944 [04:28<00:00,  7.24it/s, loss=6.1, acc=0.08, iter_time=0.13s]\n"
+           "Training Epoch 1:  54%|█████▍    | 1059/1944 [02:29<01:58,  7.50it/s, loss=5.9389, acc=0.0946, iter_time=0.14s]"
+           "\rTraining Epoch 1:  55%|█████▍    | 1061/1944 [02:29<01:59,  7.36it/s, loss=5.0608, acc=0.1675, "
+           "iter_time=0.14s]")
+    assert bench.tqdm_progress(log) == {"epoch": 2, "micro_step_in_epoch": 1061, "micro_steps_per_epoch": 1944,
+                                        "seconds_in_epoch": 149, "sequences_per_s": 7.36}
+    slow = "Training Epoch 0:   0%|          | 3/1944 [1:02:05<9:00:00,  1.52s/it, loss=9]"
+    assert bench.tqdm_progress(slow) == {"epoch": 1, "micro_step_in_epoch": 3, "micro_steps_per_epoch": 1944,
+                                         "seconds_in_epoch": 3725, "sequences_per_s": 1 / 1.52}
+    assert bench.tqdm_progress("Loading the target\n") is None
+
+
 def test_cpu_failure_reason_names_the_error(bench):
     tail = ("[rank0]:   File \"x.py\", line 1\n[rank0]: RuntimeError: Distributed package doesn't have NCCL built in\n"
             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====")
