@@ -110,8 +110,7 @@ def build_training_set(args, *, model: str, work: pathlib.Path, recipe) -> dict:
 
 def committed_train_data(args) -> list[str]:
     """--train-data, else the committed whole conversations (bench_reference's training set)."""
-    return list(args.train_data) if args.train_data else [
-        str(p) for p in sorted(bq.COMMITTED_ASSETS.glob("sharegpt_whole-*.jsonl.gz"))]
+    return list(args.train_data) if args.train_data else bq.committed_regenerated_files()
 
 
 def specforge_probe(args, *, model: str, data, out: pathlib.Path, steps: int, recipe):

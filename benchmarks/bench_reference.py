@@ -106,7 +106,7 @@ def train_data_inputs(args) -> list[str]:
     conversations (benchmarks/assets/quality/sharegpt_whole-*.jsonl.gz), else none (regenerated in the run)."""
     if args.train_data:
         return list(args.train_data)
-    return [] if args.tiny else [str(p) for p in sorted(bq.COMMITTED_ASSETS.glob("sharegpt_whole-*.jsonl.gz"))]
+    return [] if args.tiny else bq.committed_regenerated_files()
 
 
 def files_sha256(paths: list[str]) -> str:

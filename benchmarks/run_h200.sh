@@ -94,7 +94,8 @@ evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py -
                    --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
 
 peer() { gguf_joined || return 1; mkdir -p /tmp/peer
-         # SpecForge stopped 30 s before the call's end: the JSON then records how far it got (specforge_cut)
+         # SpecForge is stopped at 535 s, before this call's own 570 s limit, so the JSON records how far it got
+         # (specforge_cut) instead of the whole bench being killed unrecorded
          timeout 570 python3 benchmarks/bench_peer.py --gguf "$GGUF" --wheels .whl --workdir /tmp/peer/work \
            --json /tmp/peer/peer_specforge_h200.json --specforge-timeout 535 "$@"; }  # outside the synced tree: --resume reads it
 storage4() { local stage=$1; shift
