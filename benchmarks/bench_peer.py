@@ -174,7 +174,8 @@ def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, dev
     cfg = peer_recipe.train_config(recipe if seed is None else dataclasses.replace(recipe, seed=seed),
                                    cache=str(work / "cache_train"), model=model, output=str(run_dir),
                                    steps=steps, batch_tokens=data["dflash_batch_tokens"],
-                                   log_every=max(1, min(args.log_every, steps)))
+                                   log_every=max(1, min(args.log_every, steps)),
+                                   loss_normalization=args.dflash_loss_normalization)
     cfg = dataclasses.replace(cfg, eval_cache=str(work / "cache_mtbench"), eval_every=max(1, steps // args.evals))
     os.environ["DFLASH_NO_PROGRESS"] = "1"
     clock = MetricsClock(run_dir, t0)
@@ -422,6 +423,8 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, help="steps per log line / metrics window")
     ap.add_argument("--dflash-seeds", type=int, help="dflash runs, seeds --seed, --seed + 1, ...: the extra ones "
                     "(training only, same cache) measure the seed-to-seed spread of tau in the same run")
+    ap.add_argument("--dflash-loss-normalization", choices=["token", "sequence"], default="token",
+                    help="dflash's TrainConfig.loss_normalization (sequence: SpecForge's per-sequence mean)")
     ap.add_argument("--evals", type=int, help="held-out evaluations during dflash training")
     ap.add_argument("--zlab-prompts", type=int, help="prompts per eval set in z-lab's loop")
     ap.add_argument("--wheels", help="folder of wheels for SpecForge's extra packages (offline install)")

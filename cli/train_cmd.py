@@ -12,14 +12,16 @@ import click
 
 from cli.cache_cmd import store_mirror_option
 from dflash.errors import ConfigError
-from dflash.train.config import TrainConfig, field_docs
+from dflash.train.config import LOSS_NORMALIZATIONS, TrainConfig, field_docs
 
 FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr", "batch_tokens": "--batch-tokens",
          "grad_accum": "--grad-accum", "seed": "--seed", "num_anchors": "--num-anchors", "num_layers": "--layers",
          "block_size": "--block-size", "mask_token_id": "--mask-token-id", "save_every": "--save-every",
          "log_every": "--log-every", "online": "--online", "eval_cache": "--eval-cache",
-         "eval_every": "--eval-every", "eval_limit": "--eval-limit"}
+         "eval_every": "--eval-every", "eval_limit": "--eval-limit", "loss_normalization": "--loss-normalization"}
 """TrainConfig fields offered as flags (the rest: --config YAML), and their flag names."""
+CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS}
+"""String fields whose flag takes one of a fixed set of values."""
 
 
 def _int_list(ctx, param, value):
@@ -50,6 +52,8 @@ def config_options(fn):
             opt = click.option(flag, name, multiple=True, callback=_int_list, help=help_text + " E.g. 1,9,17.")
         elif kind.startswith("bool"):
             opt = click.option(flag, name, is_flag=True, default=None, help=help_text)
+        elif name in CHOICES:
+            opt = click.option(flag, name, type=click.Choice(CHOICES[name]), default=None, help=help_text)
         else:
             typ = int if kind.startswith("int") else float if kind.startswith("float") else click.Path()
             opt = click.option(flag, name, type=typ, default=None, help=help_text)

@@ -124,8 +124,9 @@ def drafter_config(recipe: PeerRecipe, *, target_config: dict, train_cfg):
 
 
 def train_config(recipe: PeerRecipe, *, cache: str, model: str, output: str, steps: int, batch_tokens: int,
-                 log_every: int = 10, save_every: int = 1000):
-    """dflash's TrainConfig of the recipe."""
+                 log_every: int = 10, save_every: int = 1000, loss_normalization: str = "token"):
+    """dflash's TrainConfig of the recipe (loss_normalization: dflash's choice, not the recipe's: the
+    `batching` difference of SPECFORGE_DIFFERENCES)."""
     from dflash.train.config import TrainConfig
 
     return TrainConfig(cache=cache, model=model, output=output, num_layers=recipe.num_layers,
@@ -133,7 +134,7 @@ def train_config(recipe: PeerRecipe, *, cache: str, model: str, output: str, ste
                        mask_token_id=recipe.mask_token_id, lr=recipe.lr, warmup_ratio=recipe.warmup_ratio,
                        weight_decay=0.0, grad_clip=1.0, steps=steps, batch_tokens=batch_tokens,
                        rope_theta=recipe.rope_theta, intermediate_size=recipe.intermediate_size, seed=recipe.seed,
-                       log_every=log_every, save_every=save_every)
+                       log_every=log_every, save_every=save_every, loss_normalization=loss_normalization)
 
 
 def specforge_args(recipe: PeerRecipe, *, target: str, draft_config: str, data: str, output: str, cache: str,

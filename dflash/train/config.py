@@ -17,6 +17,8 @@ from dflash.compiled import COMPILE_SETTINGS
 from dflash.errors import ConfigError
 from dflash.train.noise import NoiseConfig
 
+LOSS_NORMALIZATIONS = ("token", "sequence")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -51,6 +53,10 @@ class TrainConfig:
     one, else its pad token if that is not also eos; otherwise set it (e.g. an unused id). Qwen3: 151669."""
     gamma: float | None = None
     """Loss decay exp(-(k-1)/gamma) per block position; None = 7 for B=16, 5 for B=10, 4 for B=8, else 7B/16."""
+    loss_normalization: str = "token"
+    """How a step's loss averages: token = the decay-weighted mean over every block token of the step (long
+    samples, with more anchors, weigh more); sequence = each sample's decay-weighted mean, then the mean over
+    the step's samples (z-lab's and SpecForge's loss with one sequence per micro-batch)."""
 
     # --- optimisation ---
     lr: float = 6e-4
@@ -161,6 +167,8 @@ class TrainConfig:
                               "lr must be > 0, grad_clip and weight_decay >= 0")
         if self.compile_elementwise not in COMPILE_SETTINGS:
             raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: choose auto, on or off")
+        if self.loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ConfigError(f"loss_normalization={self.loss_normalization!r}: choose token or sequence")
         if self.loss_impl not in ("fused", "fused_eager", "checkpoint"):
             raise ConfigError(f"loss_impl={self.loss_impl!r}: choose fused, fused_eager or checkpoint")
         if self.dtype not in ("auto", "bfloat16", "float32"):
@@ -270,5 +278,5 @@ def field_docs() -> dict[str, str]:
     return out
 
 
-__all__ = ["TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible", "RESUME_MUTABLE",
+__all__ = ["LOSS_NORMALIZATIONS", "TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible", "RESUME_MUTABLE",
            "field_docs"]

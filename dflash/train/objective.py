@@ -26,7 +26,7 @@ from dflash.drafter.blocks import block_input_ids
 from dflash.errors import ConfigError
 
 __all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "build_packed_blocks", "ce_metrics", "chunked_ce_loss",
-           "decay_weights", "default_gamma", "expected_blocks", "resolve_gamma", "supervised_slots", "visible_keys", "dense_mask", "packed_layout", "packed_layout_flat", "sample_anchors"]
+           "decay_weights", "default_gamma", "expected_blocks", "per_sample_mean_weights", "resolve_gamma", "supervised_slots", "visible_keys", "dense_mask", "packed_layout", "packed_layout_flat", "sample_anchors"]
 
 IGNORE_INDEX = -100
 """Label of block slots past the end of the sequence (their weight is 0 as well)."""
@@ -141,6 +141,23 @@ def build_packed_blocks(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, an
     decay_B = decay_weights(block_size=block_size, gamma=gamma).to(device, non_blocking=True)
     weights_JB = decay_B[None] * inside_JB * loss_mask_T.to(torch.float32)[safe_JB]
     return Blocks(block_ids_JB=block_ids_JB, positions_JB=pos_JB, labels_JB=labels_JB, weights_JB=weights_JB)
+
+
+def per_sample_mean_weights(weights_JB: torch.Tensor, blocks_per_sample: Sequence[int]) -> torch.Tensor:
+    """weights_JB rescaled so that each sample's weights sum to 1 (a sample with no supervised slot keeps 0s).
+    With them, sum(CE*w)/sum(w) over a step is the mean over its supervised samples of each sample's
+    decay-weighted mean CE: the loss of z-lab's and SpecForge's trainers at one sequence per micro-batch, where
+    a short sample weighs as much as a long one. The blocks are the samples' in order, blocks_per_sample[i] each
+    (host ints: no sync)."""
+    reps = np.asarray(blocks_per_sample, dtype=np.int64)
+    if reps.sum() != weights_JB.shape[0]:
+        raise ValueError(f"blocks_per_sample sums to {int(reps.sum())}, weights_JB has {weights_JB.shape[0]} blocks")
+    device = weights_JB.device
+    sample_J = torch.from_numpy(np.repeat(np.arange(len(reps), dtype=np.int64), reps)).to(device, non_blocking=True)
+    totals_N = torch.zeros(len(reps), dtype=weights_JB.dtype, device=device).index_add_(0, sample_J,
+                                                                                        weights_JB.sum(dim=1))
+    inv_N = torch.where(totals_N > 0, 1.0 / totals_N.clamp(min=torch.finfo(weights_JB.dtype).tiny), 0.0)
+    return weights_JB * inv_N[sample_J][:, None]
 
 
 def packed_layout(*, lengths: Sequence[int] | torch.Tensor, anchors: Sequence[torch.Tensor],

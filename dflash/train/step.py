@@ -8,7 +8,8 @@ Loss: the decay-weighted mean over every block token of the global step (all mic
 each micro-batch backpropagates its unnormalised sum(CE*w); after the step, one all-reduce sums the flat
 gradient buffer together with the weight sum and the metric counters, and the gradient is divided by the
 global weight sum. So W ranks x A micro-batches give the same update as 1 rank x W*A micro-batches, and
-empty padding micro-batches simply contribute nothing.
+empty padding micro-batches simply contribute nothing. With loss_normalization=sequence each sample's weights
+sum to 1, so the same sums give the mean over the step's samples of each sample's weighted mean.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch.distributed as dist
 
 from dflash.train.fused_ce import fused_ce_loss
 from dflash.train.loader import MicroBatch, anchor_seed
-from dflash.train.objective import (build_packed_blocks, chunked_ce_loss, packed_layout_flat, sample_anchors,
-                                   supervised_slots, visible_keys)
+from dflash.train.objective import (build_packed_blocks, chunked_ce_loss, packed_layout_flat, per_sample_mean_weights,
+                                   sample_anchors, supervised_slots, visible_keys)
 
 if TYPE_CHECKING:
     from dflash.cache.reader import PackedSamples
@@ -93,14 +94,15 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *, embed_VD: torch.Tensor,
                      lm_head_VD: torch.Tensor, mask_token_id: int, gamma: float, loss_chunk_blocks: int,
-                     loss_impl: str = "fused") -> "CELoss":
+                     loss_impl: str = "fused", loss_normalization: str = "token") -> "CELoss":
     """Forward of one non-empty micro-batch with this drafter's anchors `hb` -> objective.CELoss (tensors only,
     no host sync).
 
     loss_impl: "fused" (train.fused_ce: head matmul once per supervised row; the row count comes from the
     host-side HostBlocks.supervised_tokens, so no sync; its elementwise epilogue torch.compile'd when the
     drafter's is, TrainConfig.compile_elementwise), "fused_eager" (the same, never compiled) or "checkpoint"
-    (objective.chunked_ce_loss)."""
+    (objective.chunked_ce_loss). loss_normalization: TrainConfig.loss_normalization (sequence: the weights of
+    objective.per_sample_mean_weights, so the step's global weight sum counts samples)."""
     cfg = drafter.cfg
     B = cfg.block_size
     device = mb.input_ids_T.device
@@ -115,7 +117,10 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
     ctx_TD = drafter.context(mb.hidden_TKD)
     block_embeds_QD = embed_VD[block_ids_Q]  # frozen; embed_VD is already in the compute dtype
     hidden_QD = drafter(block_embeds_QD, ctx_TD, q_pos=layout.q_pos_Q, kv_pos=layout.kv_pos_K, mask=layout)
-    labels_Q, weights_Q = blk.labels_JB.reshape(-1), blk.weights_JB.reshape(-1)
+    weights_JB = blk.weights_JB
+    if loss_normalization == "sequence":
+        weights_JB = per_sample_mean_weights(weights_JB, hb.blocks_per_sample)
+    labels_Q, weights_Q = blk.labels_JB.reshape(-1), weights_JB.reshape(-1)
     if loss_impl in ("fused", "fused_eager"):
         return fused_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B,
                              num_supervised=hb.supervised_tokens,

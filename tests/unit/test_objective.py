@@ -10,8 +10,8 @@ from dflash.errors import ConfigError
 from dflash.train.objective import (IGNORE_INDEX, block_attention_mask, build_blocks, build_packed_blocks,
                                     chunked_ce_loss,
                                     decay_weights, default_gamma, dense_mask, expected_blocks, packed_layout,
-                                    packed_layout_flat, resolve_gamma, sample_anchors, supervised_slots,
-                                    visible_keys)
+                                    packed_layout_flat, per_sample_mean_weights, resolve_gamma, sample_anchors,
+                                    supervised_slots, visible_keys)
 
 PAPER_DECAY_GAMMA7 = [1.000, 0.867, 0.751, 0.651, 0.565, 0.490, 0.424, 0.368, 0.319, 0.276, 0.240, 0.208,
                       0.180, 0.156, 0.135]
@@ -138,6 +138,66 @@ def test_build_packed_blocks_equals_each_sequence_alone():
         assert torch.equal(getattr(packed, f), torch.cat([getattr(b, f) for b in alone])), f
     # the block at anchor 6 of the 7-token first sequence: slots 1..3 are past its end, not the next sequence
     assert packed.labels_JB[2].tolist() == [int(ids[6]), IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
+
+
+def _packed_case(seed=4):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7, 3, 12, 5, 9]
+    T = sum(lengths)
+    ids, mask = torch.randint(0, 40, (T,), generator=g), (torch.rand(T, generator=g) > 0.3).float()
+    mask[sum(lengths[:3]):sum(lengths[:4])] = 0   # sample 3 has an anchor but nothing supervised
+    anchors = [torch.tensor([0, 4, 6]), torch.tensor([], dtype=torch.long), torch.tensor([1, 2, 10, 11]),
+               torch.tensor([3]), torch.tensor([0, 2, 5])]
+    counts = [a.numel() for a in anchors]
+    blk = build_packed_blocks(ids, mask, torch.cat(anchors), lengths=lengths, blocks_per_sample=counts,
+                              block_size=4, mask_token_id=39)
+    return blk, counts
+
+
+def test_per_sample_mean_weights_sum_to_one_per_supervised_sample():
+    """Each supervised sample's weights sum to 1 with their ratios kept (the decay and the masks); a sample
+    with nothing supervised keeps 0s, and one without anchors has no rows."""
+    blk, counts = _packed_case()
+    w = per_sample_mean_weights(blk.weights_JB, counts)
+    off = 0
+    for n in counts:
+        raw, new = blk.weights_JB[off:off + n], w[off:off + n]
+        if raw.sum() > 0:
+            assert torch.isclose(new.sum(), torch.tensor(1.0))
+            assert torch.allclose(new, raw / raw.sum())
+        else:
+            assert n == 0 or torch.equal(new, torch.zeros_like(raw))
+        off += n
+    assert torch.isclose(w.sum(), torch.tensor(3.0))   # three supervised samples: the step's weight sum counts them
+    with pytest.raises(ValueError, match="blocks_per_sample sums to 10"):
+        per_sample_mean_weights(blk.weights_JB, [3, 0, 4, 1, 2])
+
+
+def test_sequence_normalised_loss_is_the_mean_of_each_samples_loss():
+    """The CE over the packed batch with per_sample_mean_weights == the mean over supervised samples of each
+    sample's own weighted-mean CE (SpecForge: one sequence per micro-batch, loss / accumulation steps): value and
+    gradient."""
+    blk, counts = _packed_case(seed=7)
+    g = gen(1)
+    rows = blk.labels_JB.numel()
+    hidden = torch.randn(rows, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(40, 16, generator=g, dtype=torch.float64)
+    labels = blk.labels_JB.reshape(-1)
+    w = per_sample_mean_weights(blk.weights_JB, counts).reshape(-1)
+    out = chunked_ce_loss(hidden, head, labels, w, chunk=5, block_size=4)
+    per_sample, off = [], 0
+    for n in counts:
+        sl = slice(off * 4, (off + n) * 4)
+        raw = blk.weights_JB.reshape(-1)[sl].double()
+        if raw.sum() > 0:
+            ce = F.cross_entropy(hidden[sl] @ head.T, labels[sl].clamp(min=0), reduction="none")
+            per_sample.append((ce * raw).sum() / raw.sum())
+        off += n
+    ref = torch.stack(per_sample).mean()
+    assert torch.allclose(out.loss.double(), ref, atol=1e-6)
+    g_out, = torch.autograd.grad(out.loss, hidden)
+    g_ref, = torch.autograd.grad(ref, hidden)
+    assert torch.allclose(g_out, g_ref, atol=1e-7)
 
 
 def test_packed_layout_flat_equals_packed_layout():

@@ -35,7 +35,7 @@ def test_help(runner, cmd):
     if cmd == "train":
         for opt in ("--cache", "--model", "--output", "--config", "--steps", "--epochs", "--taps", "--gpus",
                     "--resume", "--lr", "--batch-tokens", "--grad-accum", "--seed", "--num-anchors", "--layers",
-                    "--save-every", "--log-every"):
+                    "--save-every", "--log-every", "--loss-normalization"):
             assert opt in res.output
 
 
@@ -102,3 +102,22 @@ def test_config_errors(runner, assets, tmp_path):
     assert res.exit_code == 1 and "grad_accum=0" in res.output
     res = runner.invoke(cli, _args(tmp_path / "no-cache", target, tmp_path / "r"))
     assert res.exit_code == 1 and "no-cache" in res.output
+
+
+def test_loss_normalization_is_recorded_and_pinned_on_resume(runner, assets, tmp_path):
+    """--loss-normalization sequence trains, lands in config.json and the drafter card's recipe; a resume with
+    the other normalization is refused (it changes the math); a bad value in YAML is a one-line error."""
+    target, _, cache = assets
+    out = tmp_path / "seq"
+    res = runner.invoke(cli, _args(cache, target, out, "--steps", "2", "--loss-normalization", "sequence"))
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "config.json").read_text())["train"]["loss_normalization"] == "sequence"
+    assert "loss_normalization" in (out / "drafter" / "README.md").read_text()
+    res = runner.invoke(cli, _args(cache, target, out, "--steps", "2", "--resume"))
+    assert res.exit_code == 1 and "different 'loss_normalization'" in res.output
+    res = runner.invoke(cli, _args(cache, target, tmp_path / "x", "--loss-normalization", "samples"))
+    assert res.exit_code == 2 and "'samples' is not one of 'token', 'sequence'" in res.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loss_normalization: samples\n")
+    res = runner.invoke(cli, _args(cache, target, tmp_path / "y", "--config", str(bad)))
+    assert res.exit_code == 1 and "loss_normalization='samples': choose token or sequence" in res.output
