@@ -54,6 +54,10 @@ SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>: a special token the chat model nev
 T0 = time.perf_counter()
 
 
+EVAL_SETS = {"mtbench": "mtbench_greedy.jsonl", "humaneval": "humaneval_greedy.jsonl"}
+"""The held-out eval sets and the file names of their target-greedy responses (generate_all writes
+NAME_greedy.jsonl)."""
+
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
 
@@ -211,6 +215,49 @@ def generate_all(args, model: str, prompts: dict, work: pathlib.Path, device: st
     if device == "cuda":
         torch.cuda.empty_cache()
     return stats
+
+
+def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: str, dtype: str, *,
+                   sets: dict[str, str], scored: tuple[str, ...] = ()) -> dict:
+    """The target-greedy responses of `sets` (name -> file name) in work/: copied from --eval-responses (the files
+    an earlier session brought back, .jsonl or .jsonl.gz), so every session of one run, and runs of different
+    sessions, score their drafters on the same eval cache (GPU greedy generation is not bit-reproducible across
+    machines), else generated here, as are the `prompts` of names outside `sets`. `scored`: the sets earlier calls
+    scored on, which must be copied (their regenerated responses could differ in bf16); a set new to this run is
+    generated when not there."""
+    import gzip
+
+    src_dir = pathlib.Path(args.eval_responses) if args.eval_responses else None
+    out, todo = {}, {}
+    for name, fname in sets.items():
+        plain, packed = (src_dir / fname, src_dir / (fname + ".gz")) if src_dir else (None, None)
+        if src_dir is None or (not plain.is_file() and not packed.is_file()):
+            if src_dir is not None and name in scored:
+                raise SystemExit(f"--eval-responses {src_dir}: neither {fname} nor {fname}.gz is there")
+            todo[name] = prompts[name]
+            continue
+        src = plain if plain.is_file() else packed
+        data = src.read_bytes() if src is plain else gzip.decompress(src.read_bytes())
+        (work / fname).write_bytes(data)
+        out[name] = {"file": str(work / fname), "copied_from": str(src), "prompts": data.count(b"\n")}
+        log(f"eval responses {name}: {out[name]['prompts']} records from {out[name]['copied_from']}")
+    todo |= {name: f for name, f in prompts.items() if name not in sets}   # e.g. bench_peer's regen train prompts
+    if todo:
+        out |= generate_all(args, model, todo, work, device, dtype)
+    return out
+
+def same_eval_responses(work: pathlib.Path, earlier: dict | None, *, sets: dict[str, str]) -> dict:
+    """sha256 of the eval response files; SystemExit when an earlier call scored its drafters on other responses
+    (a fresh machine regenerated them and bf16 batching changed a token): held-out tau of runs from different
+    eval sets would not compare."""
+    import hashlib
+
+    now = {name: hashlib.sha256((work / f).read_bytes()).hexdigest() for name, f in sets.items()}
+    differ = ", ".join(k for k in now if k in (earlier or {}) and earlier[k] != now[k])
+    if differ:
+        raise SystemExit(f"the {differ} eval responses here differ from those the earlier calls scored on: pass "
+                         "--eval-responses DIR with the files an earlier call wrote (run_h200.sh copies them to $OUT)")
+    return now
 
 
 def extract(model: str, data: pathlib.Path, out: pathlib.Path, *, storage: str, device: str, dtype: str,

@@ -65,7 +65,7 @@ from bench_quality import Stages, log  # noqa: E402
 
 from dflash.cache.format import STORAGE_DTYPES as STORAGES  # noqa: E402  (int4: the default 4-bit format)
 
-EVAL_SETS = {"mtbench": "mtbench_greedy.jsonl", "humaneval": "humaneval_greedy.jsonl"}
+EVAL_SETS = bq.EVAL_SETS
 # The reference run also scores ShareGPT first turns that no training conversation holds as a user turn: beside
 # MT-Bench and HumanEval it tells a drafter that memorised its training data (low on all three) from one that
 # learned ShareGPT's kind of text (the regenerated turns repeat earlier text far more than the eval responses do)
@@ -216,46 +216,6 @@ def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: st
             "seconds": round(res.seconds, 3), "setup_seconds": round(res.setup_seconds, 3),
             "loop_seconds": round(res.loop_seconds, 3),
             "drain_seconds": round(res.drain_seconds, 3), "committed_before": res.num_committed_before}
-
-
-def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: str, dtype: str,
-                   scored: tuple[str, ...] = ()) -> dict:
-    """The target-greedy responses of HELDOUT_SETS in work/: copied from --eval-responses (the files an earlier
-    session brought back, .jsonl or .jsonl.gz), so every session of one reference run scores its drafters on the
-    same eval cache, else generated here. `scored`: the sets earlier calls scored on, which must be copied (their
-    regenerated responses could differ in bf16); a set new to this run is generated when not there."""
-    import gzip
-
-    src_dir = pathlib.Path(args.eval_responses) if args.eval_responses else None
-    out, todo = {}, {}
-    for name, fname in HELDOUT_SETS.items():
-        plain, packed = (src_dir / fname, src_dir / (fname + ".gz")) if src_dir else (None, None)
-        if src_dir is None or (not plain.is_file() and not packed.is_file()):
-            if src_dir is not None and name in scored:
-                raise SystemExit(f"--eval-responses {src_dir}: neither {fname} nor {fname}.gz is there")
-            todo[name] = prompts[name]
-            continue
-        src = plain if plain.is_file() else packed
-        data = src.read_bytes() if src is plain else gzip.decompress(src.read_bytes())
-        (work / fname).write_bytes(data)
-        out[name] = {"file": str(work / fname), "copied_from": str(src), "prompts": data.count(b"\n")}
-        log(f"eval responses {name}: {out[name]['prompts']} records from {out[name]['copied_from']}")
-    if todo:
-        out |= bq.generate_all(args, model, todo, work, device, dtype)
-    return out
-
-def same_eval_responses(work: pathlib.Path, earlier: dict | None) -> dict:
-    """sha256 of the eval response files; SystemExit when an earlier call scored its drafters on other responses
-    (a fresh machine regenerated them and bf16 batching changed a token): held-out tau of runs from different
-    eval sets would not compare."""
-    import hashlib
-
-    now = {name: hashlib.sha256((work / f).read_bytes()).hexdigest() for name, f in HELDOUT_SETS.items()}
-    differ = ", ".join(k for k in now if k in (earlier or {}) and earlier[k] != now[k])
-    if differ:
-        raise SystemExit(f"the {differ} eval responses here differ from those the earlier calls scored on: pass "
-                         "--eval-responses DIR with the files an earlier call wrote (run_h200.sh copies them to $OUT)")
-    return now
 
 
 def records_of(srcs: list[str]):
@@ -690,10 +650,10 @@ def main(argv=None) -> dict:
         if dropped:
             log(f"{dropped} training conversations hold a held-out ShareGPT prompt as a user turn: trained without")
         earlier_sha = st.earlier.get("eval_responses_sha256") or {}
-        st.run("c_generate_eval", lambda: eval_responses(args, model, prompts, work, device, dtype,
-                                                         scored=tuple(earlier_sha)),
+        st.run("c_generate_eval", lambda: bq.eval_responses(args, model, prompts, work, device, dtype,
+                                                            sets=HELDOUT_SETS, scored=tuple(earlier_sha)),
                valid=lambda out: all((work / f).is_file() for f in HELDOUT_SETS.values()))
-        result["eval_responses_sha256"] = same_eval_responses(work, earlier_sha)
+        result["eval_responses_sha256"] = bq.same_eval_responses(work, earlier_sha, sets=HELDOUT_SETS)
         result["repetition"] = st.run("c_repetition", lambda: repetition_table(model, train_data, work))
         plan = runs_plan(args)
         caches = {"eval": ([str(work / f) for f in HELDOUT_SETS.values()], "bf16")}

@@ -37,10 +37,11 @@
 #       multiprocess, pydantic: benchmarks/peer/env.py WHEELS) go in .whl with the others; the peer snapshots travel
 #       in the git-ignored shared/peers/ (mkdir -p shared/peers && cp ../shared/peers/*.tar.gz shared/peers/; carry
 #       `shared`; only the checkout's own shared/ travels, not ../shared). After the three GGUF parts are stashed
-#       (calls carrying .whl + part-a, then part-b), three calls on one warm machine (2026-12-02: a-f ~6 min with
-#       3 dflash seeds; SpecForge ran ~7.3 sequences/s after ~150 s of startup, so 2 epochs of --train-prompts
-#       1200 fit one call and 2,000 did not):
-#         peer --stop-after dflash (carrying part-c and shared);  peer --resume --stop-after specforge;  peer --resume
+#       (calls carrying .whl + part-a, then part-b), four calls on one warm machine (2026-12-02: a-f ~6 min with
+#       3 dflash seeds, ~4.5 now that the eval responses are committed; a SpecForge run of 2 epochs of
+#       --train-prompts 1200 took 301 s, so one per call (--specforge-seeds 2 by default); h-i ~5.5 min):
+#         peer --stop-after dflash (carrying part-c and shared);  peer --resume --stop-after specforge (twice);
+#         peer --resume
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1

@@ -284,6 +284,14 @@ def test_summary_numbers_and_checks(bench):
     assert sp["runs"] == ["dflash", "dflash_seed1", "dflash_seed2"] and sp["mtbench"]["taus"] == [1.50, 1.44, 1.47]
     assert sp["mtbench"]["max_minus_min_over_mean"] == pytest.approx(0.06 / 1.47)
     assert r["tau_dflash_mtbench"] == 1.50   # the headline stays the main run's (seed --seed)
+    assert "specforge_seed_spread" not in r and not any("seed_mean" in k for k in r["checks"])
+    ev["specforge_seed1"] = {"mtbench": {"tau": 1.55}, "humaneval": {"tau": 1.40}}
+    bench.summarise(r)
+    assert r["specforge_seed_spread"]["runs"] == ["specforge", "specforge_seed1"]
+    assert r["specforge_seed_spread"]["mtbench"]["mean"] == pytest.approx(1.50)
+    assert r["checks"]["mtbench_dflash_seed_mean_ge_specforge_seed_mean_minus_1pct"] is False   # 1.47 < 0.99 * 1.5
+    assert r["checks"]["humaneval_dflash_seed_mean_ge_specforge_seed_mean_minus_1pct"] is True   # 1.4133 vs 1.41
+    assert "specforge_seed1" in bench.format_table(r)
 
 
 def test_tqdm_progress_reads_the_last_bar(bench):
@@ -321,3 +329,22 @@ def test_zlab_cache_crop_keeps_the_legacy_meaning():
     assert torch.equal(c.layers[0].values, torch.arange(6.0).view(1, 1, 3, 2))
     c.crop(7)   # longer than the cache: nothing to drop
     assert c.get_seq_length() == 3
+
+
+def test_gpu_runs_score_on_the_committed_eval_responses(bench):
+    """The GPU default copies the committed target-greedy responses (80 MT-Bench, 164 HumanEval records made by
+    `dflash generate`, greedy, one target config hash) so runs of different sessions score on one eval set;
+    --eval-responses none and the tiny CPU run generate their own."""
+    import gzip
+    import json
+
+    assert bench.parse_args([]).eval_responses == str(bench.PEER_EVAL_RESPONSES)
+    assert bench.parse_args(["--eval-responses", "none"]).eval_responses is None
+    assert bench.parse_args(["--tiny"]).eval_responses is None
+    hashes = set()
+    for fname, count in (("mtbench_greedy.jsonl", 80), ("humaneval_greedy.jsonl", 164)):
+        lines = gzip.decompress((bench.PEER_EVAL_RESPONSES / (fname + ".gz")).read_bytes()).decode().splitlines()
+        recs = [json.loads(ln) for ln in lines]
+        assert len(recs) == count and all(r["dflash_generate"]["greedy"] for r in recs)
+        hashes |= {r["dflash_generate"]["target_config_hash"] for r in recs}
+    assert len(hashes) == 1

@@ -187,17 +187,18 @@ def test_eval_responses_carried_and_checked(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     args = types.SimpleNamespace(eval_responses=str(src))
-    out = br.eval_responses(args, "model", {}, work, "cpu", "float32")
+    out = br.bq.eval_responses(args, "model", {}, work, "cpu", "float32", sets=br.HELDOUT_SETS)
     assert out["mtbench"]["prompts"] == 2 and out["humaneval"]["prompts"] == 1
     assert (work / br.EVAL_SETS["humaneval"]).read_text() == '{"b": 1}\n'
-    sha = br.same_eval_responses(work, None)
-    assert br.same_eval_responses(work, sha) == sha
+    sha = br.bq.same_eval_responses(work, None, sets=br.HELDOUT_SETS)
+    assert br.bq.same_eval_responses(work, sha, sets=br.HELDOUT_SETS) == sha
     (work / br.EVAL_SETS["humaneval"]).write_text('{"b": 2}\n')  # a regenerated response changed a token
     with pytest.raises(SystemExit, match="humaneval eval responses here differ.*--eval-responses"):
-        br.same_eval_responses(work, sha)
+        br.bq.same_eval_responses(work, sha, sets=br.HELDOUT_SETS)
     (src / (br.EVAL_SETS["humaneval"] + ".gz")).unlink()
     with pytest.raises(SystemExit, match="neither humaneval_greedy.jsonl nor"):  # the earlier calls scored on it
-        br.eval_responses(args, "model", {}, work, "cpu", "float32", scored=("mtbench", "humaneval"))
+        br.bq.eval_responses(args, "model", {}, work, "cpu", "float32", sets=br.HELDOUT_SETS,
+                                scored=("mtbench", "humaneval"))
 
 
 def test_eval_responses_generates_a_set_new_to_the_run(tmp_path, monkeypatch):
@@ -217,11 +218,13 @@ def test_eval_responses_generates_a_set_new_to_the_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(br.bq, "generate_all", generate_all)
     args = types.SimpleNamespace(eval_responses=str(src))
-    out = br.eval_responses(args, "model", {"sharegpt": "p.jsonl"}, work, "cpu", "float32",
-                            scored=("mtbench", "humaneval"))
+    out = br.bq.eval_responses(args, "model", {"sharegpt": "p.jsonl"}, work, "cpu", "float32",
+                               sets=br.HELDOUT_SETS, scored=("mtbench", "humaneval"))
     assert asked == [["sharegpt"]] and sorted(out) == ["humaneval", "mtbench", "sharegpt"]
-    earlier = {k: v for k, v in br.same_eval_responses(work, None).items() if k != "sharegpt"}
-    assert set(br.same_eval_responses(work, earlier)) == set(br.HELDOUT_SETS)  # no earlier sha of sharegpt
+    now = br.bq.same_eval_responses(work, None, sets=br.HELDOUT_SETS)
+    earlier = {k: v for k, v in now.items() if k != "sharegpt"}
+    # no earlier sha of sharegpt
+    assert set(br.bq.same_eval_responses(work, earlier, sets=br.HELDOUT_SETS)) == set(br.HELDOUT_SETS)
 
 
 def test_heldout_prompts_avoid_training_turns(tmp_path):
