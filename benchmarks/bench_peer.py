@@ -375,6 +375,7 @@ def summarise(result: dict) -> None:
         if who in z:
             taus = [z[who][s]["tau"] for s in ("mtbench", "humaneval") if s in z[who]]
             result[f"zlab_loop_tau_{who}"] = statistics.mean(taus) if taus else None
+    result["zlab_vs_eval"] = zlab_vs_eval(ev, z)
     d, s = result.get("dflash", {}), result.get("specforge", {})
     target = result.get("tau_specforge_mtbench")
     if d.get("heldout") and s.get("run") and target is not None:
@@ -406,6 +407,28 @@ def summarise(result: dict) -> None:
     if z:
         checks["both_load_in_zlab_cleanly"] = all(z[w]["loads_cleanly"] for w in z)
     result["checks"] = checks
+
+
+def zlab_vs_eval(ev: dict, z: dict) -> dict:
+    """z-lab's loop tau next to `dflash eval`'s on the same prompts: z-lab's loop runs the first N records of each
+    greedy file, whose sample ids in the eval cache are 0..N-1, so the eval's mean tau over those ids is the
+    comparable number. Where the loop's output leaves the target-greedy response (bf16: prefix_fraction < 1),
+    the two walk different text and may differ."""
+    out: dict = {}
+    for who, scores in z.items():
+        for ds in ("mtbench", "humaneval"):
+            per_seq = ev.get(who, {}).get(ds, {}).get("per_sequence_tau")
+            if ds not in scores or not per_seq:
+                continue
+            n = scores[ds]["sequences"]
+            if not all(str(i) in per_seq for i in range(n)):
+                continue
+            out.setdefault(who, {})[ds] = {"zlab_tau": scores[ds]["tau"],
+                                           "eval_tau_same_prompts": statistics.mean(per_seq[str(i)] for i in range(n)),
+                                           "prompts": n,
+                                           "prefix_fraction": scores[ds]["prefix_fraction"],
+                                           "equal_fraction": scores[ds]["equal_fraction"]}
+    return out
 
 
 def parse_args(argv=None):
@@ -566,7 +589,7 @@ def main(argv=None) -> dict:
         result["eval"] = {}
         for who, ddir in drafters.items():
             result["eval"][who] = {ds: st.run(f"h_eval_{who}_{ds}", lambda ddir=ddir, ds=ds: bq.evaluate(
-                ddir, work / f"cache_{ds}", model, device)) for ds in ("mtbench", "humaneval")}
+                ddir, work / f"cache_{ds}", model, device, per_sequence=True)) for ds in ("mtbench", "humaneval")}
         summarise(result)
         st.save()
         result["zlab"] = st.run("i_zlab", lambda: zlab_stage(args, model=model, work=work, drafters=drafters,

@@ -328,14 +328,25 @@ def untrained_drafter(trained: str, out: pathlib.Path, seed: int) -> str:
     return str(export_drafter(DFlashDrafter(dcfg), dcfg, out, dtype=torch.float32, overwrite=True))
 
 
-def evaluate(drafter: str, cache: pathlib.Path, model: str, device: str) -> dict:
+def evaluate(drafter: str, cache: pathlib.Path, model: str, device: str, *, per_sequence: bool = False) -> dict:
+    """`dflash eval` of one drafter on one cache; per_sequence adds each sequence's tau by its sample id (the
+    record's running index in the data files), when every sequence has one (a 1-token response has none)."""
     from dflash.eval.evaluate import EvalConfig, evaluate_cache
 
     r = evaluate_cache(drafter_dir=drafter, cache_dir=str(cache), model=model, cfg=EvalConfig(device=device),
                        progress=False)
     o = r.overall
-    return {"tau": o.tau, "sequences": o.num_sequences, "steps": o.num_steps, "response_tokens": o.response_tokens,
-            "exact": r.target_greedy, "seconds": round(r.seconds, 2)}
+    out = {"tau": o.tau, "sequences": o.num_sequences, "steps": o.num_steps, "response_tokens": o.response_tokens,
+           "exact": r.target_greedy, "seconds": round(r.seconds, 2)}
+    if per_sequence:
+        from dflash.cache import CacheReader
+
+        reader = CacheReader(str(cache))
+        ids = reader.index.sample_id.tolist()   # the eval walks the cache in this order
+        reader.close()
+        if len(ids) == len(o.per_sequence_tau):
+            out["per_sequence_tau"] = {str(i): round(t, 6) for i, t in zip(ids, o.per_sequence_tau)}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -294,6 +294,20 @@ def test_summary_numbers_and_checks(bench):
     assert "specforge_seed1" in bench.format_table(r)
 
 
+def test_zlab_loop_tau_next_to_the_eval_on_the_same_prompts(bench):
+    """The loop ran the first 2 prompts: the eval's tau over sample ids 0 and 1 (in whatever order the cache holds
+    them) is what it compares with; a set without them (a 1-token response, a result from before per-sequence taus
+    were recorded) is left out."""
+    ev = {"dflash": {"mtbench": {"tau": 1.3, "per_sequence_tau": {"2": 1.0, "0": 2.0, "1": 1.0}},
+                     "humaneval": {"tau": 1.2, "per_sequence_tau": {"1": 1.1, "2": 1.4}}}}   # id 0: no step
+    z = {"dflash": {"loads_cleanly": True,
+                    "mtbench": {"tau": 1.4, "sequences": 2, "prefix_fraction": 0.5, "equal_fraction": 0.0},
+                    "humaneval": {"tau": 1.1, "sequences": 2, "prefix_fraction": 1.0, "equal_fraction": 1.0}},
+         "specforge": {"loads_cleanly": True, "mtbench": {"tau": 1.2, "sequences": 2}}}
+    assert bench.zlab_vs_eval(ev, z) == {"dflash": {"mtbench": {
+        "zlab_tau": 1.4, "eval_tau_same_prompts": 1.5, "prompts": 2, "prefix_fraction": 0.5, "equal_fraction": 0.0}}}
+
+
 def test_tqdm_progress_reads_the_last_bar(bench):
     """The H200 run of 2026-12-02 cut at the call limit: its log's last bar updates (carriage-return separated)."""
     log = ("Starting training from epoch 0, step 0\n"

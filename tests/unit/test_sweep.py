@@ -185,6 +185,10 @@ def test_grouping():
     assert [[r.config.batch_tokens for r in g] for g in groups] == [[100, 100], [200, 200]]
     with pytest.raises(ConfigError, match="--gpus 0"):
         plan_groups(spec.runs, gpus=0, max_runs_per_device=None, separate_streams=False)
+    # the loss normalization is a drafter's own (its weights), not the stream's: both share one read of the cache
+    norms = spec_from_dict({"grid": {"loss_normalization": ["token", "sequence"]}}, cache="c", model="m", output="o")
+    groups = plan_groups(norms.runs, gpus=1, max_runs_per_device=None, separate_streams=False)
+    assert [[r.config.loss_normalization for r in g] for g in groups] == [["token", "sequence"]]
 
 
 def test_cli_help_and_example_spec(tmp_path):
