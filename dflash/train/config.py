@@ -18,6 +18,7 @@ from dflash.errors import ConfigError
 from dflash.train.noise import NoiseConfig
 
 LOSS_NORMALIZATIONS = ("token", "sequence")
+"""TrainConfig.loss_normalization's values (objective.per_sample_mean_weights makes the second)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,5 +279,5 @@ def field_docs() -> dict[str, str]:
     return out
 
 
-__all__ = ["LOSS_NORMALIZATIONS", "TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible", "RESUME_MUTABLE",
-           "field_docs"]
+__all__ = ["LOSS_NORMALIZATIONS", "TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible",
+           "RESUME_MUTABLE", "field_docs"]
