@@ -22,7 +22,8 @@ generated). Stages:
      (one source each, so held-out tau comes per set)
   e. trainings, paper hyper-parameters (6 epochs, lr 6e-4 cosine, warmup 4%, 512 anchors, block 16, gamma 7),
      every one with `--eval-cache` every --eval-every steps: all_<storage> (the reference), all_<other storage>
-     (at the final point), all + feature noise, all seed 1 (the seed-to-seed spread), all_<each --also-storages>
+     (at the final point), all + feature noise, all seed 1 (the seed-to-seed spread), all with
+     --loss-normalization sequence (all_seqnorm: seqnorm_effect), all_<each --also-storages>
      (e.g. int4 at the reference point: issue 16's check on a drafter that learned), 2K and 8K (data scaling)
   f. benchmarks/results/quality_reference_h200.json (--tiny: quality_reference_tiny_cpu.json) and a PNG per run
      of held-out tau against steps (quality_reference_<run>[_tiny].png) under benchmarks/results/
@@ -253,7 +254,7 @@ def prepare_data(qargs, work: pathlib.Path, *, device: str) -> dict:
 
 def train_once(args, *, model: str, cache, out: pathlib.Path, device: str, steps: int | None, eval_cache: str | None,
                eval_every: int, log_every: int | None, seed: int = 0, noise_start: float = 0.0,
-               epochs: int = 6, online: bool = False) -> dict:
+               epochs: int = 6, online: bool = False, loss_normalization: str = "token") -> dict:
     """One `dflash train` (library call) with held-out eval; continues from its last checkpoint when one exists."""
     from dflash.train.checkpoint import latest_checkpoint
     from dflash.train.config import TrainConfig
@@ -268,7 +269,8 @@ def train_once(args, *, model: str, cache, out: pathlib.Path, device: str, steps
                       lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=steps, epochs=epochs,
                       seed=seed, log_every=log_every or args.log_every, save_every=args.save_every,
                       intermediate_size=args.intermediate_size, eval_cache=eval_cache, eval_every=eval_every,
-                      noise_start=noise_start, noise_end=0.0, online=online)
+                      noise_start=noise_start, noise_end=0.0, online=online,
+                      loss_normalization=loss_normalization)
     os.environ["DFLASH_NO_PROGRESS"] = "1"
     t = time.perf_counter()
     res = train(cfg, device=device, resume=resume)
@@ -378,7 +380,7 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (GPU 500)")
     ap.add_argument("--noise-start", type=float, default=0.1, help="peak relative feature noise of the noise run")
     ap.add_argument("--skip", default="", help="comma-separated runs not to train (all_fp8, all_noise, all_seed1, "
-                    "n2000, ...)")
+                    "all_seqnorm, n2000, ...)")
     ap.add_argument("--storage", choices=STORAGES, help="storage of the training caches (default "
                     "fp8 on the GPU: a bf16 whole-conversation cache does not fit the H200 machine's 64 GiB disk; "
                     "bf16 --tiny); the all_<other> runs compare another storage on all the data")
@@ -438,7 +440,8 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
     compare = (f"train_{ref}", {"online": True}) if other == "bf16" and args.bf16_online else (f"train_{other}", {})
     plan = [(f"all_{ref}", f"train_{ref}", {}), (f"all_{other}", *compare),
             ("all_noise", f"train_{ref}", {"noise_start": args.noise_start}),
-            ("all_seed1", f"train_{ref}", {"seed": 1})]
+            ("all_seed1", f"train_{ref}", {"seed": 1}),
+            ("all_seqnorm", f"train_{ref}", {"loss_normalization": "sequence"})]
     plan += [(f"all_{x}", f"train_{x}", {}) for x in filter(None, args.also_storages.split(","))
              if x not in (ref, other)]
     plan += [(f"n{n}", f"train_n{n}", {}) for n in map(int, args.scaling.split(","))]
@@ -749,6 +752,9 @@ def summarise(result: dict) -> None:
     if ref and runs.get("all_noise"):
         result["noise_effect"] = {ds: runs["all_noise"][f"tau_{ds}"] - ref[f"tau_{ds}"]
                                   for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"] is not None}
+    if ref and runs.get("all_seqnorm"):   # --loss-normalization sequence against the default token, same data
+        result["seqnorm_effect"] = {ds: runs["all_seqnorm"][f"tau_{ds}"] - ref[f"tau_{ds}"]
+                                    for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"] is not None}
     result["data_scaling"] = sorted(
         ({"run": k, "samples": v["samples"], "assistant_turns": v.get("assistant_turns"), "tokens": v["tokens"],
           "steps": v["steps"],

@@ -23,7 +23,7 @@
 #       steps; every call after the first adds --resume; a training cut at the limit continues from its last
 #       checkpoint. A new session: carry .whl + .assets/smollm2.gguf.part-a in a first call (e.g. `storage4 train`),
 #       part-b in a second (e.g. `io`), part-c in the third, which starts the run, e.g.
-#         reference --skip all_bf16,all_noise,all_seed1,n8000 --drop-caches
+#         reference --skip all_bf16,all_noise,all_seed1,all_seqnorm,n8000 --drop-caches
 #       then `reference ... --resume` while the machine stays warm. The run of the first 12,930 conversations
 #       (2026-12-02, results/quality_reference_first12930_h200.json) is not continued: the data changed (its
 #       sha256 is the run's identity). Later sessions continue from the committed quality_reference_h200.json

@@ -9,6 +9,7 @@ import sys
 import types
 
 import numpy as np
+import pytest
 import torch
 
 HERE = pathlib.Path(__file__).parent
@@ -75,6 +76,11 @@ def test_train_once_with_heldout_curve_summary_and_plot(tmp_path):
     br.summarise(result)
     assert abs(result["int4_rel_diff_mtbench"] + 0.015) < 1e-12 and result["int4_rel_diff_humaneval"] == 0.0
     assert result["checks"]["int4_within_1pct"] is False and result["checks"]["fp8_within_1pct"] is True
+    # --loss-normalization sequence on the reference data: its held-out tau minus the reference's
+    assert "seqnorm_effect" not in result
+    result["runs"]["all_seqnorm"] = base | {"tau_mtbench": 2.05, "tau_humaneval": 1.58}
+    br.summarise(result)
+    assert result["seqnorm_effect"] == pytest.approx({"mtbench": 0.05, "humaneval": -0.02})
     png = br.plot_curve("run", c, tmp_path / "curve.png")
     assert pathlib.Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "all_bf16" in br.format_table(result)
@@ -95,21 +101,23 @@ def test_first_records_and_runs_plan(tmp_path):
     assert br.train_data_file(two, "m", tmp_path, "cpu", "float32", {}) == str(tmp_path / "train_joined.jsonl")
     args = br.parse_args(["--tiny", "--skip", "all_seed1"])
     plan = br.runs_plan(args)
-    assert [p[0] for p in plan] == ["all_bf16", "all_fp8", "all_noise", "n4", "n8"]
+    assert [p[0] for p in plan] == ["all_bf16", "all_fp8", "all_noise", "all_seqnorm", "n4", "n8"]
     assert dict((p[0], p[2]) for p in plan)["all_noise"] == {"noise_start": 0.1}
+    assert dict((p[0], p[2]) for p in plan)["all_seqnorm"] == {"loss_normalization": "sequence"}
     gpu = br.parse_args([])
     assert gpu.eval_every == 500 and gpu.epochs == 6 and gpu.steps is None and gpu.max_length == 2048
     assert gpu.scaling == "2000,8000" and gpu.block_size == 16 and gpu.num_anchors == 512
     # the GPU reference is in fp8 (a bf16 whole-conversation cache does not fit the H200 machine's disk)
     assert gpu.storage == "fp8" and [(p[0], p[1]) for p in br.runs_plan(gpu)] == [
         ("all_fp8", "train_fp8"), ("all_bf16", "train_bf16"), ("all_noise", "train_fp8"), ("all_seed1", "train_fp8"),
-        ("n2000", "train_n2000"), ("n8000", "train_n8000")]
+        ("all_seqnorm", "train_fp8"), ("n2000", "train_n2000"), ("n8000", "train_n8000")]
     # --bf16-online: all_bf16 reads the fp8 cache's token stream, its features from the live target
     online = dict((p[0], p[1:]) for p in br.runs_plan(br.parse_args(["--bf16-online"])))
     assert online["all_bf16"] == ("train_fp8", {"online": True}) and online["all_fp8"] == ("train_fp8", {})
     # --also-storages: one more all_<storage> run from its own cache after the all_* runs; the reference's and
     # the compared storage are not run twice
-    more = br.runs_plan(br.parse_args(["--also-storages", "int4,fp8,bf16", "--skip", "all_noise,all_seed1"]))
+    more = br.runs_plan(br.parse_args(["--also-storages", "int4,fp8,bf16", "--skip",
+                                       "all_noise,all_seed1,all_seqnorm"]))
     assert [(p[0], p[1]) for p in more] == [("all_fp8", "train_fp8"), ("all_bf16", "train_bf16"),
                                             ("all_int4", "train_int4"), ("n2000", "train_n2000"),
                                             ("n8000", "train_n8000")]
@@ -176,8 +184,6 @@ def test_eval_responses_carried_and_checked(tmp_path):
     """--eval-responses copies an earlier session's files (plain or .gz); responses that differ from those the
     earlier calls scored on stop the run with what to pass."""
     import gzip
-
-    import pytest
 
     src = tmp_path / "carried"
     src.mkdir()
@@ -291,7 +297,7 @@ def test_caches_needed_by_runs_still_to_train():
     plan = br.runs_plan(br.parse_args(["--skip", "all_bf16"]))
     assert br.caches_needed(plan, frozenset()) == {"eval", "train_fp8", "train_n2000", "train_n8000"}
     assert br.caches_needed(plan, frozenset({"all_fp8", "n2000"})) == {"eval", "train_fp8", "train_n8000"}
-    done = frozenset({"all_fp8", "all_noise", "all_seed1", "n2000"})
+    done = frozenset({"all_fp8", "all_noise", "all_seed1", "all_seqnorm", "n2000"})
     assert br.caches_needed(plan, done) == {"eval", "train_n8000"}
 
 
