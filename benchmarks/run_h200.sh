@@ -30,6 +30,12 @@
 #       (its first --resume call seeds /tmp/bref from it) with the eval responses the first call brought back
 #       (--eval-responses DIR, carried), e.g. reference --eval-responses .assets --skip all_bf16 --drop-caches --resume
 #       (--also-storages int4 adds an all_int4 run from an int4 cache: issue 16's storage check at the reference point)
+#       With the sampled regeneration (benchmarks/assets/quality/sharegpt_sampled_*: 2x the greedy set's text; greedy
+#       + seed 1 = 34M tokens, 53 GB as int4, 99 GB as fp8, so int4 is the storage that fits):
+#         reference --train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
+#           benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
+#           --eval-responses benchmarks/assets/peer --skip all_bf16,all_noise,all_seed1,all_seqnorm,n2000,n8000
+#       (~8 min of int4 extraction, then 2 epochs = ~4,150 steps at ~0.14 s: ~10 min; --resume while warm)
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
 #       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
 #   bash benchmarks/run_h200.sh peer [ARGS]   # bench_peer (issue 15): SpecForge's DFlash trainer and dflash side by
