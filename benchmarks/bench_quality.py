@@ -332,7 +332,7 @@ def untrained_drafter(trained: str, out: pathlib.Path, seed: int) -> str:
 
 def evaluate(drafter: str, cache: pathlib.Path, model: str, device: str, *, per_sequence: bool = False) -> dict:
     """`dflash eval` of one drafter on one cache; per_sequence adds each sequence's tau by its sample id (the
-    record's running index in the data files), when every sequence has one (a 1-token response has none)."""
+    record's running index in the data files; a 1-token response has none)."""
     from dflash.eval.evaluate import EvalConfig, evaluate_cache
 
     r = evaluate_cache(drafter_dir=drafter, cache_dir=str(cache), model=model, cfg=EvalConfig(device=device),
@@ -341,13 +341,7 @@ def evaluate(drafter: str, cache: pathlib.Path, model: str, device: str, *, per_
     out = {"tau": o.tau, "sequences": o.num_sequences, "steps": o.num_steps, "response_tokens": o.response_tokens,
            "exact": r.target_greedy, "seconds": round(r.seconds, 2)}
     if per_sequence:
-        from dflash.cache import CacheReader
-
-        reader = CacheReader(str(cache))
-        ids = reader.index.sample_id.tolist()   # the eval walks the cache in this order
-        reader.close()
-        if len(ids) == len(o.per_sequence_tau):
-            out["per_sequence_tau"] = {str(i): round(t, 6) for i, t in zip(ids, o.per_sequence_tau)}
+        out["per_sequence_tau"] = {str(i): round(t, 6) for i, t in zip(o.sequence_ids, o.per_sequence_tau)}
     return out
 
 

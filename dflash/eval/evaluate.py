@@ -58,6 +58,8 @@ class TauStats:
     name: str
     block_size: int
     per_sequence_tau: list[float] = field(default_factory=list)
+    sequence_ids: list[int] = field(default_factory=list)
+    """sequence_ids[i]: the sample id (cache index) of per_sequence_tau[i]; a 1-token response has neither."""
     step_counts: list[int] = field(default_factory=list)
     """step_counts[k] = target steps that emitted k tokens (index 0 unused; k = 1..block_size)."""
     response_tokens: int = 0
@@ -66,10 +68,11 @@ class TauStats:
         if not self.step_counts:
             self.step_counts = [0] * (self.block_size + 1)
 
-    def add(self, steps: list[int], response_tokens: int) -> None:
+    def add(self, steps: list[int], response_tokens: int, sequence_id: int = -1) -> None:
         if not steps:
             return  # a 1-token response has no step to count
         self.per_sequence_tau.append(float(np.mean(steps)))
+        self.sequence_ids.append(sequence_id)
         for s in steps:
             self.step_counts[s] += 1
         self.response_tokens += response_tokens
@@ -114,18 +117,22 @@ class EvalResult:
 
 
 def chain_stats(accept_T: np.ndarray, *, lengths: np.ndarray, spans: np.ndarray, names: list[str],
-                block_size: int) -> tuple[TauStats, list[TauStats]]:
+                block_size: int, sample_ids: np.ndarray | None = None) -> tuple[TauStats, list[TauStats]]:
     """Walk every sequence's accept chain over L(a) (packed int64 [T], batched.accept_lengths_chunks) and
-    gather (overall, per source in first-seen order); names[i] = sequence i's source."""
+    gather (overall, per source in first-seen order); names[i] = sequence i's source, sample_ids[i] its id
+    (TauStats.sequence_ids; default its position i)."""
     from dflash.eval.tau import walk_accept_chain
 
+    ids = np.arange(len(lengths)) if sample_ids is None else np.asarray(sample_ids)
+    assert len(ids) == len(lengths) == len(names), "one id and one source name per sequence"
     overall = TauStats(name="overall", block_size=block_size)
     groups: dict[str, TauStats] = {}
     off = 0
     for i, ((start, end), n) in enumerate(zip(np.asarray(spans).tolist(), np.asarray(lengths).tolist())):
         steps = walk_accept_chain(accept_T[off: off + n], start, end) if end > start else []
-        overall.add(steps, end - start)
-        groups.setdefault(names[i], TauStats(name=names[i], block_size=block_size)).add(steps, end - start)
+        sid = int(ids[i])
+        overall.add(steps, end - start, sid)
+        groups.setdefault(names[i], TauStats(name=names[i], block_size=block_size)).add(steps, end - start, sid)
         off += n
     return overall, list(groups.values())
 
@@ -236,7 +243,7 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
                                          dtype=dtype, lengths=lengths)
     bar.close()
     overall, per_source = chain_stats(accept_T, lengths=lengths, spans=spans, names=names,
-                                      block_size=dcfg.block_size)
+                                      block_size=dcfg.block_size, sample_ids=reader.index.sample_id[:n])
     reader.close()
     return EvalResult(overall=overall, per_source=per_source, target_greedy=fp.target_greedy,
                       drafter=str(drafter_dir), cache=str(cache_dir), block_size=dcfg.block_size,

@@ -123,14 +123,16 @@ class HeldoutEvaluator:
 
     def __init__(self, *, hidden_TKD: torch.Tensor, input_ids_T: torch.Tensor, lengths: np.ndarray,
                  spans: np.ndarray, source_names: list[str], taps: tuple[int, ...], exact: bool,
-                 cfg: HeldoutConfig) -> None:
+                 cfg: HeldoutConfig, sample_ids: np.ndarray | None = None) -> None:
         """Prefer from_cache. hidden_TKD: bf16 taps of all sequences packed, on the evaluation device;
-        input_ids_T int64 on that device; lengths int64 [S]; spans int64 [S, 2] = response [start, end)."""
+        input_ids_T int64 on that device; lengths int64 [S]; spans int64 [S, 2] = response [start, end);
+        sample_ids int64 [S] (default 0..S-1): the ids TauStats.sequence_ids reports."""
         assert hidden_TKD.shape[0] == input_ids_T.shape[0] == int(lengths.sum()), "packed arrays disagree"
         self.hidden_TKD, self.input_ids_T = hidden_TKD, input_ids_T
         self.lengths, self.spans = lengths, spans
         self.offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self.source_names, self.taps, self.exact, self.cfg = source_names, taps, exact, cfg
+        self.sample_ids = np.arange(len(lengths)) if sample_ids is None else np.asarray(sample_ids)
         self.device = hidden_TKD.device
 
     @classmethod
@@ -154,13 +156,14 @@ class HeldoutEvaluator:
             if n == 0:
                 raise ConfigError(f"eval cache {cache_dir} holds no sequence")
             packed = reader.read_many(list(range(n)), taps=list(taps), dequantize=True, device=device)
-            names = source_of_sample_ids(list(fp.sources), reader.index.sample_id[:n])
+            sample_ids = np.asarray(reader.index.sample_id[:n])
+            names = source_of_sample_ids(list(fp.sources), sample_ids)
         lengths = packed.lengths.astype(np.int64)
         spans = response_spans(packed.loss_mask, lengths=lengths)
         ev = cls(hidden_TKD=packed.hidden.to(device), input_ids_T=torch.from_numpy(
                      packed.input_ids.astype(np.int64)).to(device),
                  lengths=lengths, spans=spans, source_names=names, taps=tuple(taps), exact=fp.target_greedy,
-                 cfg=cfg)
+                 cfg=cfg, sample_ids=sample_ids)
         log.info("held-out eval set %s: %d sequences, %d tokens, %d response tokens on %s (%.1f s)", cache_dir, n,
                  int(lengths.sum()), int((spans[:, 1] - spans[:, 0]).sum()), device, time.perf_counter() - t0)
         return ev
@@ -192,7 +195,7 @@ class HeldoutEvaluator:
             accept_T = accept_lengths_chunks(drafter, chunks, fetch=self._rows, embed_VD=embed_VD,
                                              lm_head_VD=lm_head_VD, dtype=dtype, lengths=self.lengths)
         overall, per_source = chain_stats(accept_T, lengths=self.lengths, spans=self.spans,
-                                          names=self.source_names, block_size=B)
+                                          names=self.source_names, block_size=B, sample_ids=self.sample_ids)
         return HeldoutResult(overall=overall, per_source=tuple(per_source), exact=self.exact,
                              seconds=time.perf_counter() - t0)
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from dflash.drafter.config import DrafterConfig
 from dflash.drafter.model import DFlashDrafter
+from dflash.eval.evaluate import chain_stats
 from dflash.eval.tau import (accept_lengths, draft_argmax, leading_matches, response_span, sequence_steps,
                              walk_accept_chain)
 
@@ -30,6 +31,21 @@ def test_walk_clamps_at_end_and_counts_every_response_token():
     assert walk_accept_chain(L, 10, 11) == []       # a 1-token response: the prefill bonus only
     with pytest.raises(ValueError):
         walk_accept_chain(L, 5, 5)
+
+
+def test_chain_stats_keys_each_sequence_tau_by_its_sample_id():
+    # three packed sequences, sample ids 7, 3, 9; the middle one's response is 1 token (no step, no id)
+    lengths = np.array([20, 12, 40])
+    spans = np.array([[5, 20], [10, 11], [10, 40]])
+    L = np.concatenate([np.zeros(20, dtype=np.int64), np.zeros(12, dtype=np.int64), np.full(40, 15)])
+    L[[5, 8, 9, 13, 15]] = [2, 0, 3, 1, 3]
+    overall, per_source = chain_stats(L, lengths=lengths, spans=spans, names=["a", "b", "a"], block_size=16,
+                                      sample_ids=np.array([7, 3, 9]))
+    assert overall.sequence_ids == [7, 9]
+    assert overall.per_sequence_tau == [float(np.mean([3, 1, 4, 2, 4])), 15.0]
+    assert [(s.name, s.sequence_ids) for s in per_source] == [("a", [7, 9]), ("b", [])]
+    default, _ = chain_stats(L, lengths=lengths, spans=spans, names=["a", "b", "a"], block_size=16)
+    assert default.sequence_ids == [0, 2]
 
 
 @pytest.mark.parametrize("seed", range(5))
