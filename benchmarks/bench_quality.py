@@ -228,6 +228,9 @@ def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: 
     generated when not there."""
     import gzip
 
+    from dflash.extract.preflight import target_greedy_of
+    from dflash.target.identity import target_config_hash
+
     src_dir = pathlib.Path(args.eval_responses) if args.eval_responses else None
     out, todo = {}, {}
     for name, fname in sets.items():
@@ -240,6 +243,12 @@ def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: 
         src = plain if plain.is_file() else packed
         data = src.read_bytes() if src is plain else gzip.decompress(src.read_bytes())
         (work / fname).write_bytes(data)
+        # extraction's own rule, checked now: else the eval cache comes out unmarked and the first held-out
+        # evaluation refuses it only after the training caches are extracted (minutes of a device call)
+        greedy, why = target_greedy_of([str(work / fname)], target_config_hash=target_config_hash(model),
+                                       target_dtype=dtype)
+        if not greedy:
+            raise SystemExit(f"--eval-responses {src}: not this run's target-greedy responses ({why})")
         out[name] = {"file": str(work / fname), "copied_from": str(src), "prompts": data.count(b"\n")}
         log(f"eval responses {name}: {out[name]['prompts']} records from {out[name]['copied_from']}")
     todo |= {name: f for name, f in prompts.items() if name not in sets}   # e.g. bench_peer's regen train prompts
