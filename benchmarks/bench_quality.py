@@ -232,6 +232,7 @@ def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: 
     from dflash.target.identity import target_config_hash
 
     src_dir = pathlib.Path(args.eval_responses) if args.eval_responses else None
+    cfg_hash = target_config_hash(model) if src_dir else None
     out, todo = {}, {}
     for name, fname in sets.items():
         plain, packed = (src_dir / fname, src_dir / (fname + ".gz")) if src_dir else (None, None)
@@ -245,8 +246,7 @@ def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: 
         (work / fname).write_bytes(data)
         # extraction's own rule, checked now: else the eval cache comes out unmarked and the first held-out
         # evaluation refuses it only after the training caches are extracted (minutes of a device call)
-        greedy, why = target_greedy_of([str(work / fname)], target_config_hash=target_config_hash(model),
-                                       target_dtype=dtype)
+        greedy, why = target_greedy_of([str(work / fname)], target_config_hash=cfg_hash, target_dtype=dtype)
         if not greedy:
             raise SystemExit(f"--eval-responses {src}: not this run's target-greedy responses ({why})")
         out[name] = {"file": str(work / fname), "copied_from": str(src), "prompts": data.count(b"\n")}

@@ -749,12 +749,11 @@ def summarise(result: dict) -> None:
     if ref and runs.get("all_seed1"):
         result["seed_spread"] = {ds: (runs["all_seed1"][f"tau_{ds}"] - ref[f"tau_{ds}"]) / ref[f"tau_{ds}"]
                                  for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"]}
-    if ref and runs.get("all_noise"):
-        result["noise_effect"] = {ds: runs["all_noise"][f"tau_{ds}"] - ref[f"tau_{ds}"]
-                                  for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"] is not None}
-    if ref and runs.get("all_seqnorm"):   # --loss-normalization sequence against the default token, same data
-        result["seqnorm_effect"] = {ds: runs["all_seqnorm"][f"tau_{ds}"] - ref[f"tau_{ds}"]
-                                    for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"] is not None}
+    # feature noise, and --loss-normalization sequence against the default token: tau difference on the same data
+    for key, name in (("noise_effect", "all_noise"), ("seqnorm_effect", "all_seqnorm")):
+        if ref and runs.get(name):
+            result[key] = {ds: runs[name][f"tau_{ds}"] - ref[f"tau_{ds}"]
+                           for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"] is not None}
     result["data_scaling"] = sorted(
         ({"run": k, "samples": v["samples"], "assistant_turns": v.get("assistant_turns"), "tokens": v["tokens"],
           "steps": v["steps"],

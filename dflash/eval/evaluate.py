@@ -225,7 +225,8 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
     embed_VD, head_VD = embed_VD.to(device), head_VD.to(device)
 
     n = len(reader) if cfg.limit is None else min(cfg.limit, len(reader))
-    names = source_of_sample_ids(list(fp.sources), reader.index.sample_id[:n])
+    sample_ids = reader.index.sample_id[:n]
+    names = source_of_sample_ids(list(fp.sources), sample_ids)
     meta = reader.read_many(list(range(n)), taps=())  # ids and masks only: lengths and response spans
     lengths = meta.lengths.astype(np.int64)
     spans = response_spans(meta.loss_mask, lengths=lengths)
@@ -243,7 +244,7 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
                                          dtype=dtype, lengths=lengths)
     bar.close()
     overall, per_source = chain_stats(accept_T, lengths=lengths, spans=spans, names=names,
-                                      block_size=dcfg.block_size, sample_ids=reader.index.sample_id[:n])
+                                      block_size=dcfg.block_size, sample_ids=sample_ids)
     reader.close()
     return EvalResult(overall=overall, per_source=per_source, target_greedy=fp.target_greedy,
                       drafter=str(drafter_dir), cache=str(cache_dir), block_size=dcfg.block_size,

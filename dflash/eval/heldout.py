@@ -126,13 +126,13 @@ class HeldoutEvaluator:
                  cfg: HeldoutConfig, sample_ids: np.ndarray | None = None) -> None:
         """Prefer from_cache. hidden_TKD: bf16 taps of all sequences packed, on the evaluation device;
         input_ids_T int64 on that device; lengths int64 [S]; spans int64 [S, 2] = response [start, end);
-        sample_ids int64 [S] (default 0..S-1): the ids TauStats.sequence_ids reports."""
+        sample_ids int64 [S]: the ids TauStats.sequence_ids reports (None: chain_stats' default, 0..S-1)."""
         assert hidden_TKD.shape[0] == input_ids_T.shape[0] == int(lengths.sum()), "packed arrays disagree"
         self.hidden_TKD, self.input_ids_T = hidden_TKD, input_ids_T
         self.lengths, self.spans = lengths, spans
         self.offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self.source_names, self.taps, self.exact, self.cfg = source_names, taps, exact, cfg
-        self.sample_ids = np.arange(len(lengths)) if sample_ids is None else np.asarray(sample_ids)
+        self.sample_ids = sample_ids
         self.device = hidden_TKD.device
 
     @classmethod
