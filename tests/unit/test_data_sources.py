@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -228,7 +229,22 @@ def test_worker_processes_give_the_same_samples_and_skips(tmp_path, smollm_token
     p.write_text("\n".join(lines))
     serial, serial_skips = load_samples([p], smollm_tokenizer, max_length=128)
     monkeypatch.setattr(samples_mod, "_CHUNK_RECORDS", 3)  # many chunks: exercises the window and the order
+    import concurrent.futures
+    import pickle
+
+    started = []
+
+    class Recording(concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, *a, **kw):
+            started.append(kw["initargs"])
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Recording)
     parallel, parallel_skips = load_samples([p], smollm_tokenizer, max_length=128, num_workers=2)
+    # a worker's start-up data fits a pipe's buffer (the parent does not wait for each child's imports), and the
+    # tokenizer file it names is gone afterwards
+    (initargs,) = started
+    assert len(pickle.dumps(initargs)) < 65536 and not os.path.exists(initargs[0])
     assert [s.sample_id for s in parallel] == [s.sample_id for s in serial] == list(range(0, 40, 2))
     assert all(np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.loss_mask, y.loss_mask)
                for x, y in zip(serial, parallel))
