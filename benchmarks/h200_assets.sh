@@ -1,5 +1,5 @@
-# Sourced by benchmarks/run_h200.sh and run_h200_generate.sh. The SmolLM2 GGUF travels to the GPU machine in three
-# parts (scripts/split_gguf.sh), one per device call beside whatever else that call carries; every call stashes
+# Sourced by benchmarks/run_h200.sh and run_h200_generate.sh. The SmolLM2 GGUF travels to the GPU machine in five
+# 20 MiB parts (scripts/split_gguf.sh), one per device call beside whatever else that call carries; every call stashes
 # the parts it carried in $ASSETS, which lasts as long as the warm machine, and the call that needs the target
 # joins them. The committed data (benchmarks/assets/quality) travels with the tree.
 ASSETS=${ASSETS:-$HOME/dflash_assets}
@@ -18,8 +18,8 @@ gguf_joined() {  # $GGUF, joined once from the stashed parts and checked, else a
   cat "$ASSETS"/smollm2.gguf.part-* > "$GGUF.tmp" 2>/dev/null
   if [ "$(sha256sum "$GGUF.tmp" | cut -d' ' -f1)" != "$GGUF_SHA256" ]; then
     rm -f "$GGUF.tmp"
-    echo "the GGUF parts on this machine do not make the whole file: carry .assets/smollm2.gguf.part-a, -b and" \
-         "-c, one per call (scripts/split_gguf.sh)" >&2
+    echo "the GGUF parts on this machine do not make the whole file: carry each .assets/smollm2.gguf.part-*," \
+         "one per call (scripts/split_gguf.sh)" >&2
     return 1
   fi
   mv "$GGUF.tmp" "$GGUF"

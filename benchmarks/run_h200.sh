@@ -21,21 +21,21 @@
 #       the target from the GGUF parts stashed by this and earlier calls), fp8 caches (a bf16 cache of all the data
 #       does not fit the 64 GiB disk: --skip all_bf16 --drop-caches, or --bf16-online), held-out tau every 500
 #       steps; every call after the first adds --resume; a training cut at the limit continues from its last
-#       checkpoint. A new session: carry .whl + .assets/smollm2.gguf.part-a in a first call (e.g. `storage4 train`),
-#       part-b in a second (e.g. `io`), part-c in the third, which starts the run, e.g.
+#       checkpoint. A new session (the tracked tree is ~44 MB of the 64 MiB a call carries): carry .whl in a first
+#       call, then the GGUF parts a-d one per call (`. benchmarks/h200_assets.sh && stash_parts`, ~0.3 s each), and
+#       part-e in the call that starts the run, e.g.
 #         reference --skip all_bf16,all_noise,all_seed1,all_seqnorm,n8000 --drop-caches
-#       then `reference ... --resume` while the machine stays warm. The run of the first 12,930 conversations
-#       (2026-12-02, results/quality_reference_first12930_h200.json) is not continued: the data changed (its
-#       sha256 is the run's identity). Later sessions continue from the committed quality_reference_h200.json
-#       (its first --resume call seeds /tmp/bref from it) with the eval responses the first call brought back
-#       (--eval-responses DIR, carried), e.g. reference --eval-responses .assets --skip all_bf16 --drop-caches --resume
-#       (--also-storages int4 adds an all_int4 run from an int4 cache: issue 16's storage check at the reference point)
-#       With the sampled regeneration (benchmarks/assets/quality/sharegpt_sampled_*: 2x the greedy set's text; greedy
-#       + seed 1 = 34M tokens, 53 GB as int4, 99 GB as fp8, so int4 is the storage that fits):
+#       then `reference ... --resume` while the machine stays warm. The committed quality_reference_h200.json is the
+#       2026-12-03 run on the greedy and the seed-1 sampled regeneration (33.4M tokens: 53 GB as int4, 99 GB as fp8,
+#       so int4 is the storage that fits), all_int4 done; a later session's first --resume call seeds /tmp/bref
+#       from it and continues it with the same data and the committed eval responses, e.g. the scaling and noise
+#       runs (~18 min: ~2.5 min int4 extraction again for all_noise, 4,088 steps, then n2000 and n8000):
 #         reference --train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
 #           benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
-#           --eval-responses benchmarks/assets/peer --skip all_bf16,all_noise,all_seed1,all_seqnorm,n2000,n8000
-#       (~8 min of int4 extraction, then 2 epochs = ~4,150 steps at ~0.14 s: ~10 min; --resume while warm)
+#           --eval-responses benchmarks/assets/peer --skip all_bf16,all_seed1,all_seqnorm --drop-caches --resume
+#       and all_bf16 with --bf16-online (bf16 features from the live target on the int4 cache's token stream).
+#       The runs of 2026-12-02 (results/quality_reference_first12930_h200.json: greedy only, fp8, 6 epochs) are
+#       not continued: the data changed (the training files' sha256 is a run's identity).
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
 #       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
 #   bash benchmarks/run_h200.sh peer [ARGS]   # bench_peer (issue 15): SpecForge's DFlash trainer and dflash side by
@@ -43,10 +43,10 @@
 #       multiprocess, pydantic: benchmarks/peer/env.py WHEELS) go in .whl with the others; the peer snapshots travel
 #       in the git-ignored shared/peers/ (mkdir -p shared/peers && cp ../shared/peers/*.tar.gz shared/peers/; carry
 #       `shared`; only the checkout's own shared/ travels, not ../shared). After the three GGUF parts are stashed
-#       (calls carrying .whl + part-a, then part-b), four calls on one warm machine (2026-12-02: a-f ~6 min with
+#       (a call carrying .whl, then parts a-d one per call), four calls on one warm machine (2026-12-02: a-f ~6 min with
 #       3 dflash seeds, ~4.5 now that the eval responses are committed; a SpecForge run of 2 epochs of
 #       --train-prompts 1200 took 301 s, so one per call (--specforge-seeds 2 by default); h-i ~5.5 min):
-#         peer --stop-after dflash (carrying part-c and shared);  peer --resume --stop-after specforge (twice);
+#         peer --stop-after dflash (carrying part-e and shared);  peer --resume --stop-after specforge (twice);
 #         peer --resume
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):

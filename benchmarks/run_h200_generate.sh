@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regeneration and the second-wave GPU checks on the H200, spread over device calls of at most 10 minutes on one
-# warm machine. Inputs travel in .assets/ (git-ignored): smollm2.gguf.part-a / -b / -c, one per call
+# warm machine. Inputs travel in .assets/ (git-ignored): smollm2.gguf.part-a ... -e, one per call
 # (scripts/split_gguf.sh; benchmarks/h200_assets.sh stashes them on the machine), sharegpt_users.jsonl.gz (the
 # package's 17,392 conversations, user turns kept, assistant turns blanked to ".":
 # they are regenerated), and the prompt files of scripts/make_quality_assets.py. Stages:
