@@ -18,7 +18,8 @@ generated). Stages:
      data identity: a --resume on other data is refused
   c. target-greedy eval responses of the three sets (bench_quality.generate_all)
   d. caches: the training data in --storage (fp8 on the GPU) and, for all_bf16, the other storage (or none:
-     --bf16-online); its first 2K and 8K records (the data-scaling table); one eval cache holding the three sets
+     --bf16-online); 2K and 8K of its records spread evenly over it (the data-scaling table: the same mix of
+     greedy and sampled conversations as all the data); one eval cache holding the three sets
      (one source each, so held-out tau comes per set)
   e. trainings, paper hyper-parameters (6 epochs, lr 6e-4 cosine, warmup 4%, 512 anchors, block 16, gamma 7),
      every one with `--eval-cache` every --eval-every steps: all_<storage> (the reference), all_<other storage>
@@ -127,7 +128,7 @@ def train_data_file(args, model: str, work: pathlib.Path, device: str, dtype: st
         return default_train_data(args, model, work, device, dtype, prompts)
     if len(inputs) == 1:
         return inputs[0]
-    return first_records(inputs[0], None, work / "train_joined.jsonl", more=tuple(inputs[1:]))
+    return first_records(inputs, None, work / "train_joined.jsonl")
 
 
 def without_heldout(train: str, heldout: set[str], out: pathlib.Path) -> tuple[str, int]:
@@ -228,14 +229,31 @@ def records_of(srcs: list[str]):
         yield from (item[1] for item in iter_raw(src) if not isinstance(item, Skip))
 
 
-def first_records(src: str, n: int | None, out: pathlib.Path, *, more: tuple[str, ...] = ()) -> str:
-    """The first n records (None: all) of src and then `more` files (the data-scaling subsets; several carried
-    parts joined into one training file), as jsonl."""
+def first_records(srcs: list[str], n: int | None, out: pathlib.Path) -> str:
+    """The first n records (None: all) of `srcs` in order, as one jsonl file (several carried parts joined into one
+    training file; bench_storage4's subset)."""
     with out.open("w", encoding="utf-8") as f:
-        for k, rec in enumerate(records_of([src, *more])):
+        for k, rec in enumerate(records_of(srcs)):
             if n is not None and k >= n:
                 break
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return str(out)
+
+
+def spread_indices(total: int, n: int) -> list[int]:
+    """n record indices spread evenly over `total` (j * total // n for j < n; all of them when n >= total)."""
+    return list(range(total)) if n >= total else [j * total // n for j in range(n)]
+
+
+def spread_records(src: str, n: int, out: pathlib.Path) -> str:
+    """n records of src spread evenly over it (spread_indices), as jsonl: a data-scaling subset with the file's
+    own mix (the reference data is the greedy regeneration followed by the sampled one, so its first n records
+    would all be greedy)."""
+    keep = set(spread_indices(sum(1 for _ in records_of([src])), n))
+    with out.open("w", encoding="utf-8") as f:
+        for k, rec in enumerate(records_of([src])):
+            if k in keep:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     return str(out)
 
 
@@ -663,7 +681,7 @@ def main(argv=None) -> dict:
         for _, cname, _ in plan:
             if cname.startswith("train_n"):
                 n = int(cname[len("train_n"):])
-                caches[cname] = ([first_records(train_data, n, work / f"train_first{n}.jsonl")], args.storage)
+                caches[cname] = ([spread_records(train_data, n, work / f"train_spread{n}.jsonl")], args.storage)
             else:
                 caches[cname] = ([train_data], cname[len("train_"):])
         result["reference_storage"] = args.storage

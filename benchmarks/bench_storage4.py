@@ -571,7 +571,7 @@ def tau_stage(args, device: torch.device, work: pathlib.Path, *, write, argv: li
     model = st.run("a_target", lambda: args.model or bq.target_folder(args, work))
     srcs = tau_train_source(args, work)
     data = st.run("b_train_data", lambda: br.first_records(
-        srcs[0], args.records, work / f"train_first{args.records}.jsonl", more=tuple(srcs[1:])))
+        list(srcs), args.records, work / f"train_first{args.records}.jsonl"))
     st.run("c_plan", lambda: tau_plan(args, model=model, data=data, work=work, device=device, dtype=dtype,
                                       convert_target=not args.model), into=(result, "plan"))
     if "c_plan" in (earlier or {}).get("stage_out", {}):

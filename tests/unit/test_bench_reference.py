@@ -86,17 +86,22 @@ def test_train_once_with_heldout_curve_summary_and_plot(tmp_path):
     assert "all_bf16" in br.format_table(result)
 
 
-def test_first_records_and_runs_plan(tmp_path):
+def test_subsets_joined_files_and_runs_plan(tmp_path):
     src = tmp_path / "data.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": str(i)}]}) + "\n" for i in range(10)))
-    out = br.first_records(str(src), 4, tmp_path / "first4.jsonl")
+    # a scaling subset keeps the whole file's mix: evenly spread records, not the first ones
+    assert br.spread_indices(10, 4) == [0, 2, 5, 7] and br.spread_indices(10, 10) == br.spread_indices(10, 99)
+    out = br.spread_records(str(src), 4, tmp_path / "spread4.jsonl")
     assert [json.loads(x)["messages"][0]["content"] for x in pathlib.Path(out).read_text().splitlines()] == \
-        ["0", "1", "2", "3"]
+        ["0", "2", "5", "7"]
     more = tmp_path / "more.jsonl"
     more.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
-    joined = br.first_records(str(src), None, tmp_path / "joined.jsonl", more=(str(more),))
+    joined = br.first_records([str(src), str(more)], None, tmp_path / "joined.jsonl")
     assert [json.loads(x)["messages"][0]["content"] for x in pathlib.Path(joined).read_text().splitlines()] == \
         [str(i) for i in range(10)] + ["x"]
+    first = br.first_records([str(src), str(more)], 3, tmp_path / "first3.jsonl")
+    assert [json.loads(x)["messages"][0]["content"] for x in pathlib.Path(first).read_text().splitlines()] == \
+        ["0", "1", "2"]
     two = br.parse_args(["--tiny", "--train-data", str(src), str(more)])
     assert br.train_data_file(two, "m", tmp_path, "cpu", "float32", {}) == str(tmp_path / "train_joined.jsonl")
     args = br.parse_args(["--tiny", "--skip", "all_seed1"])
