@@ -18,7 +18,7 @@ generated). Stages:
      data identity: a --resume on other data is refused
   c. target-greedy eval responses of the three sets (bench_quality.generate_all)
   d. caches: the training data in --storage (fp8 on the GPU) and, for all_bf16, the other storage (or none:
-     --bf16-online); 2K and 8K of its records spread evenly over it (the data-scaling table: the same mix of
+     --compare-online); 2K and 8K of its records spread evenly over it (the data-scaling table: the same mix of
      greedy and sampled conversations as all the data); one eval cache holding the three sets
      (one source each, so held-out tau comes per set)
   e. trainings, paper hyper-parameters (6 epochs, lr 6e-4 cosine, warmup 4%, 512 anchors, block 16, gamma 7),
@@ -38,7 +38,7 @@ held-out set: repetitive text is easy to draft, so it is read beside the train/h
 
 Sizing (H200, measured 2026-12-02 on the first 12,930 whole conversations, 44,304 assistant turns, <= 256 new
 tokens a turn: results/quality_reference_first12930_h200.json): 13.0M tokens at --max-length 2048, 37.8 GB in fp8
-(a bf16 cache, ~75 GB, does not fit the 64 GiB disk: --bf16-online), extracted in 177 s; 6 epochs = 4,776 steps
+(a bf16 cache, ~75 GB, does not fit the 64 GiB disk: --compare-online), extracted in 177 s; 6 epochs = 4,776 steps
 at 0.138 s (~11 min, 118K tok/s), one held-out evaluation 0.64 s. The committed data (17,038 conversations, 58,275
 turns, less the held-out ones) is ~1.3x that: ~17M tokens, ~50 GB in fp8, ~4 min of extraction and ~15 min for
 6 epochs, so all_fp8 alone takes most of a session's 30 device-minutes; each further all_* run takes one.
@@ -272,7 +272,8 @@ def prepare_data(qargs, work: pathlib.Path, *, device: str) -> dict:
 
 def train_once(args, *, model: str, cache, out: pathlib.Path, device: str, steps: int | None, eval_cache: str | None,
                eval_every: int, log_every: int | None, seed: int = 0, noise_start: float = 0.0,
-               epochs: int = 6, online: bool = False, loss_normalization: str = "token") -> dict:
+               epochs: int = 6, online: bool = False, online_storage: str | None = None,
+               loss_normalization: str = "token") -> dict:
     """One `dflash train` (library call) with held-out eval; continues from its last checkpoint when one exists."""
     from dflash.train.checkpoint import latest_checkpoint
     from dflash.train.config import TrainConfig
@@ -287,7 +288,7 @@ def train_once(args, *, model: str, cache, out: pathlib.Path, device: str, steps
                       lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=steps, epochs=epochs,
                       seed=seed, log_every=log_every or args.log_every, save_every=args.save_every,
                       intermediate_size=args.intermediate_size, eval_cache=eval_cache, eval_every=eval_every,
-                      noise_start=noise_start, noise_end=0.0, online=online,
+                      noise_start=noise_start, noise_end=0.0, online=online, online_storage=online_storage,
                       loss_normalization=loss_normalization)
     os.environ["DFLASH_NO_PROGRESS"] = "1"
     t = time.perf_counter()
@@ -405,9 +406,11 @@ def parse_args(argv=None):
     ap.add_argument("--also-storages", default="", metavar="LIST",
                     help="comma-separated further storages (e.g. int4) each trained as all_<storage> on all the data "
                          "from its own cache, after the all_* runs: <storage>_rel_diff_<set> against all_bf16")
-    ap.add_argument("--bf16-online", action="store_true", help="train all_bf16 online (bf16 features from the live "
-                    "target on the reference cache's token stream: what a bf16 cache gives, without one on disk; "
-                    "~0.7x the cached speed)")
+    ap.add_argument("--compare-online", "--bf16-online", dest="compare_online", action="store_true",
+                    help="train the all_<other storage> and --also-storages runs online from the reference cache's "
+                         "token stream, the live target's features rounded through that storage (dflash train "
+                         "--online --online-storage S: bit-identical to a cache of S on CPU, tests/unit/"
+                         "test_train_online.py): what such a cache gives, without one on disk; ~0.7x the cached speed")
     ap.add_argument("--drop-caches", action="store_true", help="delete each training cache once no later run "
                     "needs it (caches are extracted just before their first run)")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
@@ -453,15 +456,19 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
     keeps it; all_<other storage> compares a storage on the same data; subsets are in --storage."""
     ref = args.storage
     other = "bf16" if ref != "bf16" else "fp8"
-    # --bf16-online: bf16 features from the live target on the reference cache's token stream, the run a bf16
-    # cache would give (equal to the bit in quality_smollm2.json) where that cache does not fit the disk
-    compare = (f"train_{ref}", {"online": True}) if other == "bf16" and args.bf16_online else (f"train_{other}", {})
-    plan = [(f"all_{ref}", f"train_{ref}", {}), (f"all_{other}", *compare),
+
+    def compared(x: str) -> tuple[str, str, dict]:
+        # --compare-online: storage x from the live target on the reference cache's token stream, where a cache of
+        # x does not fit the disk (a bf16 or fp8 cache of the whole-conversation data on the H200 machine)
+        if args.compare_online:
+            return f"all_{x}", f"train_{ref}", {"online": True, "online_storage": x}
+        return f"all_{x}", f"train_{x}", {}
+
+    plan = [(f"all_{ref}", f"train_{ref}", {}), compared(other),
             ("all_noise", f"train_{ref}", {"noise_start": args.noise_start}),
             ("all_seed1", f"train_{ref}", {"seed": 1}),
             ("all_seqnorm", f"train_{ref}", {"loss_normalization": "sequence"})]
-    plan += [(f"all_{x}", f"train_{x}", {}) for x in filter(None, args.also_storages.split(","))
-             if x not in (ref, other)]
+    plan += [compared(x) for x in filter(None, args.also_storages.split(",")) if x not in (ref, other)]
     plan += [(f"n{n}", f"train_n{n}", {}) for n in map(int, args.scaling.split(","))]
     skip = set(filter(None, args.skip.split(",")))
     return [p for p in plan if p[0] not in skip]

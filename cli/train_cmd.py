@@ -17,11 +17,14 @@ from dflash.train.config import LOSS_NORMALIZATIONS, TrainConfig, field_docs
 FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr", "batch_tokens": "--batch-tokens",
          "grad_accum": "--grad-accum", "seed": "--seed", "num_anchors": "--num-anchors", "num_layers": "--layers",
          "block_size": "--block-size", "mask_token_id": "--mask-token-id", "save_every": "--save-every",
-         "log_every": "--log-every", "online": "--online", "eval_cache": "--eval-cache",
+         "log_every": "--log-every", "online": "--online", "online_storage": "--online-storage",
+         "eval_cache": "--eval-cache",
          "eval_every": "--eval-every", "eval_limit": "--eval-limit", "loss_normalization": "--loss-normalization"}
 """TrainConfig fields offered as flags (the rest: --config YAML), and their flag names."""
 CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS}
 """String fields whose flag takes one of a fixed set of values."""
+NAMES = {"online_storage": "STORAGE"}
+"""String fields that are names, not paths (the config checks them), and their metavar."""
 
 
 def _int_list(ctx, param, value):
@@ -54,6 +57,8 @@ def config_options(fn):
             opt = click.option(flag, name, is_flag=True, default=None, help=help_text)
         elif name in CHOICES:
             opt = click.option(flag, name, type=click.Choice(CHOICES[name]), default=None, help=help_text)
+        elif name in NAMES:
+            opt = click.option(flag, name, type=str, metavar=NAMES[name], default=None, help=help_text)
         else:
             typ = int if kind.startswith("int") else float if kind.startswith("float") else click.Path()
             opt = click.option(flag, name, type=typ, default=None, help=help_text)

@@ -105,6 +105,10 @@ class TrainConfig:
     """Compute the drafter's taps with the live target for every micro-batch instead of reading them from the
     cache (the cache still gives the token stream: same samples, order and anchors as a cached run). The
     baseline the cache replaces; the target forward is paid every step and counted in tokens/s."""
+    online_storage: str | None = None
+    """With --online: round the live taps through this cache storage's encoding and decoding (bf16, fp8, int4 or a
+    4-bit format name), the features a cache of that storage would give the drafter, so its quality cost is
+    measured without writing the cache (one too large for the disk). Unset: the taps as the target computes them."""
 
     # --- feature-noise augmentation (train/noise.py), off by default ---
     noise_start: float = 0.0
@@ -179,6 +183,13 @@ class TrainConfig:
             raise ConfigError("taps=(): give at least one tap layer id, or leave it unset for all cached taps")
         if self.gamma is not None and self.gamma <= 0:
             raise ConfigError(f"gamma={self.gamma}: must be > 0")
+        if self.online_storage is not None:
+            if not self.online:
+                raise ConfigError(f"online_storage={self.online_storage!r} rounds the live target's taps: it needs "
+                                  "--online")
+            from dflash.cache.format import resolve_storage
+
+            resolve_storage(self.online_storage)  # ConfigError naming the choices
         self.noise  # noqa: B018 (NoiseConfig validates the noise fields)
 
     @property

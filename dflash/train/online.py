@@ -45,10 +45,10 @@ class OnlineTaps:
     """The live target of an online run: fills MicroBatch.hidden_TKD from the micro-batch's input ids."""
 
     def __init__(self, model: torch.nn.Module, taps: tuple[int, ...], *, dtype: torch.dtype,
-                 batch_tokens: int, pad_id: int = 0) -> None:
+                 batch_tokens: int, pad_id: int = 0, storage: str | None = None) -> None:
         from dflash.target.forward import TappedForward
 
-        self.model, self.taps, self.dtype = model, tuple(taps), dtype
+        self.model, self.taps, self.dtype, self.storage = model, tuple(taps), dtype, storage
         self.tapped = TappedForward(model, self.taps)
         self.batch_tokens, self.pad_id = batch_tokens, pad_id
         self.forward_s = 0.0      # host wall time in fill() (on CUDA: queueing, not kernel time)
@@ -56,14 +56,14 @@ class OnlineTaps:
 
     @classmethod
     def load(cls, model_path: str, taps: tuple[int, ...], *, device: torch.device, dtype: torch.dtype,
-             batch_tokens: int) -> "OnlineTaps":
+             batch_tokens: int, storage: str | None = None) -> "OnlineTaps":
         from dflash.target.load import load_target
 
         model, tokenizer = load_target(model_path, device=device, dtype=dtype)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        log.info("online: live target %s (%s) computes taps %s for every micro-batch", model_path, dtype,
-                 list(taps))
-        return cls(model, taps, dtype=dtype, batch_tokens=batch_tokens, pad_id=int(pad))
+        log.info("online: live target %s (%s) computes taps %s for every micro-batch%s", model_path, dtype,
+                 list(taps), f", rounded through {storage} storage" if storage else "")
+        return cls(model, taps, dtype=dtype, batch_tokens=batch_tokens, pad_id=int(pad), storage=storage)
 
     def hidden(self, input_ids_T: torch.Tensor, lengths_N: np.ndarray) -> torch.Tensor:
         """Tapped target hidden states [T, K, D] (the target's dtype) of packed samples, in packed order."""
@@ -97,8 +97,15 @@ class OnlineTaps:
         return out_TKD
 
     def fill(self, mb: MicroBatch, dtype: torch.dtype) -> MicroBatch:
-        """The micro-batch with hidden_TKD computed by the target and cast to the drafter's compute dtype."""
+        """The micro-batch with hidden_TKD computed by the target and cast to the drafter's compute dtype; with a
+        storage, encoded and decoded by the functions the extractor and the loader call on a cache of it (per
+        token and tap, so the forward batching does not change the result)."""
         with torch.inference_mode():
             h = self.hidden(mb.input_ids_T, mb.lengths)
+            if self.storage is not None:
+                from dflash.cache.format import decode_stored, encode_stored
+
+                enc = encode_stored(h, self.storage)
+                h = decode_stored(enc.hidden, enc.scales, enc.group_scales, storage=self.storage, dtype=dtype)
         # a normal tensor: inference tensors cannot be saved for the drafter's backward
         return dataclasses.replace(mb, hidden_TKD=h.to(dtype).clone())

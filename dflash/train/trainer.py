@@ -73,7 +73,7 @@ def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pa
             from dflash.train.online import OnlineTaps, online_target_dtype
 
             online = OnlineTaps.load(cfg.model, unit.dc.target_layer_ids, device=info.device,
-                                     batch_tokens=cfg.batch_tokens,
+                                     batch_tokens=cfg.batch_tokens, storage=cfg.online_storage,
                                      dtype=online_target_dtype(target.reader.fingerprint.target_dtype, info.device))
         stream = Stream(reader=target.reader, taps=tuple(unit.dc.target_layer_ids), info=info,
                         compute_dtype=target.compute_dtype, cfg=cfg, online=online)

@@ -18,28 +18,34 @@ NUM_CONVERSATIONS = 10
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def fp32_cache(tmp_path_factory, smollm2_dir):
+def _extract(smollm2_dir, d, storage: str):
     from dflash.data.assets import sharegpt_conversations
     from dflash.extract.driver import ExtractConfig
     from dflash.extract.launch import launch
 
-    d = tmp_path_factory.mktemp("online")
-    lines = [json.dumps(c) for c in sharegpt_conversations(NUM_CONVERSATIONS)]
-    (d / "chats.jsonl").write_text("\n".join(lines) + "\n")
-    cfg = ExtractConfig(model=str(smollm2_dir), data=(str(d / "chats.jsonl"),), output=str(d / "cache"),
-                        dtype="float32", max_length=96, batch_tokens=512, show_progress=False, device="cpu")
+    if not (d / "chats.jsonl").exists():
+        lines = [json.dumps(c) for c in sharegpt_conversations(NUM_CONVERSATIONS)]
+        (d / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = ExtractConfig(model=str(smollm2_dir), data=(str(d / "chats.jsonl"),), output=str(d / f"cache_{storage}"),
+                        dtype="float32", max_length=96, batch_tokens=512, show_progress=False, device="cpu",
+                        storage=storage)
     launch(cfg, num_procs=1, echo=lambda *a, **k: None)
-    return str(smollm2_dir), d / "cache"
+    return d / f"cache_{storage}"
 
 
-def _run(cache, model, out, *, online: bool):
+@pytest.fixture(scope="module")
+def fp32_cache(tmp_path_factory, smollm2_dir):
+    return str(smollm2_dir), _extract(smollm2_dir, tmp_path_factory.mktemp("online"), "bf16")
+
+
+def _run(cache, model, out, *, online: bool, online_storage: str | None = None):
     from dflash.train.config import TrainConfig
     from dflash.train.trainer import train
 
     cfg = TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=1, block_size=4, num_anchors=8,
                       intermediate_size=128, mask_token_id=16, lr=3e-3, batch_tokens=256, steps=STEPS, seed=3,
-                      log_every=1, save_every=100, num_readers=1, prefetch=2, online=online, taps=(1, 14, 27))
+                      log_every=1, save_every=100, num_readers=1, prefetch=2, online=online, taps=(1, 14, 27),
+                      online_storage=online_storage)
     res = train(cfg, device="cpu")
     losses = [x for r in read_metrics(out) for x in r["step_losses"]]
     return res, losses
@@ -103,3 +109,53 @@ def test_online_taps_equal_cached_features(fp32_cache):
     assert rel < 4e-3   # bf16 rounding (2^-9)
     assert same > 0.99  # rounded to bf16 they are the cache's bits, up to fp32 noise at rounding ties
     reader.close()
+
+
+@pytest.mark.parametrize("storage", ["fp8", "int4"])
+def test_online_storage_gives_the_features_and_run_of_that_cache(fp32_cache, tmp_path, monkeypatch, storage):
+    """--online-storage S: the live taps rounded through S's encode/decode are a cache of S's features (per token
+    and tap: the forward batching does not matter), and the run trains as from that cache."""
+    from dflash.cache import CacheReader
+    from dflash.target.load import load_target
+    from dflash.train.loader import MicroBatch
+    from dflash.train.online import OnlineTaps
+
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    torch.set_num_threads(1)
+    model_dir, _ = fp32_cache
+    cache = _extract(model_dir, tmp_path, storage)
+    reader = CacheReader(cache)
+    p = reader.read_many([3, 0, 5, 1], taps=(1, 14), dequantize=True)
+    model, _ = load_target(model_dir, device="cpu", dtype=torch.float32)
+    mb = MicroBatch(sample_ids=np.asarray(p.sample_ids), lengths=np.asarray(p.lengths),
+                    input_ids_T=torch.from_numpy(p.input_ids.astype(np.int64)), loss_mask_T=torch.zeros(0),
+                    hidden_TKD=torch.zeros(0))
+    # decoded to bf16 as the reader's dequantize does (the loader decodes to the compute dtype the same way)
+    rounded = OnlineTaps(model, (1, 14), dtype=torch.float32, batch_tokens=128, storage=storage).fill(
+        mb, torch.bfloat16).hidden_TKD
+    raw = OnlineTaps(model, (1, 14), dtype=torch.float32, batch_tokens=128).fill(mb, torch.bfloat16).hidden_TKD
+    ref = p.hidden
+    same_rounded = float((rounded == ref).float().mean())
+    same_raw = float((raw == ref).float().mean())
+    print(f"{storage}: online rounded == cache {same_rounded:.4f}, unrounded == cache {same_raw:.4f}")
+    assert same_rounded > 0.99 and same_raw < 0.5  # the rounding is the cache's, and it is not a no-op
+    reader.close()
+    _, loss_c = _run(cache, model_dir, tmp_path / "cached", online=False)
+    _, loss_r = _run(cache, model_dir, tmp_path / "rounded", online=True, online_storage=storage)
+    _, loss_u = _run(cache, model_dir, tmp_path / "unrounded", online=True)
+    print(f"cached {loss_c}\nrounded {loss_r}\nunrounded {loss_u}")
+    gap_r = max(abs(a - b) / abs(b) for a, b in zip(loss_r, loss_c))
+    gap_u = max(abs(a - b) / abs(b) for a, b in zip(loss_u, loss_c))
+    assert gap_r < 3e-4 and gap_r < gap_u / 3
+
+
+def test_online_storage_needs_online_and_a_storage():
+    from dflash.errors import ConfigError
+    from dflash.train.config import TrainConfig
+
+    kw = dict(cache="c", model="m", output="o")
+    with pytest.raises(ConfigError, match="needs --online"):
+        TrainConfig(**kw, online_storage="fp8")
+    with pytest.raises(ConfigError, match="fp9"):
+        TrainConfig(**kw, online=True, online_storage="fp9")
+    assert TrainConfig(**kw, online=True, online_storage="int4").online_storage == "int4"
