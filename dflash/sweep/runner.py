@@ -23,6 +23,7 @@ from typing import Sequence
 from dflash.durable import replace_text
 from dflash.errors import ConfigError
 from dflash.sweep.spec import RunSpec, SweepSpec, plan_groups
+from dflash.train.online import live_taps
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +175,8 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
             units.append(build_unit(r.config, target, info=info, state=state, name=r.name, stream_taps=union,
                                     restore_rng=False, progress=False,
                                     record={"sweep": {"name": r.name, "group": index, "stream_taps": list(union)}}))
-        online = None
-        if first.online:  # one live target computes the group's tap union (online is a stream field)
-            from dflash.train.online import OnlineTaps, online_target_dtype
-
-            online = OnlineTaps.load(first.model, union, device=dev, batch_tokens=first.batch_tokens,
-                                     dtype=online_target_dtype(reader.fingerprint.target_dtype, dev))
+        # online is a stream field: one live target computes the group's tap union
+        online = live_taps(first, union, reader=reader, device=dev)
         run_stream(units, Stream(reader=reader, taps=union, info=info, compute_dtype=target.compute_dtype,
                                  cfg=first, online=online))
     finally:

@@ -41,6 +41,15 @@ def forward_batches(lengths_N: np.ndarray, *, batch_tokens: int) -> list[np.ndar
     return token_budget_batches(np.asarray(lengths_N, dtype=np.int64), max_tokens=batch_tokens, round_sizes=True)
 
 
+def live_taps(cfg, taps: tuple[int, ...], *, reader, device: torch.device) -> "OnlineTaps | None":
+    """The live target of a TrainConfig with online set (None otherwise): the cache's target dtype, the config's
+    forward budget and storage rounding. `taps`: the ones the stream reads (a sweep group's union)."""
+    if not cfg.online:
+        return None
+    return OnlineTaps.load(cfg.model, taps, device=device, batch_tokens=cfg.batch_tokens, storage=cfg.online_storage,
+                           dtype=online_target_dtype(reader.fingerprint.target_dtype, device))
+
+
 class OnlineTaps:
     """The live target of an online run: fills MicroBatch.hidden_TKD from the micro-batch's input ids."""
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo, barrier, destroy_distributed, init_distributed
 from dflash.train.driver import Stream, build_unit, run_stream
+from dflash.train.online import live_taps
 from dflash.train.setup import prepare_run_dir, setup_target
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,8 @@ def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pa
                 log.info("%s", why)
         unit = build_unit(cfg, target, info=info, state=state,
                           progress=os.environ.get("DFLASH_NO_PROGRESS") != "1")
-        online = None
-        if cfg.online:  # the live target computes the taps of every micro-batch; the cache gives only the tokens
-            from dflash.train.online import OnlineTaps, online_target_dtype
-
-            online = OnlineTaps.load(cfg.model, unit.dc.target_layer_ids, device=info.device,
-                                     batch_tokens=cfg.batch_tokens, storage=cfg.online_storage,
-                                     dtype=online_target_dtype(target.reader.fingerprint.target_dtype, info.device))
+        # online: the live target computes the taps of every micro-batch; the cache gives only the tokens
+        online = live_taps(cfg, unit.dc.target_layer_ids, reader=target.reader, device=info.device)
         stream = Stream(reader=target.reader, taps=tuple(unit.dc.target_layer_ids), info=info,
                         compute_dtype=target.compute_dtype, cfg=cfg, online=online)
         try:
