@@ -33,7 +33,9 @@
 #         reference --train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
 #           benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
 #           --eval-responses benchmarks/assets/peer --skip all_bf16,all_seed1,all_seqnorm --drop-caches --resume
-#       and all_bf16 with --bf16-online (bf16 features from the live target on the int4 cache's token stream).
+#       and fp8 vs bf16 at that point (~27 min: both online from the int4 cache's token stream, the live target's
+#       features rounded as an fp8 / bf16 cache would store them; the target forward adds ~10% to a step):
+#         reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm,n2000,n8000 --resume
 #       The runs of 2026-12-02 (results/quality_reference_first12930_h200.json: greedy only, fp8, 6 epochs) are
 #       not continued: the data changed (the training files' sha256 is a run's identity).
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
