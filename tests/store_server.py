@@ -41,6 +41,23 @@ def weed_binary() -> str:
     return found
 
 
+def distinct_free_ports(n: int) -> list[int]:
+    """n TCP ports on 127.0.0.1, free a moment ago and different from each other (all held while picked: a port
+    picked and released can be handed out again by the next pick, and weed's S3 gateway and filer on one port
+    made a test talk to the filer's HTML page)."""
+    import socket
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 class SeaweedServer:
     """One `weed server -s3` process; `endpoint` is its S3 URL, `env()` the client environment for it."""
 
@@ -49,19 +66,19 @@ class SeaweedServer:
         """volume_mb x max_volumes bounds what the server can hold (1 GB by default: the tests' caches are
         MBs; the benchmark asks for more). extra_args: more `weed server` flags (the benchmark's server
         settings, e.g. -s3.cacheCapacityMB=512)."""
-        from dflash.procs import free_port
         self.root = root
         self.volume_mb, self.max_volumes = volume_mb, max_volumes
         self.extra_args = tuple(extra_args)
         self.data = root / "data"
         self.data.mkdir(parents=True, exist_ok=True)
-        self.ports = {name: free_port() for name in _PORTS}
+        self.ports = dict(zip(_PORTS, distinct_free_ports(len(_PORTS))))
         self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
         self.config = root / "s3.json"
         self.config.write_text(json.dumps({"identities": [{
             "name": "dflash", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         self.proc: subprocess.Popen | None = None
+        self.started = False
 
     def env(self, **overrides: str) -> dict[str, str]:
         """The standard AWS variables a client reads (obstore reads exactly these); `overrides` replace some."""
@@ -70,7 +87,24 @@ class SeaweedServer:
         env.update(overrides)
         return env
 
-    def start(self, *, timeout: float = 60.0) -> None:
+    def start(self, *, timeout: float = 60.0, attempts: int = 3) -> None:
+        """Start weed and wait until it serves S3. A first start that fails (another process may take one of
+        the ports between their pick and weed's bind) retries on fresh ports and a fresh data folder; a restart
+        keeps its ports and data (the fault tests bring the same server back)."""
+        for attempt in range(attempts if not self.started else 1):
+            try:
+                self._start_once(timeout)
+                self.started = True
+                return
+            except RuntimeError:
+                if self.started or attempt == attempts - 1:
+                    raise
+                self.ports = dict(zip(_PORTS, distinct_free_ports(len(_PORTS))))
+                self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+                self.data = self.root / f"data-{attempt + 1}"
+                self.data.mkdir(parents=True, exist_ok=True)
+
+    def _start_once(self, timeout: float) -> None:
         args = [weed_binary(), "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
                 f"-s3.config={self.config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-volume.max={self.max_volumes}", f"-master.volumeSizeLimitMB={self.volume_mb}",
@@ -90,12 +124,15 @@ class SeaweedServer:
         raise RuntimeError(f"weed S3 not ready after {timeout:.0f} s: {self.log_tail()}")
 
     def _answers(self) -> bool:
-        """The S3 gateway answers (an unsigned request gets 403) and a volume is writable (the master says
-        so only once the volume server has registered; before that a PUT fails with 500)."""
+        """The S3 gateway answers (an unsigned request gets an S3 XML error: any other answer on the port is not
+        the gateway, e.g. a filer that took it) and a volume is writable (the master says so only once the
+        volume server has registered; before that a PUT fails with 500)."""
         try:
-            urllib.request.urlopen(self.endpoint + "/", timeout=2)
-        except urllib.error.HTTPError:
-            pass
+            urllib.request.urlopen(self.endpoint + "/", timeout=2).close()
+            return False  # an unsigned request that succeeds is not the gateway
+        except urllib.error.HTTPError as e:
+            if b"<Error>" not in e.read():
+                return False
         except OSError:
             return False
         try:

@@ -171,3 +171,45 @@ def test_unpublished_local_shard_with_a_name_the_store_committed_elsewhere_yield
     fetch_cache(url=url, local=str(tmp_path / "truth"))
     same_reads(tmp_path / "truth", a)
     assert not {200, 202} & set(CacheReader(a).index.sample_id.tolist())  # to be extracted again
+
+
+def test_test_server_is_ready_only_when_its_port_speaks_s3(tmp_path):
+    """The test server's readiness: another HTTP server on the S3 port (once, the filer of a server whose port
+    pick collided: a test then listed the filer's HTML page) is not the gateway, even with a master that has
+    volumes; an S3 XML error is. The picked ports differ."""
+    import http.server
+    import threading
+
+    from store_server import SeaweedServer, distinct_free_ports
+
+    ports = distinct_free_ports(50)
+    assert len(set(ports)) == 50
+    answer = {"s3": None}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/dir/status":  # a master with writable volumes
+                code, body = 200, json.dumps({"Topology": {"Max": 1}}).encode()
+            elif answer["s3"] == "xml":
+                code, body = 403, b'<?xml version="1.0"?><Error><Code>AccessDenied</Code></Error>'
+            else:
+                code, body = 200, b"<!DOCTYPE html><html><head><link rel=x></head></html>"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    fake = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    try:
+        server = SeaweedServer(tmp_path)
+        port = fake.server_address[1]
+        server.endpoint, server.ports["master.port"] = f"http://127.0.0.1:{port}", port
+        assert not server._answers()
+        answer["s3"] = "xml"
+        assert server._answers()
+    finally:
+        fake.shutdown()
