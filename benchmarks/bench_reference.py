@@ -42,6 +42,9 @@ tokens a turn: results/quality_reference_first12930_h200.json): 13.0M tokens at 
 at 0.138 s (~11 min, 118K tok/s), one held-out evaluation 0.64 s. The committed data (17,038 conversations, 58,275
 turns, less the held-out ones) is ~1.3x that: ~17M tokens, ~50 GB in fp8, ~4 min of extraction and ~15 min for
 6 epochs, so all_fp8 alone takes most of a session's 30 device-minutes; each further all_* run takes one.
+The committed reference (2026-12-03, results/quality_reference_h200.json): the greedy and the seed-1 sampled
+regeneration, 33,588 conversations, 33.4M tokens, --storage int4 (52.0 GB; fp8 ~99 GB does not fit), extracted in
+141 s; 2 epochs = 4,088 steps at 0.143 s (114K tok/s), one held-out evaluation of the three sets 1.22 s.
 CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps)
 """
 
