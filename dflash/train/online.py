@@ -23,6 +23,7 @@ import logging
 import numpy as np
 import torch
 
+from dflash.cache.format import decode_stored, encode_stored
 from dflash.dtypes import DTYPES, default_dtype, dtype_of
 from dflash.train.loader import MicroBatch
 
@@ -112,8 +113,6 @@ class OnlineTaps:
         with torch.inference_mode():
             h = self.hidden(mb.input_ids_T, mb.lengths)
             if self.storage is not None:
-                from dflash.cache.format import decode_stored, encode_stored
-
                 enc = encode_stored(h, self.storage)
                 h = decode_stored(enc.hidden, enc.scales, enc.group_scales, storage=self.storage, dtype=dtype)
         # a normal tensor: inference tensors cannot be saved for the drafter's backward
