@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -232,15 +233,18 @@ def records_of(srcs: list[str]):
         yield from (item[1] for item in iter_raw(src) if not isinstance(item, Skip))
 
 
+def write_records(recs, out: pathlib.Path) -> str:
+    """Records as one jsonl file; returns its path."""
+    with out.open("w", encoding="utf-8") as f:
+        for rec in recs:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return str(out)
+
+
 def first_records(srcs: list[str], n: int | None, out: pathlib.Path) -> str:
     """The first n records (None: all) of `srcs` in order, as one jsonl file (several carried parts joined into one
     training file; bench_storage4's subset)."""
-    with out.open("w", encoding="utf-8") as f:
-        for k, rec in enumerate(records_of(srcs)):
-            if n is not None and k >= n:
-                break
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    return str(out)
+    return write_records(itertools.islice(records_of(srcs), n), out)
 
 
 def spread_indices(total: int, n: int) -> list[int]:
@@ -252,12 +256,8 @@ def spread_records(src: str, n: int, out: pathlib.Path) -> str:
     """n records of src spread evenly over it (spread_indices), as jsonl: a data-scaling subset with the file's
     own mix (the reference data is the greedy regeneration followed by the sampled one, so its first n records
     would all be greedy)."""
-    keep = set(spread_indices(sum(1 for _ in records_of([src])), n))
-    with out.open("w", encoding="utf-8") as f:
-        for k, rec in enumerate(records_of([src])):
-            if k in keep:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    return str(out)
+    recs = list(records_of([src]))  # one parse of the file (a few hundred MB at most)
+    return write_records((recs[i] for i in spread_indices(len(recs), n)), out)
 
 
 def prepare_data(qargs, work: pathlib.Path, *, device: str) -> dict:

@@ -69,10 +69,7 @@ class SeaweedServer:
         self.root = root
         self.volume_mb, self.max_volumes = volume_mb, max_volumes
         self.extra_args = tuple(extra_args)
-        self.data = root / "data"
-        self.data.mkdir(parents=True, exist_ok=True)
-        self.ports = dict(zip(_PORTS, distinct_free_ports(len(_PORTS))))
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self._fresh("data")
         self.config = root / "s3.json"
         self.config.write_text(json.dumps({"identities": [{
             "name": "dflash", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
@@ -87,22 +84,27 @@ class SeaweedServer:
         env.update(overrides)
         return env
 
+    def _fresh(self, data_name: str) -> None:
+        """New distinct ports (and the endpoint on them) and an empty data folder root/data_name."""
+        self.ports = dict(zip(_PORTS, distinct_free_ports(len(_PORTS))))
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.data = self.root / data_name
+        self.data.mkdir(parents=True, exist_ok=True)
+
     def start(self, *, timeout: float = 60.0, attempts: int = 3) -> None:
         """Start weed and wait until it serves S3. A first start that fails (another process may take one of
         the ports between their pick and weed's bind) retries on fresh ports and a fresh data folder; a restart
         keeps its ports and data (the fault tests bring the same server back)."""
-        for attempt in range(attempts if not self.started else 1):
+        tries = 1 if self.started else attempts
+        for attempt in range(tries):
             try:
                 self._start_once(timeout)
-                self.started = True
-                return
+                break
             except RuntimeError:
-                if self.started or attempt == attempts - 1:
+                if attempt == tries - 1:
                     raise
-                self.ports = dict(zip(_PORTS, distinct_free_ports(len(_PORTS))))
-                self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
-                self.data = self.root / f"data-{attempt + 1}"
-                self.data.mkdir(parents=True, exist_ok=True)
+                self._fresh(f"data-{attempt + 1}")
+        self.started = True
 
     def _start_once(self, timeout: float) -> None:
         args = [weed_binary(), "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",

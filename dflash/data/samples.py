@@ -171,9 +171,9 @@ def _tokenize_in_workers(items, tokenizer, *, max_length, template_kwargs, num_w
     import tempfile
     from concurrent.futures import ProcessPoolExecutor
 
-    fd, tokenizer_file = tempfile.mkstemp(prefix="dflash-tokenizer-", suffix=".pkl")
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as tmp:
+        tokenizer_file = os.path.join(tmp, "tokenizer.pkl")
+        with open(tokenizer_file, "wb") as f:
             pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
         pool = ProcessPoolExecutor(
             max_workers=num_workers, mp_context=multiprocessing.get_context("spawn"),
@@ -189,8 +189,6 @@ def _tokenize_in_workers(items, tokenizer, *, max_length, template_kwargs, num_w
                 yield from in_flight.popleft().result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-    finally:
-        os.unlink(tokenizer_file)
 
 
 def load_samples(
