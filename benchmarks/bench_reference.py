@@ -304,6 +304,45 @@ def train_once(args, *, model: str, cache, out: pathlib.Path, device: str, steps
             "drafter": str(res.drafter_dir), "metrics": recs, "resumed": resume}
 
 
+def concurrent_groups(plan: list, *, finished: frozenset[str], n: int) -> dict[str, tuple[str, ...]]:
+    """Run name -> the runs it trains together with (itself included) under --parallel-runs n: consecutive runs of
+    the plan that read the same cache and are not finished, n at a time; a run alone maps to itself only."""
+    groups: dict[str, tuple[str, ...]] = {}
+    pending = [(r, c) for r, c, _ in plan if r not in finished]
+    i = 0
+    while i < len(pending):
+        j = i + 1
+        while j < len(pending) and j - i < max(1, n) and pending[j][1] == pending[i][1]:
+            j += 1
+        names = tuple(r for r, _ in pending[i:j])
+        groups.update({r: names for r in names})
+        i = j
+    return groups
+
+
+def _train_alone(index: int, emit, jobs: list[dict]) -> dict:
+    """dflash.procs.spawn worker: train_once(**jobs[index]) as a one-process run. spawn gives its processes a
+    torchrun environment for one process group; these runs are independent, so it is removed."""
+    from dflash.procs import torchrun_env
+
+    for key in torchrun_env(rank=0, world_size=1, port=0):
+        os.environ.pop(key, None)
+    return train_once(**jobs[index])
+
+
+def train_together(jobs: dict[str, dict]) -> dict[str, dict]:
+    """Run name -> train_once result of each job (train_once keyword arguments), all trained at once, one process
+    each on the same device (dflash.procs.spawn: a failure stops the others; they die with this process, so a
+    call cut at its time limit leaves no run writing; each resumes from its last checkpoint)."""
+    from dflash.procs import spawn
+
+    names = list(jobs)
+    log(f"training {', '.join(names)} at once, one process each")
+    results = spawn(_train_alone, len(names), args=([jobs[n] for n in names],), name="bench-reference")
+    # their tokens/s and step times are shares of one device: the record says with whom
+    return {n: r | {"trained_with": [m for m in names if m != n]} for n, r in zip(names, results)}
+
+
 def eval_overhead_fraction(heldout_seconds: list[float], step_seconds: list[float], *, every: int) -> float:
     """Share of training time that held-out evaluation takes at one evaluation per `every` steps:
     median(eval) / (median(eval) + every * median(step)). A log window's step time excludes the evaluation
@@ -414,6 +453,12 @@ def parse_args(argv=None):
                          "token stream, the live target's features rounded through that storage (dflash train "
                          "--online --online-storage S: bit-identical to a cache of S on CPU, tests/unit/"
                          "test_train_online.py): what such a cache gives, without one on disk; ~0.7x the cached speed")
+    ap.add_argument("--parallel-runs", type=int, default=1, metavar="N",
+                    help="train up to N consecutive runs of the plan that read the same cache at once, one process "
+                         "each on the one device: the SmolLM2 drafter's step leaves the H200 idle much of the time "
+                         "(2 online runs at once: 0.42 s a step each against 0.30 s alone, 1.44x the steps; "
+                         "benchmarks/probe_concurrent_train.py, 2026-12-03). Their tokens/s and step times are then "
+                         "shares of the device (trained_with in the run's record)")
     ap.add_argument("--drop-caches", action="store_true", help="delete each training cache once no later run "
                     "needs it (caches are extracted just before their first run)")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
@@ -705,6 +750,16 @@ def main(argv=None) -> dict:
                                                                                    storage="bf16", **kw),
                                           valid=lambda out: eval_cache_complete(work / "cache_eval"))
         result["runs"], result["curves"] = {}, {}
+        specs = {r: (c, over) for r, c, over in plan}
+
+        def job(rname: str) -> dict:
+            cname, over = specs[rname]
+            return dict(args=args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}",
+                        device=device, steps=args.steps, epochs=args.epochs, eval_cache=str(work / "cache_eval"),
+                        eval_every=args.eval_every, log_every=None, **over)
+        together = concurrent_groups(plan, finished=frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}")),
+                                     n=args.parallel_runs)
+        trained: dict[str, dict] = {}  # results of runs trained together, until their stage records them
         turns: dict[str, int] = {}  # cache name -> assistant turns of its data (a pass over the file: once)
         for ri, (rname, cname, over) in enumerate(plan):
             if cname not in turns:
@@ -718,10 +773,13 @@ def main(argv=None) -> dict:
                 # whole conversation is one cache sample holding all its turns
                 result["train_samples"] = turns[cname]
                 result["train_conversations"] = result["caches"][cname]["samples"]
-            r = st.run(f"e_train_{rname}", lambda rname=rname, cname=cname, over=over: train_once(
-                args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}", device=device,
-                steps=args.steps, epochs=args.epochs, eval_cache=str(work / "cache_eval"), eval_every=args.eval_every,
-                log_every=None, **over))
+            mates = together.get(rname, (rname,))
+            if len(mates) > 1 and rname not in trained:
+                trained.update(train_together({m: job(m) for m in mates}))
+            r = st.run(f"e_train_{rname}", lambda rname=rname: trained.pop(rname) if rname in trained
+                       else train_once(**job(rname)))
+            if len(mates) > 1:  # the stage clock ran while the others trained: the run's own seconds instead
+                st.result["stage_seconds"][f"e_train_{rname}"] = r["seconds"]
             if args.drop_caches and all(c != cname for _, c, _ in plan[ri + 1:]):
                 shutil.rmtree(work / f"cache_{cname}", ignore_errors=True)
                 log(f"dropped cache_{cname} (no later run reads it)")
@@ -806,7 +864,7 @@ def format_table(result: dict) -> str:
     for k, v in result.get("runs", {}).items():
         lines.append(f"{k:<12} {v['samples']:>8} {v['steps']:>6} {f(v['tau_mtbench']):>9} {f(v['tau_humaneval']):>9} "
                      f"{f(v.get('tau_sharegpt')):>9} {f(v['final_train_accept_len']):>9} "
-                     f"{f(v['tokens_per_s'], '{:.0f}'):>8}")
+                     f"{f(v['tokens_per_s'], '{:.0f}'):>8}" + (" (GPU shared)" if v.get("trained_with") else ""))
     lines.append(f"tau_mtbench {f(result.get('tau_mtbench'))}, tau_humaneval {f(result.get('tau_humaneval'))}, "
                  f"train/heldout {f(result.get('train_acceptance_over_heldout'), '{:.2f}')}, "
                  + "".join(f"{x} diff {f(result.get(f'{x}_rel_diff_mtbench'), '{:+.2%}')}/"

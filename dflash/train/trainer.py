@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflash.train.config import TrainConfig
@@ -36,16 +37,18 @@ class TrainResult:
     """Hidden/scale bytes this process read from the cache (0 for an --online run: it reads ids and masks only)."""
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, device: str | None = None) -> TrainResult:
-    """Run (or resume) training; call in every process. device: None = CUDA when available, else "cpu"."""
+def train(cfg: TrainConfig, *, resume: bool = False, device: str | None = None,
+          before_step: Callable[[int], None] | None = None) -> TrainResult:
+    """Run (or resume) training; call in every process. device: None = CUDA when available, else "cpu".
+    before_step(global_step): run_stream's hook (benchmarks start a profiler there)."""
     info = init_distributed(device=device)
     try:
-        return _train(cfg, resume=resume, info=info)
+        return _train(cfg, resume=resume, info=info, before_step=before_step)
     finally:
         destroy_distributed()
 
 
-def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
+def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo, before_step=None) -> TrainResult:
     """Rank 0 holds the run folder's lock (dflash.locks) for the whole run: a second `dflash train` on the
     same --output fails at once naming this process's PID and host, before either writes anything."""
     from dflash.locks import FolderLock
@@ -53,13 +56,14 @@ def _train(cfg: TrainConfig, *, resume: bool, info: DistInfo) -> TrainResult:
     run_dir = pathlib.Path(cfg.output)
     lock = FolderLock(run_dir, purpose=f"dflash train --output {run_dir}").acquire() if info.is_main else None
     try:
-        return _train_locked(cfg, resume=resume, info=info, run_dir=run_dir)
+        return _train_locked(cfg, resume=resume, info=info, run_dir=run_dir, before_step=before_step)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pathlib.Path) -> TrainResult:
+def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pathlib.Path,
+                  before_step=None) -> TrainResult:
     state = prepare_run_dir(run_dir, resume=resume)      # every rank checks before anyone writes
     barrier(info)
     target = setup_target(cfg, info=info)
@@ -74,7 +78,7 @@ def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pa
         stream = Stream(reader=target.reader, taps=tuple(unit.dc.target_layer_ids), info=info,
                         compute_dtype=target.compute_dtype, cfg=cfg, online=online)
         try:
-            run_stream([unit], stream)
+            run_stream([unit], stream, before_step=before_step)
         finally:
             unit.close()
     finally:

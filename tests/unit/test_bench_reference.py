@@ -370,3 +370,37 @@ def test_repeated_tokens_and_repetition(tmp_path):
     assert got["repeated_fraction"] == 5 / 13
     assert br.repetition(str(data), Chars(), limit=1, n=2)["turns"] == 1
     assert br.repetition(str(data), Chars(), limit=None)["repeated_fraction"] == 0  # no 8-gram repeats here
+
+
+def test_concurrent_groups_pairs_pending_runs_of_one_cache():
+    plan = [("all_int4", "train_int4", {}), ("all_bf16", "train_int4", {"online": True}),
+            ("all_noise", "train_int4", {}), ("all_seed1", "train_int4", {}), ("n2000", "train_n2000", {}),
+            ("n8000", "train_n8000", {})]
+    g = br.concurrent_groups(plan, finished=frozenset({"all_int4"}), n=2)
+    assert g["all_bf16"] == g["all_noise"] == ("all_bf16", "all_noise")
+    assert g["all_seed1"] == ("all_seed1",)          # the next pair would cross to another cache
+    assert g["n2000"] == ("n2000",) and g["n8000"] == ("n8000",) and "all_int4" not in g
+    assert br.concurrent_groups(plan, finished=frozenset(), n=3)["all_noise"] == ("all_int4", "all_bf16", "all_noise")
+    # a finished run in between does not split a group: it is not trained
+    g = br.concurrent_groups(plan, finished=frozenset({"all_bf16"}), n=2)
+    assert g["all_int4"] == ("all_int4", "all_noise")
+    assert all(names == (r,) for r, names in br.concurrent_groups(plan, finished=frozenset(), n=1).items())
+
+
+def test_runs_trained_together_equal_runs_trained_alone(tmp_path):
+    """--parallel-runs: two runs in two processes at once give each run's losses exactly as training it alone
+    (deterministic on CPU), and each record names the run it shared the device with."""
+    target = tiny_target(tmp_path / "target")
+    cache = tiny_cache(tmp_path / "cache", target, num_samples=12)
+    args = types.SimpleNamespace(layers=1, block_size=4, num_anchors=8, lr=3e-3, batch_tokens=200, log_every=2,
+                                 save_every=4, intermediate_size=64)
+
+    def job(name, **over):
+        return dict(args=args, model=str(target), cache=cache, out=tmp_path / name, device="cpu", steps=4,
+                    eval_cache=None, eval_every=200, log_every=None, **over)
+    alone = br.train_once(**job("alone", seed=1))
+    got = br.train_together({"a": job("a"), "b": job("b", seed=1)})
+    assert got["a"]["trained_with"] == ["b"] and got["b"]["trained_with"] == ["a"]
+    assert got["b"]["steps"] == alone["steps"] == 4
+    assert [m["step_losses"] for m in got["b"]["metrics"]] == [m["step_losses"] for m in alone["metrics"]]
+    assert [m["step_losses"] for m in got["a"]["metrics"]] != [m["step_losses"] for m in alone["metrics"]]
