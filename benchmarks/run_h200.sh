@@ -27,15 +27,20 @@
 #         reference --skip all_bf16,all_noise,all_seed1,all_seqnorm,n8000 --drop-caches
 #       then `reference ... --resume` while the machine stays warm. The committed quality_reference_h200.json is the
 #       2026-12-03 run on the greedy and the seed-1 sampled regeneration (33.4M tokens: 53 GB as int4, 99 GB as fp8,
-#       so int4 is the storage that fits), all_int4 done; a later session's first --resume call seeds /tmp/bref
-#       from it and continues it with the same data and the committed eval responses, e.g. the scaling and noise
-#       runs (~18 min: ~2.5 min int4 extraction again for all_noise, 4,088 steps, then n2000 and n8000):
-#         reference --train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
-#           benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
-#           --eval-responses benchmarks/assets/peer --skip all_bf16,all_seed1,all_seqnorm --drop-caches --resume
-#       and fp8 vs bf16 at that point (~27 min: both online from the int4 cache's token stream, the live target's
-#       features rounded as an fp8 / bf16 cache would store them; the target forward adds ~10% to a step):
-#         reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm,n2000,n8000 --resume
+#       so int4 is the storage that fits): all_int4, n2000 and n8000 done; a later session's first --resume call
+#       seeds /tmp/bref from it and continues it with the same data and the committed eval responses. Still to
+#       run (each ~4,088 steps; ~4 min of target, dry runs and int4 extraction first):
+#         noise and seed 1, two at once (`smollm2step` first says what two runs at once gain; cached alone
+#         0.143 s a step = ~10 min a run):
+#           reference --train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
+#             benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
+#             --eval-responses benchmarks/assets/peer --skip all_bf16,all_seqnorm --parallel-runs 2 --drop-caches --resume
+#         fp8 vs bf16 at that point, both online from the int4 cache's token stream, the live target's features
+#         rounded as an fp8 / bf16 cache would store them: 0.30 s a step alone (~21 min a run: one per session),
+#         0.42 s each two at once (~29 min: past a session with the set-up):
+#           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm --resume
+#       A call cut at its limit resumes each run from its last checkpoint (--save-every 100), but only on the same
+#       warm machine: the device goes back ~30 s after a call, so chain the calls without a pause.
 #       The runs of 2026-12-02 (results/quality_reference_first12930_h200.json: greedy only, fp8, 6 epochs) are
 #       not continued: the data changed (the training files' sha256 is a run's identity).
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
