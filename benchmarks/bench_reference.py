@@ -452,7 +452,9 @@ def parse_args(argv=None):
                     help="train the all_<other storage> and --also-storages runs online from the reference cache's "
                          "token stream, the live target's features rounded through that storage (dflash train "
                          "--online --online-storage S: bit-identical to a cache of S on CPU, tests/unit/"
-                         "test_train_online.py): what such a cache gives, without one on disk; ~0.7x the cached speed")
+                         "test_train_online.py): what such a cache gives, without one on disk; ~0.45x the "
+                         "cached speed on whole conversations (0.30 s a step against 0.137 s, "
+                         "results/concurrent_probe_h200.json)")
     ap.add_argument("--parallel-runs", type=int, default=1, metavar="N",
                     help="train up to N consecutive runs of the plan that read the same cache at once, one process "
                          "each on the one device: the SmolLM2 drafter's step leaves the H200 idle much of the time "
