@@ -458,9 +458,9 @@ def parse_args(argv=None):
     ap.add_argument("--parallel-runs", type=int, default=1, metavar="N",
                     help="train up to N consecutive runs of the plan that read the same cache at once, one process "
                          "each on the one device: the SmolLM2 drafter's step leaves the H200 idle much of the time "
-                         "(2 online runs at once: 0.42 s a step each against 0.30 s alone, 1.44x the steps; "
-                         "results/concurrent_probe_h200.json, 2026-12-03; bench_smollm2_step.py). Their tokens/s and step times are then "
-                         "shares of the device (trained_with in the run's record)")
+                         "(2 online runs at once: 0.42 s a step each against 0.30 s alone, 1.43x the steps; "
+                         "results/concurrent_probe_h200.json, 2026-12-03; bench_smollm2_step.py). Their tokens/s "
+                         "and step times are then shares of the device (trained_with in the run's record)")
     ap.add_argument("--drop-caches", action="store_true", help="delete each training cache once no later run "
                     "needs it (caches are extracted just before their first run)")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")

@@ -10,7 +10,9 @@ K = taps, D = hidden size.
 
 Batching: the micro-batch's samples are sorted by length and cut into forward batches of at most
 `batch_tokens` padded tokens (dflash.data.batching, as extraction does), right-padded (causal layers: real
-tokens never see the pads), and the real rows are scattered back to their packed positions.
+tokens never see the pads), and the real rows are scattered back to their packed positions. Nothing in it waits
+for the GPU: the index maps (forward_index_maps) are built on the host and copied once per forward batch from
+pinned memory, and rows move by index, never by boolean mask (which needs the selected count on the host).
 Tradeoff: one target replica per rank in the compute dtype, on top of the drafter; the target forward runs
 in the training loop, so it is counted in the run's tokens/s (that is the cost the cache removes).
 """
@@ -40,6 +42,16 @@ def forward_batches(lengths_N: np.ndarray, *, batch_tokens: int) -> list[np.ndar
     from dflash.data.batching import token_budget_batches
 
     return token_budget_batches(np.asarray(lengths_N, dtype=np.int64), max_tokens=batch_tokens, round_sizes=True)
+
+
+def forward_index_maps(starts_G: np.ndarray, lengths_G: np.ndarray, *, pad_src: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host index maps of one forward batch of G packed samples, right-padded to S = their max length:
+    src_GS[g, s] = the packed position of row g's token s, pad_src past the row's end; real_R = the flat
+    positions g * S + s of the real tokens, row-major (src_GS.ravel()[real_R] are their packed positions)."""
+    S = int(lengths_G.max())
+    valid_GS = np.arange(S)[None, :] < lengths_G[:, None]
+    src_GS = np.where(valid_GS, starts_G[:, None] + np.arange(S)[None, :], pad_src).astype(np.int64)
+    return src_GS, np.flatnonzero(valid_GS).astype(np.int64)
 
 
 def live_taps(cfg, taps: tuple[int, ...], *, reader, device: torch.device) -> "OnlineTaps | None":
@@ -84,27 +96,29 @@ class OnlineTaps:
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         T, device = int(starts[-1]), input_ids_T.device
         out_TKD: torch.Tensor | None = None
+        ids_T1 = torch.cat([input_ids_T, input_ids_T.new_full((1,), self.pad_id)])  # position T: the pad id
         for group in forward_batches(lengths, batch_tokens=max(self.batch_tokens, int(lengths.max()))):
-            g_len = lengths[group]
-            S = int(g_len.max())
-            # host-built index maps (no device sync): packed row of every (row, column) that is a real token
-            valid_BS = np.arange(S)[None, :] < g_len[:, None]
-            src_BS = np.where(valid_BS, starts[group][:, None] + np.arange(S)[None, :], 0)
-            src = torch.from_numpy(src_BS).to(device, non_blocking=True)
-            ids_BS = input_ids_T[src]
-            ids_BS = torch.where(torch.from_numpy(valid_BS).to(device, non_blocking=True), ids_BS,
-                                 torch.full_like(ids_BS, self.pad_id))
-            hidden_BSKD = self.tapped(ids_BS)
-            rows = torch.from_numpy(src_BS[valid_BS]).to(device, non_blocking=True)
-            valid = torch.from_numpy(valid_BS).to(device, non_blocking=True)
+            src_BS, real = forward_index_maps(starts[group], lengths[group], pad_src=T)
+            B, S = src_BS.shape
+            # no boolean-mask indexing: it would wait for the GPU to count the selected rows
+            src, real = self._to_device(np.concatenate([src_BS.ravel(), real]), device).split([B * S, len(real)])
+            hidden_BSKD = self.tapped(ids_T1[src.view(B, S)])
+            K, D = hidden_BSKD.shape[2], hidden_BSKD.shape[3]
             if out_TKD is None:
-                out_TKD = torch.empty(T, hidden_BSKD.shape[2], hidden_BSKD.shape[3], dtype=hidden_BSKD.dtype,
-                                      device=device)
-            out_TKD[rows] = hidden_BSKD[valid]  # row-major over (row, column): the packed order of `rows`
+                out_TKD = torch.empty(T, K, D, dtype=hidden_BSKD.dtype, device=device)
+            out_TKD.index_copy_(0, src.index_select(0, real), hidden_BSKD.reshape(B * S, K, D).index_select(0, real))
         assert out_TKD is not None
         self.forward_s += time.perf_counter() - t0
         self.tokens += T
         return out_TKD
+
+    @staticmethod
+    def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+        """One copy of the host index maps. On CUDA from pinned memory: a copy from pageable memory makes the
+        host wait for every kernel already queued (CUDA does a stream sync before it), so the host could not
+        queue the forward while the GPU still runs the previous step."""
+        t = torch.from_numpy(host)
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
     def fill(self, mb: MicroBatch, dtype: torch.dtype) -> MicroBatch:
         """The micro-batch with hidden_TKD computed by the target and cast to the drafter's compute dtype; with a

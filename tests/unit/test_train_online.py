@@ -159,3 +159,14 @@ def test_online_storage_needs_online_and_a_storage():
     with pytest.raises(ConfigError, match="fp9"):
         TrainConfig(**kw, online=True, online_storage="fp9")
     assert TrainConfig(**kw, online=True, online_storage="int4").online_storage == "int4"
+
+
+def test_forward_index_maps_pin_packed_positions_and_pads():
+    from dflash.train.online import forward_index_maps
+
+    # samples of lengths 3, 1, 2 packed at 10, 4, 20 (a forward batch's rows come in its own order)
+    src, real = forward_index_maps(np.array([10, 4, 20]), np.array([3, 1, 2]), pad_src=99)
+    assert src.tolist() == [[10, 11, 12], [4, 99, 99], [20, 21, 99]]
+    assert real.tolist() == [0, 1, 2, 3, 6, 7]
+    assert src.ravel()[real].tolist() == [10, 11, 12, 4, 20, 21]
+    assert src.dtype == real.dtype == np.int64
