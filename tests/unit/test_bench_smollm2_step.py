@@ -12,7 +12,7 @@ import bench_smollm2_step as bench  # noqa: E402
 
 def test_modes_are_the_reference_recipe_cached_or_online(tmp_path):
     args = bench.parse_args([])
-    assert (args.conversations, args.steps, args.warmup) == (2000, 80, 20)
+    assert (args.conversations, args.steps, args.warmup) == (2000, 120, 20)
     cfgs = {m: bench.train_config(args, model="m", cache="c", out=tmp_path / m, mode=m, seed=0) for m in bench.MODES}
     assert {(c.online, c.online_storage) for c in cfgs.values()} == {
         (False, None), (True, None), (True, "fp8"), (True, "bf16")}
