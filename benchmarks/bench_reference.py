@@ -25,7 +25,8 @@ generated). Stages:
      every one with `--eval-cache` every --eval-every steps: all_<storage> (the reference), all_<other storage>
      (at the final point), all + feature noise, all seed 1 (the seed-to-seed spread), all with
      --loss-normalization sequence (all_seqnorm: seqnorm_effect), all_<each --also-storages>
-     (e.g. int4 at the reference point: issue 16's check on a drafter that learned), 2K and 8K (data scaling)
+     (e.g. int4 at the reference point: issue 16's check on a drafter that learned), 2K and 8K (data scaling);
+     --parallel-runs N trains up to N consecutive runs of one cache at once, one process each (concurrent_groups)
   f. benchmarks/results/quality_reference_h200.json (--tiny: quality_reference_tiny_cpu.json) and a PNG per run
      of held-out tau against steps (quality_reference_<run>[_tiny].png) under benchmarks/results/
 Top-level numbers: tau_mtbench, tau_humaneval, tau_sharegpt_heldout (held-out, final drafter of the reference run),
