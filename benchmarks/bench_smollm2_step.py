@@ -6,9 +6,10 @@ live target's taps, e.g. rounded through fp8: `--online-storage`) took 0.30 s a 
 has 30 device-minutes, so these step times decide which runs fit. This measures, on one cache and one GPU:
 
 - each mode alone (`--modes`: cached, online (unrounded), online_fp8, online_bf16): median step time over the
-  steps after the first `--warmup`, and a torch.profiler window of `--profile-steps` steps at the end: GPU busy
-  ms per step by kernel kind (bench_train.kernel_summary) against the step's wall ms. busy << wall means the
-  host (Python, launches, syncs) sets the pace and the GPU could run something else meanwhile;
+  steps after the first `--warmup`; a torch.profiler window of `--profile-steps` steps near the end: GPU busy
+  ms per step by kernel kind (bench_train.kernel_summary) against the step's wall ms (busy << wall: the host
+  sets the pace and the GPU could run something else meanwhile); and, just before it, 2 steps under
+  torch.cuda.set_sync_debug_mode("warn"): the Python lines where the host waited for the GPU, per step;
 - each mode of `--pairs` as two runs at once, one process each (seeds 0 and 1): the step time of each and the
   aggregate steps/s over the mode alone (`pair_speedup`): what `bench_reference --parallel-runs 2` gains.
 
@@ -34,12 +35,14 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 LOG_EVERY = 10  # a log record syncs the host: the probe's interval (its step times are 10-step means)
+SYNC_STEPS = 2  # steps run with torch.cuda.set_sync_debug_mode("warn") in a profiled run
 MODES = {"cached": {}, "online": {"online": True}, "online_fp8": {"online": True, "online_storage": "fp8"},
          "online_bf16": {"online": True, "online_storage": "bf16"}}
 
@@ -55,7 +58,8 @@ def parse_args(argv=None):
     ap.add_argument("--conversations", type=int, help="records of the reference data in the cache (GPU 2000)")
     ap.add_argument("--steps", type=int, help="steps of every run (GPU 120)")
     ap.add_argument("--warmup", type=int, help="first steps left out of the medians (GPU 20)")
-    ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps at the end of each lone run (CUDA)")
+    ap.add_argument("--profile-steps", type=int, default=3,
+                    help="profiled steps near the end of each lone run, after 2 steps that name the host syncs (CUDA)")
     ap.add_argument("--modes", default="cached,online_fp8", help=f"runs alone, comma-separated of {', '.join(MODES)}")
     ap.add_argument("--pairs", default="cached,online_fp8", help="modes also run two at once ('' for none)")
     ap.add_argument("--workdir", default="/tmp/bench_smollm2_step", help="target, data, cache and runs")
@@ -101,32 +105,54 @@ def one_run(index: int, emit, jobs: list[dict]) -> dict:
     job = jobs[index]
     cfg, profile_steps = job["cfg"], job["profile_steps"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # diagnostic windows inside the run (not at its end, where the final export would count): SYNC_STEPS steps
+    # with torch's sync debug mode (which lines make the host wait for the GPU), then profile_steps profiled
+    # steps; the log records overlapping them are left out of the medians
+    cuda = device.type == "cuda" and profile_steps > 0
+    w_sync = cfg.steps - profile_steps - LOG_EVERY - SYNC_STEPS
+    w_prof, w_end = w_sync + SYNC_STEPS, w_sync + SYNC_STEPS + profile_steps
     prof: list = []
     t_prof = [0.0]
+    syncs = warnings.catch_warnings(record=True)
+    seen: list = []
 
     def before_step(step: int) -> None:
-        if profile_steps and step == cfg.steps - profile_steps and device.type == "cuda":
+        if not cuda:
+            return
+        if step == w_sync:
+            seen.append(syncs.__enter__())  # the list the warnings are recorded into
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        elif step == w_prof:
+            torch.cuda.set_sync_debug_mode(0)
+            syncs.__exit__(None, None, None)
             torch.cuda.synchronize()
             prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                            torch.profiler.ProfilerActivity.CUDA]))
             prof[0].__enter__()
             t_prof[0] = time.perf_counter()
+        elif step == w_end:
+            torch.cuda.synchronize()
+            prof[0].__exit__(None, None, None)
+            t_prof[0] = time.perf_counter() - t_prof[0]
 
     t = time.perf_counter()
     train(cfg, device=device.type, before_step=before_step)
     wall = time.perf_counter() - t
-    summary = None
-    if prof:
-        torch.cuda.synchronize()
-        prof[0].__exit__(None, None, None)
-        summary = kernel_summary(prof[0], steps=profile_steps, wall_s=time.perf_counter() - t_prof[0])
+    summary = kernel_summary(prof[0], steps=profile_steps, wall_s=t_prof[0]) if prof else None
+    where: dict[str, float] = {}
+    for w in (seen[0] if seen else []):  # the warning points at the Python line that asked for the synchronizing operation
+        if "synchroniz" in str(w.message):
+            key = f"{pathlib.Path(w.filename).name}:{w.lineno}"
+            where[key] = where.get(key, 0.0) + 1.0 / SYNC_STEPS
     recs = read_metrics(cfg.output)
-    last = cfg.steps - (profile_steps if prof else 0)
-    timed = [r for r in recs if job["warmup"] < r["step"] <= last and r.get("step_time_s")]
+    timed = [r for r in recs if r["step"] > job["warmup"] and r.get("step_time_s")
+             and not (cuda and r["step"] > w_sync and r["step"] - LOG_EVERY < w_end)]
     return {"mode": job["mode"], "seed": cfg.seed, "steps": cfg.steps, "wall_s": round(wall, 2),
             "step_s_median": statistics.median(r["step_time_s"] for r in timed) if timed else None,
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed) if timed else None,
-            "log_records_timed": len(timed), "profile": summary}
+            "log_records_timed": len(timed), "profile": summary,
+            "host_syncs_per_step": dict(sorted(where.items(), key=lambda kv: -kv[1])) if cuda else None}
 
 
 def prepare(args, work: pathlib.Path, device: str) -> tuple[str, str, dict]:
