@@ -322,12 +322,7 @@ def concurrent_groups(plan: list, *, finished: frozenset[str], n: int) -> dict[s
 
 
 def _train_alone(index: int, emit, jobs: list[dict]) -> dict:
-    """dflash.procs.spawn worker: train_once(**jobs[index]) as a one-process run. spawn gives its processes a
-    torchrun environment for one process group; these runs are independent, so it is removed."""
-    from dflash.procs import torchrun_env
-
-    for key in torchrun_env(rank=0, world_size=1, port=0):
-        os.environ.pop(key, None)
+    """dflash.procs.spawn worker: train_once(**jobs[index]) (a one-process run: spawned with process_group=False)."""
     return train_once(**jobs[index])
 
 
@@ -339,7 +334,8 @@ def train_together(jobs: dict[str, dict]) -> dict[str, dict]:
 
     names = list(jobs)
     log(f"training {', '.join(names)} at once, one process each")
-    results = spawn(_train_alone, len(names), args=([jobs[n] for n in names],), name="bench-reference")
+    results = spawn(_train_alone, len(names), args=([jobs[n] for n in names],), name="bench-reference",
+                    process_group=False)
     # their tokens/s and step times are shares of one device: the record says with whom
     return {n: r | {"trained_with": [m for m in names if m != n]} for n, r in zip(names, results)}
 

@@ -88,19 +88,17 @@ def train_config(args, *, model: str, cache: str, out: pathlib.Path, mode: str, 
 
 
 def one_run(index: int, emit, jobs: list[dict]) -> dict:
-    """dflash.procs.spawn worker: job `index` (a mode, a seed, profile or not) as a one-process `dflash train`;
-    returns its step-time median and, when profiled, the kernel summary of the last steps."""
+    """dflash.procs.spawn worker (process_group=False): job `index` (a mode, a seed, profile or not) as a
+    one-process `dflash train`; returns its step-time median, and when profiled the kernel summary of its
+    profiled steps and the host syncs per step."""
     import os
 
     import torch
 
     from bench_train import kernel_summary
-    from dflash.procs import torchrun_env
     from dflash.train.metrics import read_metrics
     from dflash.train.trainer import train
 
-    for key in torchrun_env(rank=0, world_size=1, port=0):  # independent runs, not one process group
-        os.environ.pop(key, None)
     os.environ["DFLASH_NO_PROGRESS"] = "1"
     job = jobs[index]
     cfg, profile_steps = job["cfg"], job["profile_steps"]
@@ -141,7 +139,7 @@ def one_run(index: int, emit, jobs: list[dict]) -> dict:
     wall = time.perf_counter() - t
     summary = kernel_summary(prof[0], steps=profile_steps, wall_s=t_prof[0]) if prof else None
     where: dict[str, float] = {}
-    for w in (seen[0] if seen else []):  # the warning points at the Python line that asked for the synchronizing operation
+    for w in (seen[0] if seen else []):  # each names the Python line that asked for a synchronizing operation
         if "synchroniz" in str(w.message):
             key = f"{pathlib.Path(w.filename).name}:{w.lineno}"
             where[key] = where.get(key, 0.0) + 1.0 / SYNC_STEPS
@@ -196,11 +194,12 @@ def main(argv=None) -> dict:
                 "cfg": train_config(args, model=model, cache=cache, out=out, mode=mode, seed=seed)}
     for mode in filter(None, args.modes.split(",")):
         log(f"{mode}: alone")
-        result["alone"][mode] = spawn(one_run, 1, args=([job(mode, 0, mode, args.profile_steps)],))[0]
+        result["alone"][mode] = spawn(one_run, 1, args=([job(mode, 0, mode, args.profile_steps)],),
+                                      process_group=False)[0]
         log(json.dumps({k: v for k, v in result["alone"][mode].items() if k != "profile"}))
     for mode in filter(None, args.pairs.split(",")):
         log(f"{mode}: two at once")
-        runs = spawn(one_run, 2, args=([job(mode, s, f"{mode}_pair{s}", 0) for s in (0, 1)],))
+        runs = spawn(one_run, 2, args=([job(mode, s, f"{mode}_pair{s}", 0) for s in (0, 1)],), process_group=False)
         rec = {"runs": runs}
         alone = result["alone"].get(mode, {}).get("step_s_median")
         if alone and all(r["step_s_median"] for r in runs):

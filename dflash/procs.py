@@ -60,10 +60,15 @@ def _die_with_parent(parent_pid: int) -> None:
         raise SystemExit(1)
 
 
-def _child(rank: int, world_size: int, port: int, parent_pid: int, fn: Callable, args: tuple,
+def _child(rank: int, world_size: int, port: int | None, parent_pid: int, fn: Callable, args: tuple,
            out: Any) -> None:
     _die_with_parent(parent_pid)
-    os.environ.update(torchrun_env(rank=rank, world_size=world_size, port=port))
+    env = torchrun_env(rank=rank, world_size=world_size, port=port or 0)
+    if port is None:  # independent one-process jobs: no process group to join, whatever the parent's environment
+        for key in env:
+            os.environ.pop(key, None)
+    else:
+        os.environ.update(env)
     try:
         result = fn(rank, lambda msg: out.put(("message", rank, msg, None)), *args)
     except DflashError as e:
@@ -100,14 +105,16 @@ def _failure(kind: str, rank: int, err: Any, tb: str | None) -> BaseException:
 
 
 def spawn(fn: Callable, nprocs: int, *, args: tuple = (), on_message: Callable[[int, Any], None] | None = None,
-          name: str = "dflash") -> list[Any]:
+          name: str = "dflash", process_group: bool = True) -> list[Any]:
     """Run fn(rank, emit, *args) in `nprocs` spawned processes; returns their results in rank order or raises
-    the first failure (see the module docstring). fn must be importable (a module-level function)."""
+    the first failure (see the module docstring). fn must be importable (a module-level function).
+    process_group=False: the processes are independent one-process jobs (e.g. trainings sharing one GPU): no
+    torchrun environment, so each trains as a world of one."""
     if nprocs < 1:
         raise DflashError(f"cannot start {nprocs} processes: need at least 1")
     ctx = mp.get_context("spawn")   # fork after torch/CUDA initialisation is unsafe
     out = ctx.Queue()
-    port = free_port()
+    port = free_port() if process_group else None
     procs = [ctx.Process(target=_child, args=(r, nprocs, port, os.getpid(), fn, args, out), name=f"{name}-{r}")
              for r in range(nprocs)]
     for p in procs:

@@ -77,3 +77,15 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def _world(rank, emit):
+    return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+
+
+def test_independent_processes_get_no_process_group(monkeypatch):
+    """process_group=False: each process is a world of one, even under a parent that itself runs under torchrun."""
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    out = spawn(_world, 2, process_group=False)
+    assert out == [{"RANK": None, "WORLD_SIZE": None, "MASTER_PORT": None}] * 2
