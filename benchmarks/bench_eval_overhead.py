@@ -57,9 +57,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     tiny = dict(train_prompts=24, steps=12, measure_every=4)
     gpu = dict(train_prompts=2000, steps=400, measure_every=100)
-    for k, v in (tiny if args.tiny else gpu).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    bq.fill_unset(args, tiny if args.tiny else gpu)
     return args
 
 

@@ -504,9 +504,7 @@ def parse_args(argv=None):
                eval_max_new_tokens=256, gen_batch_size=2048, max_length=2048, extract_batch_tokens=65536, layers=5,
                block_size=16, num_anchors=512, seqs_per_step=8, epochs=2, log_every=10, evals=10, zlab_prompts=10,
                dflash_seeds=3, specforge_seeds=2)
-    for k, v in (tiny if args.tiny else gpu).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    bq.fill_unset(args, tiny if args.tiny else gpu)
     if args.eval_responses is None and not args.tiny and args.eval_prompts is None:
         args.eval_responses = str(PEER_EVAL_RESPONSES)
     if args.eval_responses == "none":

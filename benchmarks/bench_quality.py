@@ -406,13 +406,17 @@ def parse_args(argv=None):
     gpu = dict(train_prompts=3000, max_prompt_chars=2000, eval_prompts=None, max_new_tokens=256, eval_max_new_tokens=256,
                gen_batch_size=2048, max_length=1024, extract_batch_tokens=65536, steps=600, batch_tokens=16384,
                num_anchors=512, layers=5, block_size=16, intermediate_size=None, log_every=25)
-    base = tiny if args.tiny else gpu
-    for k, v in base.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_unset(args, tiny if args.tiny else gpu)
     if args.tiny and args.lr == 6e-4:
         args.lr = 3e-3  # 40 steps: the paper lr would barely move a random drafter
     return args
+
+
+def fill_unset(args, defaults: dict) -> None:
+    """Each of `defaults` (the --tiny or the GPU sizes) on `args` where its flag was not given (None)."""
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
 
 
 def main(argv=None) -> dict:

@@ -487,9 +487,7 @@ def parse_args(argv=None):
         args.train_prompts = 12
     mine = (dict(train_conversations=12, scaling="4,8", steps=8, eval_every=4, storage="bf16") if args.tiny else
             dict(train_conversations=100000, scaling="2000,8000", eval_every=500, storage="fp8"))  # > package: all
-    for k, v in mine.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    bq.fill_unset(args, mine)
     if not args.tiny:  # whole conversations are longer than bench_quality's first turns; the eval responses
         # stay at bench_quality's 256 tokens, so its tau table (1.30 / 1.77) is scored on the same kind of cache
         for k, v in dict(max_new_tokens=512, eval_max_new_tokens=256, max_length=2048).items():

@@ -41,6 +41,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from bench_quality import SMOLLM2_MASK_TOKEN_ID, fill_unset  # noqa: E402
+
 LOG_EVERY = 10  # a log record syncs the host: the probe's interval (its step times are 10-step means)
 SYNC_STEPS = 2  # steps run with torch.cuda.set_sync_debug_mode("warn") in a profiled run
 MODES = {"cached": {}, "online": {"online": True}, "online_fp8": {"online": True, "online_storage": "fp8"},
@@ -67,9 +69,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     gpu = dict(conversations=2000, steps=120, warmup=20)
     tiny = dict(conversations=24, steps=6, warmup=2)
-    for k, v in (tiny if args.tiny else gpu).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_unset(args, tiny if args.tiny else gpu)
     for m in filter(None, (args.modes + "," + args.pairs).split(",")):
         if m not in MODES:
             ap.error(f"unknown mode {m!r}: one of {', '.join(MODES)}")
@@ -77,7 +77,6 @@ def parse_args(argv=None):
 
 
 def train_config(args, *, model: str, cache: str, out: pathlib.Path, mode: str, seed: int):
-    from bench_quality import SMOLLM2_MASK_TOKEN_ID
     from dflash.train.config import TrainConfig
 
     size = (dict(num_layers=1, num_anchors=16, batch_tokens=1024, intermediate_size=64) if args.tiny else
