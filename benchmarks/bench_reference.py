@@ -253,11 +253,11 @@ def spread_indices(total: int, n: int) -> list[int]:
     return list(range(total)) if n >= total else [j * total // n for j in range(n)]
 
 
-def spread_records(src: str, n: int, out: pathlib.Path) -> str:
-    """n records of src spread evenly over it (spread_indices), as jsonl: a data-scaling subset with the file's
-    own mix (the reference data is the greedy regeneration followed by the sampled one, so its first n records
-    would all be greedy)."""
-    recs = list(records_of([src]))  # one parse of the file (a few hundred MB at most)
+def spread_records(srcs: list[str], n: int, out: pathlib.Path) -> str:
+    """n records of `srcs` (in order) spread evenly over them (spread_indices), as jsonl: a data-scaling subset
+    with the data's own mix (the reference data is the greedy regeneration followed by the sampled one, so its
+    first n records would all be greedy)."""
+    recs = list(records_of(srcs))  # one parse of the files (a few hundred MB at most)
     return write_records((recs[i] for i in spread_indices(len(recs), n)), out)
 
 
@@ -733,7 +733,7 @@ def main(argv=None) -> dict:
         for _, cname, _ in plan:
             if cname.startswith("train_n"):
                 n = int(cname[len("train_n"):])
-                caches[cname] = ([spread_records(train_data, n, work / f"train_spread{n}.jsonl")], args.storage)
+                caches[cname] = ([spread_records([train_data], n, work / f"train_spread{n}.jsonl")], args.storage)
             else:
                 caches[cname] = ([train_data], cname[len("train_"):])
         result["reference_storage"] = args.storage

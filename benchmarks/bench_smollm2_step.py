@@ -162,8 +162,7 @@ def prepare(args, work: pathlib.Path, device: str) -> tuple[str, str, dict]:
     cache = work / f"cache_int4_n{args.conversations}"
     if not br.cache_present(cache):
         srcs = sorted(glob.glob(str(REPO / "benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz")))
-        every = br.first_records(srcs, None, work / "all.jsonl")
-        data = br.spread_records(every, args.conversations, work / f"spread{args.conversations}.jsonl")
+        data = br.spread_records(srcs, args.conversations, work / f"spread{args.conversations}.jsonl")
         br.extract_cache(model, [data], cache, storage="int4", device=device,
                          dtype="bfloat16" if device == "cuda" else "float32",
                          max_length=512 if args.tiny else 2048, batch_tokens=65536)

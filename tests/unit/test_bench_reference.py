@@ -91,7 +91,7 @@ def test_subsets_joined_files_and_runs_plan(tmp_path):
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": str(i)}]}) + "\n" for i in range(10)))
     # a scaling subset keeps the whole file's mix: evenly spread records, not the first ones
     assert br.spread_indices(10, 4) == [0, 2, 5, 7] and br.spread_indices(10, 10) == br.spread_indices(10, 99)
-    out = br.spread_records(str(src), 4, tmp_path / "spread4.jsonl")
+    out = br.spread_records([str(src)], 4, tmp_path / "spread4.jsonl")
     assert [json.loads(x)["messages"][0]["content"] for x in pathlib.Path(out).read_text().splitlines()] == \
         ["0", "2", "5", "7"]
     more = tmp_path / "more.jsonl"
