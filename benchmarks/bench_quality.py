@@ -37,6 +37,7 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -519,6 +520,12 @@ def earlier_result(args, out_json: pathlib.Path) -> dict | None:
     if args.workdir is None or not out_json.is_file():
         raise SystemExit("--resume needs the --workdir and the --json of the run it continues")
     return json.loads(out_json.read_text())
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (what `timeout` sends at a call's limit) raises SystemExit, so `finally` blocks record the result
+    and stop the spawned trainings instead of the process dying where it stands."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
 
 
 def close_run(st: Stages, *, work: pathlib.Path, own_work: bool) -> None:

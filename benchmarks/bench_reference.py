@@ -364,6 +364,40 @@ def curve(recs: list[dict]) -> dict:
     return out
 
 
+def partial_curves(plan: list, work: pathlib.Path, *, finished: frozenset[str], earlier: dict) -> dict:
+    """Run name -> held-out curve so far of each planned run not finished: what this machine's run folder holds,
+    else what an earlier call recorded (the longer of the two). A session can end in the middle of a run, and a
+    fresh machine cannot continue it; its curve up to there still compares runs at equal steps (one lr schedule)."""
+    from dflash.train.metrics import read_metrics
+
+    out = {}
+    for rname, _, _ in plan:
+        if rname in finished:
+            continue
+        here = curve(read_metrics(work / f"run_{rname}"))
+        before = earlier.get(rname) or {"step": []}
+        best = here if len(here["step"]) >= len(before["step"]) else before
+        if best["step"]:
+            out[rname] = best
+    return out
+
+
+def at_last_common_step(partial: dict, ref: dict | None) -> dict:
+    """Run name -> held-out tau per eval set of each cut run and of the reference run at the cut run's last
+    evaluation step that the reference curve also holds (None when it holds none)."""
+    out = {}
+    for rname, c in partial.items():
+        common = [s for s in c["step"] if ref and s in ref["step"]]
+        if not common:
+            continue
+        step = common[-1]
+        i, j = c["step"].index(step), ref["step"].index(step)
+        out[rname] = {"step": step} | {
+            f"{who}tau_{ds}": (cur.get(HELDOUT_SETS[ds]) or [None] * (k + 1))[k]
+            for ds in HELDOUT_SETS for who, cur, k in (("", c, i), ("reference_", ref, j))}
+    return out
+
+
 def set_tau(c: dict, eval_set: str) -> float | None:
     """Final held-out tau of one eval set from a curve (its source file is HELDOUT_SETS[eval_set])."""
     vals = c.get(HELDOUT_SETS[eval_set]) or []
@@ -701,6 +735,8 @@ def main(argv=None) -> dict:
     result["train_data_sha256"] = data_sha
     result["calls"] = bq.call_history(earlier, result["date"], result["command"])
     st = Stages(result, out_json, earlier=earlier)
+    bq.exit_on_sigterm()  # a call cut by `timeout` still records what it trained (finally below)
+    plan = None
     kw = dict(device=device, dtype=dtype, max_length=args.max_length, batch_tokens=args.extract_batch_tokens)
     try:
         model = st.run("a_target", lambda: bq.target_folder(args, work),
@@ -746,7 +782,9 @@ def main(argv=None) -> dict:
                                                                                    stale_removed(work / "cache_eval"),
                                                                                    storage="bf16", **kw),
                                           valid=lambda out: eval_cache_complete(work / "cache_eval"))
-        result["runs"], result["curves"] = {}, {}
+        # runs of earlier calls stay recorded (Stages copied them) also when this call skips or does not reach them
+        result.setdefault("runs", {})
+        result.setdefault("curves", {})
         specs = {r: (c, over) for r, c, over in plan}
 
         def job(rname: str) -> dict:
@@ -803,6 +841,11 @@ def main(argv=None) -> dict:
             summarise(result)
             st.save()
     finally:
+        if plan is not None:
+            result["partial_curves"] = partial_curves(plan, work, finished=frozenset(result.get("runs", {})),
+                                                      earlier=st.earlier.get("partial_curves") or {})
+            ref = result.get("curves", {}).get(f"all_{args.storage}")
+            result["partial_at_reference_steps"] = at_last_common_step(result["partial_curves"], ref)
         bq.close_run(st, work=work, own_work=own_work)
     print(format_table(result), flush=True)
     log(f"written {out_json}")
@@ -862,6 +905,10 @@ def format_table(result: dict) -> str:
         lines.append(f"{k:<12} {v['samples']:>8} {v['steps']:>6} {f(v['tau_mtbench']):>9} {f(v['tau_humaneval']):>9} "
                      f"{f(v.get('tau_sharegpt')):>9} {f(v['final_train_accept_len']):>9} "
                      f"{f(v['tokens_per_s'], '{:.0f}'):>8}" + (" (GPU shared)" if v.get("trained_with") else ""))
+    for k, v in result.get("partial_at_reference_steps", {}).items():
+        lines.append(f"{k} cut short; at step {v['step']}: MT-Bench {f(v['tau_mtbench'])} (reference "
+                     f"{f(v['reference_tau_mtbench'])}), HumanEval {f(v['tau_humaneval'])} (reference "
+                     f"{f(v['reference_tau_humaneval'])})")
     lines.append(f"tau_mtbench {f(result.get('tau_mtbench'))}, tau_humaneval {f(result.get('tau_humaneval'))}, "
                  f"train/heldout {f(result.get('train_acceptance_over_heldout'), '{:.2f}')}, "
                  + "".join(f"{x} diff {f(result.get(f'{x}_rel_diff_mtbench'), '{:+.2%}')}/"

@@ -80,3 +80,20 @@ def test_result_header_resume_and_close_shared_with_bench_reference(bq, tmp_path
     assert work.is_dir() and json.loads((tmp_path / "saved.json").read_text())["bench"] == "quality_smollm2"
     bq.close_run(st, work=work, own_work=True)
     assert not work.exists()
+
+
+def test_sigterm_runs_finally_blocks(tmp_path):
+    """`timeout` ends a cut call with SIGTERM: after exit_on_sigterm the benchmark's finally block (which records
+    the result JSON) still runs."""
+    import subprocess
+    import sys
+
+    mark = tmp_path / "recorded"
+    code = (f"import importlib.util, os, signal, time\n"
+            f"spec = importlib.util.spec_from_file_location('bq', {str(ROOT / 'benchmarks' / 'bench_quality.py')!r})\n"
+            "bq = importlib.util.module_from_spec(spec); spec.loader.exec_module(bq)\n"
+            "bq.exit_on_sigterm()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+            f"finally:\n    open({str(mark)!r}, 'w').write('yes')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert mark.read_text() == "yes" and r.returncode == 1 and "stopped by signal 15" in r.stderr

@@ -404,3 +404,33 @@ def test_runs_trained_together_equal_runs_trained_alone(tmp_path):
     assert got["b"]["steps"] == alone["steps"] == 4
     assert [m["step_losses"] for m in got["b"]["metrics"]] == [m["step_losses"] for m in alone["metrics"]]
     assert [m["step_losses"] for m in got["a"]["metrics"]] != [m["step_losses"] for m in alone["metrics"]]
+
+
+def _write_metrics(run_dir: pathlib.Path, taus: dict[int, tuple[float, float]]) -> None:
+    run_dir.mkdir(parents=True)
+    recs = [{"step": s, "loss": 1.0, "accept_len": 2.0, "heldout_tau": (m + h) / 2,
+             "heldout_tau/mtbench_greedy.jsonl": m, "heldout_tau/humaneval_greedy.jsonl": h} for s, (m, h) in taus.items()]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_cut_runs_recorded_and_compared_at_the_reference_steps(tmp_path):
+    """A run cut short (its session ended) keeps its curve so far: the longer of this machine's and the earlier
+    call's, never a finished run's; it is compared with the reference run at the last step both evaluated."""
+    plan = [("all_int4", "train_int4", {}), ("all_noise", "train_int4", {"noise_start": 0.1}),
+            ("all_seed1", "train_int4", {"seed": 1}), ("n2000", "train_n2000", {})]
+    _write_metrics(tmp_path / "run_all_int4", {500: (1.2, 1.3), 1000: (1.5, 1.6)})
+    _write_metrics(tmp_path / "run_all_noise", {500: (1.1, 1.2), 1000: (1.4, 1.7), 1500: (1.9, 2.0)})
+    _write_metrics(tmp_path / "run_all_seed1", {500: (1.0, 1.0)})
+    earlier = {"all_seed1": {"step": [500, 1000], "mtbench_greedy.jsonl": [1.0, 1.3]},
+               "n2000": {"step": [100], "mtbench_greedy.jsonl": [1.1]}}
+    got = br.partial_curves(plan, tmp_path, finished=frozenset({"all_int4"}), earlier=earlier)
+    assert set(got) == {"all_noise", "all_seed1", "n2000"}     # all_int4 finished: in `curves`, not here
+    assert got["all_noise"]["step"] == [500, 1000, 1500] and got["all_seed1"] == earlier["all_seed1"]
+    assert got["n2000"] == earlier["n2000"]                      # nothing of it on this machine
+    ref = br.curve(json.loads(line) for line in (tmp_path / "run_all_int4" / "metrics.jsonl").read_text().splitlines())
+    cmp = br.at_last_common_step(got, ref)
+    assert cmp["all_noise"]["step"] == 1000                      # 1500 is past the reference curve
+    assert cmp["all_noise"]["tau_mtbench"] == 1.4 and cmp["all_noise"]["reference_tau_humaneval"] == 1.6
+    assert cmp["all_seed1"]["tau_humaneval"] is None and cmp["all_seed1"]["reference_tau_mtbench"] == 1.5
+    assert "n2000" not in cmp                                    # no step in common
+    assert br.at_last_common_step(got, None) == {}
