@@ -10,8 +10,10 @@ has 30 device-minutes, so these step times decide which runs fit. This measures,
   ms per step by kernel kind (bench_train.kernel_summary) against the step's wall ms (busy << wall: the host
   sets the pace and the GPU could run something else meanwhile); and, just before it, 2 steps under
   torch.cuda.set_sync_debug_mode("warn"): the Python lines where the host waited for the GPU, per step;
-- each mode of `--pairs` as two runs at once, one process each (seeds 0 and 1): the step time of each and the
-  aggregate steps/s over the mode alone (`pair_speedup`): what `bench_reference --parallel-runs 2` gains.
+- each mode of `--pairs` as two runs at once, one process each (seeds 0 and 1), released together after their
+  warm-up (a file barrier: compile times differ, and unaligned runs would each step mostly alone): the step
+  time of each, the share of the timed span they overlapped (`overlap_fraction`), and the aggregate steps/s over
+  the mode alone (`pair_speedup`): what `bench_reference --parallel-runs 2` gains.
 
 Data: `--conversations` records spread evenly over the committed greedy whole-conversation regeneration
 (benchmarks/assets/quality/sharegpt_whole-*: the data of the first probe, results/concurrent_probe_h200.json, so
@@ -113,7 +115,13 @@ def one_run(index: int, emit, jobs: list[dict]) -> dict:
     syncs = warnings.catch_warnings(record=True)
     seen: list = []
 
+    span = [0.0, 0.0]  # wall-clock seconds: the barrier's release (the first timed step) and the run's end
+
     def before_step(step: int) -> None:
+        if step == job["warmup"]:
+            if job.get("barrier"):
+                wait_for_all(*job["barrier"])
+            span[0] = time.time()
         if not cuda:
             return
         if step == w_sync:
@@ -136,6 +144,7 @@ def one_run(index: int, emit, jobs: list[dict]) -> dict:
     t = time.perf_counter()
     train(cfg, device=device.type, before_step=before_step)
     wall = time.perf_counter() - t
+    span[1] = time.time()
     summary = kernel_summary(prof[0], steps=profile_steps, wall_s=t_prof[0]) if prof else None
     where: dict[str, float] = {}
     for w in (seen[0] if seen else []):  # each names the Python line that asked for a synchronizing operation
@@ -148,8 +157,27 @@ def one_run(index: int, emit, jobs: list[dict]) -> dict:
     return {"mode": job["mode"], "seed": cfg.seed, "steps": cfg.steps, "wall_s": round(wall, 2),
             "step_s_median": statistics.median(r["step_time_s"] for r in timed) if timed else None,
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed) if timed else None,
-            "log_records_timed": len(timed), "profile": summary,
+            "log_records_timed": len(timed), "timed_span": span, "profile": summary,
             "host_syncs_per_step": dict(sorted(where.items(), key=lambda kv: -kv[1])) if cuda else None}
+
+
+def wait_for_all(folder: str, name: str, n: int, timeout_s: float = 600.0) -> None:
+    """A barrier between runs in separate processes: this run's file in `folder`, then wait until `n` are there
+    (runs that share the GPU time their steps only while all of them are past their warm-up and compile)."""
+    d = pathlib.Path(folder)
+    (d / f"{name}.ready").touch()
+    t = time.perf_counter()
+    while len(list(d.glob("*.ready"))) < n:
+        if time.perf_counter() - t > timeout_s:
+            raise RuntimeError(f"the other runs did not reach their first timed step within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def overlap_fraction(spans: list[list[float]]) -> float:
+    """Share of the longest run's timed span during which every run was running (1: they ran side by side
+    throughout; a pair measured without overlap would report alone-speed steps as a 2x gain)."""
+    both = min(e for _, e in spans) - max(s for s, _ in spans)
+    return max(0.0, both) / max(e - s for s, e in spans)
 
 
 def prepare(args, work: pathlib.Path, device: str) -> tuple[str, str, dict]:
@@ -185,10 +213,10 @@ def main(argv=None) -> dict:
               "command": " ".join([sys.executable, *sys.argv]), "machine": machine_info(torch.device(device)),
               "cache": cache_rec, "alone": {}, "pairs": {}}
 
-    def job(mode: str, seed: int, name: str, profile_steps: int) -> dict:
+    def job(mode: str, seed: int, name: str, profile_steps: int, barrier: tuple | None = None) -> dict:
         out = work / f"run_{name}"
         shutil.rmtree(out, ignore_errors=True)
-        return {"mode": mode, "warmup": args.warmup, "profile_steps": profile_steps,
+        return {"mode": mode, "warmup": args.warmup, "profile_steps": profile_steps, "barrier": barrier,
                 "cfg": train_config(args, model=model, cache=cache, out=out, mode=mode, seed=seed)}
     for mode in filter(None, args.modes.split(",")):
         log(f"{mode}: alone")
@@ -197,8 +225,12 @@ def main(argv=None) -> dict:
         log(json.dumps({k: v for k, v in result["alone"][mode].items() if k != "profile"}))
     for mode in filter(None, args.pairs.split(",")):
         log(f"{mode}: two at once")
-        runs = spawn(one_run, 2, args=([job(mode, s, f"{mode}_pair{s}", 0) for s in (0, 1)],), process_group=False)
-        rec = {"runs": runs}
+        gate = work / f"barrier_{mode}"
+        shutil.rmtree(gate, ignore_errors=True)
+        gate.mkdir()
+        runs = spawn(one_run, 2, args=([job(mode, s, f"{mode}_pair{s}", 0, (str(gate), f"seed{s}", 2))
+                                        for s in (0, 1)],), process_group=False)
+        rec = {"runs": runs, "overlap_fraction": overlap_fraction([r["timed_span"] for r in runs])}
         alone = result["alone"].get(mode, {}).get("step_s_median")
         if alone and all(r["step_s_median"] for r in runs):
             # two runs' steps in the time of one of their steps, against one run's steps alone

@@ -30,11 +30,12 @@
 #       so int4 is the storage that fits): all_int4, n2000 and n8000 done; a later session's first --resume call
 #       seeds /tmp/bref from it and continues it with the same data and the committed eval responses. Still to
 #       run (each ~4,088 steps; ~4 min of target, dry runs and int4 extraction first):
-#         noise and seed 1, two at once (`smollm2step` first says what two runs at once gain; cached alone
-#         0.143 s a step = ~10 min a run):
+#         noise and seed 1, one after the other (2026-12-03 they ran two at once and were cut at step 2,526 when
+#         the session's time ran out: a cached step keeps the GPU busy, two at once stepped 0.31 s each against
+#         0.143 s alone; ~4 min of set-up (int4 extraction 176 s), then ~10 min a run: nothing else that session):
 #           reference --train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
 #             benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
-#             --eval-responses benchmarks/assets/peer --skip all_bf16,all_seqnorm --parallel-runs 2 --drop-caches --resume
+#             --eval-responses benchmarks/assets/peer --skip all_bf16,all_seqnorm --drop-caches --resume
 #         fp8 vs bf16 at that point, both online from the int4 cache's token stream, the live target's features
 #         rounded as an fp8 / bf16 cache would store them: 0.30 s a step alone (~21 min a run: one per session),
 #         0.42 s each two at once (~29 min: past a session with the set-up):

@@ -25,3 +25,23 @@ def test_unknown_mode_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--pairs", "cached,online_int8"])
     assert "unknown mode 'online_int8'" in capsys.readouterr().err
+
+
+def test_pairs_are_timed_side_by_side(tmp_path):
+    """The barrier releases runs together; the overlap share says whether a pair's step times were shared ones."""
+    import threading
+    import time
+
+    released = []
+    t = threading.Thread(target=lambda: (bench.wait_for_all(str(tmp_path), "a", 2), released.append(time.time())))
+    t.start()
+    time.sleep(0.3)
+    assert not released                       # the other run has not arrived
+    bench.wait_for_all(str(tmp_path), "b", 2)
+    t.join(5)
+    assert released
+    with pytest.raises(RuntimeError, match="did not reach"):
+        bench.wait_for_all(str(tmp_path / "x"), "c", 2, timeout_s=0.2) if (tmp_path / "x").mkdir() is None else None
+    assert bench.overlap_fraction([[0, 10], [0, 10]]) == 1.0
+    assert bench.overlap_fraction([[0, 10], [5, 20]]) == pytest.approx(5 / 15)
+    assert bench.overlap_fraction([[0, 10], [12, 20]]) == 0.0
