@@ -11,6 +11,13 @@ on the 27B shape with taps (1, 16, 31, 46, 61) this skips 2 of 64 layers plus th
 Right padding needs no attention mask: every layer (attention and Gated-DeltaNet) is causal, so real
 tokens never see the pads that follow them (tests check this per architecture). Passing a mask is allowed
 but makes transformers build a dense 4D mask and, for GDN layers, zero the padded inputs.
+
+Without a mask, an SDPA model's attention layers run under CAUSAL_SDPA: transformers' own SDPA function, but a
+name with no mask function, so transformers builds no mask and SDPA runs is_causal, as it would after building
+one. Under the name "sdpa" the mask builder first checks the position ids for packed sequences, a
+`.all()` the host waits on for the GPU: a sync per forward that kept the host from queueing the next
+work while the GPU ran (online training: 2 per step). Models with sliding-window or chunked layers keep their
+masks (their window is in the mask).
 """
 
 from __future__ import annotations
@@ -25,6 +32,28 @@ from dflash.errors import ConfigError
 from dflash.target import fused
 from dflash.target.registry import find_decoder
 from dflash.target.taps import validate_tap_layer_ids
+
+
+CAUSAL_SDPA = "dflash_causal_sdpa"
+_FULL_CAUSAL_LAYERS = {"full_attention", "linear_attention"}
+
+
+def causal_sdpa_name() -> str:
+    """CAUSAL_SDPA, registered with transformers' AttentionInterface (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if CAUSAL_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
+
+
+def mask_free_causal(config) -> bool:
+    """Whether an unmasked forward of this (text) config is plain causal attention that SDPA's is_causal
+    computes: SDPA attention, every layer full attention or linear attention, no sliding window."""
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return (getattr(config, "_attn_implementation", None) == "sdpa" and layer_types <= _FULL_CAUSAL_LAYERS
+            and not getattr(config, "sliding_window", None) and not getattr(config, "use_sliding_window", False))
 
 
 def text_decoder(model: nn.Module) -> nn.Module:
@@ -59,14 +88,18 @@ class TappedForward:
         self._kept_layers = nn.ModuleList(list(self.decoder.layers)[: self.num_layers_run])
 
     @contextmanager
-    def _truncated(self) -> Iterator[None]:
+    def _truncated(self, *, unmasked: bool) -> Iterator[None]:
         dec = self.decoder
         full_layers, norm = dec.layers, dec.norm
+        attn = dec.config._attn_implementation
         dec.layers, dec.norm = self._kept_layers, nn.Identity()
+        if unmasked and mask_free_causal(dec.config):
+            dec.config._attn_implementation = causal_sdpa_name()
         try:
             yield
         finally:
             dec.layers, dec.norm = full_layers, norm
+            dec.config._attn_implementation = attn
 
     def __call__(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids_BS.ndim != 2:
@@ -82,7 +115,7 @@ class TappedForward:
         handles = [self._kept_layers[k].register_forward_hook(make_hook(k)) for k in self.tap_layer_ids]
         with torch.inference_mode():
             try:
-                with self._truncated():
+                with self._truncated(unmasked=attention_mask_BS is None):
                     self.decoder(input_ids=input_ids_BS, attention_mask=attention_mask_BS, use_cache=False)
             finally:
                 for h in handles:

@@ -43,3 +43,30 @@ def test_online_taps_on_cuda_equal_cpu(tmp_path):
     a, b = got["cuda"].cpu(), got["cpu"]
     assert a.shape == b.shape == (int(lengths.sum()), 2, b.shape[2])
     assert float((a - b).norm() / b.norm()) < 5e-3   # fp32 (or TF32 where enabled) kernels, same math
+
+
+def test_online_taps_of_an_sdpa_llama_never_wait_for_the_gpu(tmp_path):
+    """A Llama target (SmolLM2's architecture; torch kernels only): the whole OnlineTaps.hidden, the model's
+    forward included, queues without a host sync (transformers' mask builder is not run: CAUSAL_SDPA)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash.target.load import load_target
+    from dflash.target.testing import tiny_tokenizer
+    from dflash.train.online import OnlineTaps
+
+    cfg = LlamaConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    tiny_tokenizer().save_pretrained(tmp_path / "llama")
+    model, _ = load_target(tmp_path / "llama", device="cuda", dtype=torch.bfloat16)
+    taps = OnlineTaps(model, (1, 3), dtype=torch.bfloat16, batch_tokens=96)
+    lengths = np.array([37, 5, 64, 20, 11])
+    ids = torch.randint(0, 256, (int(lengths.sum()),), device="cuda")
+    first = taps.hidden(ids, lengths)   # warm-up: lazy initialisations may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = taps.hidden(ids, lengths)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(again, first)

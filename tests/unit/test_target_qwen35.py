@@ -195,3 +195,23 @@ def test_embedding_and_head_reads_only_needed_shards(tmp_path):
     assert embed.dtype == torch.bfloat16
     assert torch.equal(embed, model.model.embed_tokens.weight.bfloat16())
     assert torch.equal(head, model.lm_head.weight.bfloat16())
+
+
+def test_unmasked_forward_builds_no_mask(model_fp32, monkeypatch):
+    from target_checks import check_unmasked_forward_skips_the_mask_builder
+
+    _, batch = _right_padded_batch([9, 30, 17], 259, pad_id=256, seed=2)
+    check_unmasked_forward_skips_the_mask_builder(model_fp32, batch, (1, 4), monkeypatch)
+
+
+def test_sliding_window_configs_keep_their_masks():
+    from types import SimpleNamespace
+
+    from dflash.target.forward import mask_free_causal
+
+    base = dict(_attn_implementation="sdpa", layer_types=["linear_attention", "full_attention"])
+    assert mask_free_causal(SimpleNamespace(**base))
+    assert mask_free_causal(SimpleNamespace(_attn_implementation="sdpa"))  # Llama: no layer_types
+    assert not mask_free_causal(SimpleNamespace(**base | {"sliding_window": 4096}))
+    assert not mask_free_causal(SimpleNamespace(**base | {"layer_types": ["sliding_attention", "full_attention"]}))
+    assert not mask_free_causal(SimpleNamespace(**base | {"_attn_implementation": "eager"}))

@@ -106,3 +106,13 @@ def test_embedding_and_head_tied(smol_dir, smol_fp32):
     # the folder stores bf16; the fp32 model was loaded from it, so the values agree exactly
     assert torch.equal(embed.float(), model.model.embed_tokens.weight)
     assert torch.equal(head.float(), model.lm_head.weight)
+
+
+def test_unmasked_forward_builds_no_mask(smol_fp32, monkeypatch):
+    from target_checks import check_unmasked_forward_skips_the_mask_builder
+
+    model, tok = smol_fp32
+    batch = torch.full((2, 24), tok.pad_token_id, dtype=torch.long)
+    batch[0, :24] = torch.arange(100, 124)
+    batch[1, :11] = torch.arange(300, 311)
+    check_unmasked_forward_skips_the_mask_builder(model, batch, (3, 10), monkeypatch)
