@@ -834,6 +834,8 @@ def main(argv=None) -> dict:
                 "eval_overhead_fraction": eval_overhead_fraction(evals, steps_s, every=default_eval_every())
                 if evals and steps_s else None, **over}
             result["curves"][rname] = c
+            result.get("partial_curves", {}).pop(rname, None)  # an earlier call's cut curve of it: now whole
+            result.get("partial_at_reference_steps", {}).pop(rname, None)
             plots = pathlib.Path(args.plot_dir) if args.plot_dir else REPO / "benchmarks" / "results"
             plots.mkdir(parents=True, exist_ok=True)
             png = plots / f"quality_reference_{rname}{'_tiny' if args.tiny else ''}.png"

@@ -37,9 +37,12 @@
 #             benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
 #             --eval-responses benchmarks/assets/peer --skip all_bf16,all_seqnorm --drop-caches --resume
 #         fp8 vs bf16 at that point, both online from the int4 cache's token stream, the live target's features
-#         rounded as an fp8 / bf16 cache would store them: 0.30 s a step alone (~21 min a run: one per session),
-#         0.42 s each two at once (~29 min: past a session with the set-up):
-#           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm --resume
+#         rounded as an fp8 / bf16 cache would store them, one run per session (2026-12-03: 0.308 s a step = ~21
+#         min a run, of which 173 ms GPU work; the host syncs of transformers' mask builder are gone since, so
+#         `smollm2step` first says the new step time: at ~0.18 s a run takes ~13 min and leaves room for another
+#         stage; two at once are GPU-bound, ~0.35 s each: past a session with the set-up):
+#           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm,all_bf16 --resume
+#           then in a later session the same with --skip all_noise,all_seed1,all_seqnorm,all_fp8
 #       A call cut at its limit resumes each run from its last checkpoint (--save-every 100), but only on the same
 #       warm machine: the device goes back ~30 s after a call, so chain the calls without a pause.
 #       The runs of 2026-12-02 (results/quality_reference_first12930_h200.json: greedy only, fp8, 6 epochs) are

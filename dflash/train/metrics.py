@@ -163,7 +163,16 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     path = pathlib.Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+            # the last line of a run killed while writing it (e.g. a call cut at its time limit): left out
+    return records
 
 
 def describe_final_loss(record: dict[str, Any] | None) -> str:

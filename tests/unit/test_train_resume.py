@@ -121,3 +121,15 @@ def test_resume_keeps_the_plan_a_run_started_with(tmp_path, monkeypatch):
     train(tiny_config(output=str(tmp_path / "new"), **kw), device="cpu")
     assert ckpt.load_checkpoint(checkpoint_path(tmp_path / "new", 12))["plan_version"] == 2
     assert _losses(tmp_path / "new") != old_losses  # the balanced plan is another plan: the check above can fail
+
+
+def test_read_metrics_leaves_out_a_torn_last_line(tmp_path):
+    """A run killed while writing its last record leaves a torn line: the records before it are read; a torn
+    line anywhere else is corruption and raises."""
+    from dflash.train.metrics import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10}\n{"step": 20}\n{"step": 3')
+    assert read_metrics(tmp_path) == [{"step": 10}, {"step": 20}]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10}\n{"ste\n{"step": 30}\n')
+    with pytest.raises(ValueError):  # json.JSONDecodeError
+        read_metrics(tmp_path)
