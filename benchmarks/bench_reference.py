@@ -453,6 +453,32 @@ def plot_curve(name: str, c: dict, path: pathlib.Path) -> str:
     return str(path)
 
 
+def plot_runs(full: dict, cut: dict, path: pathlib.Path) -> str:
+    """Held-out tau on MT-Bench and HumanEval against steps, one line per run: finished runs (`full`: name ->
+    curve) solid, runs cut short (`cut`) dashed up to where they stopped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, (ds, title) in zip(axes, (("mtbench", "MT-Bench"), ("humaneval", "HumanEval"))):
+        for runs, style, note in ((full, "-", ""), (cut, "--", " (cut)")):
+            for name, c in runs.items():
+                if c.get(HELDOUT_SETS[ds]):
+                    ax.plot(c["step"], c[HELDOUT_SETS[ds]], linestyle=style, marker="o", markersize=3,
+                            label=f"{name}{note}")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0].set_ylabel("held-out tau (tokens per target step)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -848,6 +874,12 @@ def main(argv=None) -> dict:
                                                       earlier=st.earlier.get("partial_curves") or {})
             ref = result.get("curves", {}).get(f"all_{args.storage}")
             result["partial_at_reference_steps"] = at_last_common_step(result["partial_curves"], ref)
+            if result["partial_curves"] and ref:
+                plots = pathlib.Path(args.plot_dir) if args.plot_dir else REPO / "benchmarks" / "results"
+                plots.mkdir(parents=True, exist_ok=True)
+                result["partial_plot"] = plot_runs(
+                    {f"all_{args.storage}": ref}, result["partial_curves"],
+                    plots / f"quality_reference_cut_runs{'_tiny' if args.tiny else ''}.png")
         bq.close_run(st, work=work, own_work=own_work)
     print(format_table(result), flush=True)
     log(f"written {out_json}")

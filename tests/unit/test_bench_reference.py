@@ -434,3 +434,5 @@ def test_cut_runs_recorded_and_compared_at_the_reference_steps(tmp_path):
     assert cmp["all_seed1"]["tau_humaneval"] is None and cmp["all_seed1"]["reference_tau_mtbench"] == 1.5
     assert "n2000" not in cmp                                    # no step in common
     assert br.at_last_common_step(got, None) == {}
+    png = pathlib.Path(br.plot_runs({"all_int4": ref}, got, tmp_path / "cut.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
