@@ -78,6 +78,10 @@ EVAL_SETS = bq.EVAL_SETS
 # learned ShareGPT's kind of text (the regenerated turns repeat earlier text far more than the eval responses do)
 HELDOUT_SETS = EVAL_SETS | {"sharegpt": "sharegpt_greedy.jsonl"}
 HELDOUT_PROMPTS = "sharegpt_heldout_prompts.jsonl"
+TOKENS_CACHE, TOKENS_CACHE_TAPS = "train_tokens", (0,)
+"""The --compare-online runs' cache: they read only its token stream (the live target computes their taps), so
+it holds one tap at layer 0: extraction runs one layer of the target and writes a fifth of the bytes. Its
+samples, lengths and order are the reference cache's (same data and tokenization), so every run sees one stream."""
 
 
 # ------------------------------------------------------------------------------------------- shared helpers
@@ -205,7 +209,7 @@ def eval_cache_complete(path: pathlib.Path) -> bool:
 
 
 def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: str, device: str, dtype: str,
-                  max_length: int, batch_tokens: int) -> dict:
+                  max_length: int, batch_tokens: int, taps: tuple[int, ...] | None = None) -> dict:
     from dflash.cache.verify import cache_info
     from dflash.extract.driver import ExtractConfig
     from dflash.extract.launch import launch
@@ -213,7 +217,7 @@ def extract_cache(model: str, data: list[str], out: pathlib.Path, *, storage: st
     if cache_present(out):  # a cut call left it: extraction resumes (committed shards are skipped)
         log(f"extract {out.name}: resuming")
     cfg = ExtractConfig(model=model, data=tuple(data), output=str(out), storage=storage, dtype=dtype, device=device,
-                        max_length=max_length, batch_tokens=batch_tokens, show_progress=False)
+                        max_length=max_length, batch_tokens=batch_tokens, show_progress=False, taps=taps)
     res = launch(cfg, num_procs=1, echo=lambda *a, **k: None)
     info = cache_info(out)  # the whole cache: a resumed call extracts only what an earlier one left
     log(f"extract {out.name}: {info['samples']} samples, {info['tokens']} tokens "
@@ -277,7 +281,7 @@ def prepare_data(qargs, work: pathlib.Path, *, device: str) -> dict:
 def train_once(args, *, model: str, cache, out: pathlib.Path, device: str, steps: int | None, eval_cache: str | None,
                eval_every: int, log_every: int | None, seed: int = 0, noise_start: float = 0.0,
                epochs: int = 6, online: bool = False, online_storage: str | None = None,
-               loss_normalization: str = "token") -> dict:
+               loss_normalization: str = "token", taps: tuple[int, ...] | None = None) -> dict:
     """One `dflash train` (library call) with held-out eval; continues from its last checkpoint when one exists."""
     from dflash.train.checkpoint import latest_checkpoint
     from dflash.train.config import TrainConfig
@@ -293,7 +297,7 @@ def train_once(args, *, model: str, cache, out: pathlib.Path, device: str, steps
                       seed=seed, log_every=log_every or args.log_every, save_every=args.save_every,
                       intermediate_size=args.intermediate_size, eval_cache=eval_cache, eval_every=eval_every,
                       noise_start=noise_start, noise_end=0.0, online=online, online_storage=online_storage,
-                      loss_normalization=loss_normalization)
+                      loss_normalization=loss_normalization, taps=taps)
     os.environ["DFLASH_NO_PROGRESS"] = "1"
     t = time.perf_counter()
     res = train(cfg, device=device, resume=resume)
@@ -566,7 +570,7 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
         # --compare-online: storage x from the live target on the reference cache's token stream, where a cache of
         # x does not fit the disk (a bf16 or fp8 cache of the whole-conversation data on the H200 machine)
         if args.compare_online:
-            return f"all_{x}", f"train_{ref}", {"online": True, "online_storage": x}
+            return f"all_{x}", TOKENS_CACHE, {"online": True, "online_storage": x}
         return f"all_{x}", f"train_{x}", {}
 
     plan = [(f"all_{ref}", f"train_{ref}", {}), compared(other),
@@ -717,13 +721,14 @@ def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *
     from dflash.target.taps import default_tap_layer_ids
 
     conf = json.loads((pathlib.Path(model) / "config.json").read_text())
-    taps = len(default_tap_layer_ids(conf["num_hidden_layers"]))
+    default_taps = len(default_tap_layer_ids(conf["num_hidden_layers"]))
     todo = {c: v for c, v in caches.items() if c in needed and not cache_present(work / f"cache_{c}")}
     est = {}
-    for c, (files, storage) in todo.items():
+    for c, (files, storage, taps) in todo.items():
         res, cfg = planned_tokens(model, files, work, dtype=dtype, device=device, max_length=args.max_length,
                                   batch_tokens=args.extract_batch_tokens, storage=storage, into=work / f"cache_{c}")
-        est[c] = estimate_cache_bytes(num_tokens=res.planned_tokens, num_samples=res.planned_samples, num_taps=taps,
+        est[c] = estimate_cache_bytes(num_tokens=res.planned_tokens, num_samples=res.planned_samples,
+                                      num_taps=len(taps) if taps else default_taps,
                                       hidden_size=conf["hidden_size"], storage=storage,
                                       shard_tokens=cfg.shard_tokens).total
     order = list(dict.fromkeys(c for _, c, _ in plan if c in todo))
@@ -791,13 +796,16 @@ def main(argv=None) -> dict:
         result["eval_responses_sha256"] = bq.same_eval_responses(work, earlier_sha, sets=HELDOUT_SETS)
         result["repetition"] = st.run("c_repetition", lambda: repetition_table(model, train_data, work))
         plan = runs_plan(args)
-        caches = {"eval": ([str(work / f) for f in HELDOUT_SETS.values()], "bf16")}
+        caches = {"eval": ([str(work / f) for f in HELDOUT_SETS.values()], "bf16", None)}
         for _, cname, _ in plan:
             if cname.startswith("train_n"):
                 n = int(cname[len("train_n"):])
-                caches[cname] = ([spread_records([train_data], n, work / f"train_spread{n}.jsonl")], args.storage)
+                caches[cname] = ([spread_records([train_data], n, work / f"train_spread{n}.jsonl")], args.storage,
+                                 None)
+            elif cname == TOKENS_CACHE:
+                caches[cname] = ([train_data], args.storage, TOKENS_CACHE_TAPS)
             else:
-                caches[cname] = ([train_data], cname[len("train_"):])
+                caches[cname] = ([train_data], cname[len("train_"):], None)
         result["reference_storage"] = args.storage
         # runs finished by earlier calls or sessions read no cache; a needed one is extracted at its first visit,
         # also when that visit's run is finished (later visits in this call reuse that stage's output)
@@ -813,8 +821,16 @@ def main(argv=None) -> dict:
         result.setdefault("curves", {})
         specs = {r: (c, over) for r, c, over in plan}
 
+        from dflash.target.taps import default_tap_layer_ids
+
+        # online runs compute the reference cache's taps (extraction's default), whatever their cache holds
+        online_taps = default_tap_layer_ids(json.loads((pathlib.Path(model) / "config.json").read_text())[
+            "num_hidden_layers"])
+
         def job(rname: str) -> dict:
             cname, over = specs[rname]
+            if over.get("online"):
+                over = over | {"taps": online_taps}
             return dict(args=args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}",
                         device=device, steps=args.steps, epochs=args.epochs, eval_cache=str(work / "cache_eval"),
                         eval_every=args.eval_every, log_every=None, **over)
@@ -827,7 +843,8 @@ def main(argv=None) -> dict:
                 turns[cname] = assistant_turns(caches[cname][0][0])
             unread = cname not in needed
             result["caches"][cname] = st.run(f"d_extract_{cname}", lambda cname=cname: extract_cache(
-                model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], **kw),
+                model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], taps=caches[cname][2],
+                **kw),
                 valid=lambda out, cname=cname, unread=unread: unread or cache_present(work / f"cache_{cname}"))
             if cname == f"train_{args.storage}":
                 # a sample is one regenerated assistant turn (the issue counts ShareGPT's ~61K user turns); a

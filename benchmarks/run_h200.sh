@@ -36,7 +36,9 @@
 #           reference --train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
 #             benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
 #             --eval-responses benchmarks/assets/peer --skip all_bf16,all_seqnorm --drop-caches --resume
-#         fp8 vs bf16 at that point, both online from the int4 cache's token stream, the live target's features
+#         fp8 vs bf16 at that point, both online from the token stream of a one-tap int4 cache of the same data
+#         (train_tokens: layer 0 only, so its extraction runs one layer and writes a fifth of the 5-tap cache's
+#         bytes; not yet timed here, the 5-tap one took 176 s), the live target's features
 #         rounded as an fp8 / bf16 cache would store them, one run per session (2026-12-03: 0.308 s a step = ~21
 #         min a run, of which 173 ms GPU work; the host syncs of transformers' mask builder are gone since, so
 #         `smollm2step` first says the new step time: at ~0.18 s a run takes ~13 min and leaves room for another

@@ -138,10 +138,11 @@ def _device_worker(index: int, emit, nprocs: int, device_type: str, cfgs: list[d
     return bytes_read
 
 
-def _union_taps(cache_taps: Sequence[int], run_taps: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    """The taps any run of the group needs, in cache order (each read once per micro-batch)."""
+def _union_taps(cache_taps: Sequence[int], run_taps: Sequence[Sequence[int]], *, online: bool) -> tuple[int, ...]:
+    """The taps any run of the group needs, each read (or, online, computed) once per micro-batch: in cache
+    order, or ascending for an online group (whose taps need not be the cache's)."""
     need = {t for taps in run_taps for t in taps}
-    return tuple(t for t in cache_taps if t in need)
+    return tuple(sorted(need)) if online else tuple(t for t in cache_taps if t in need)
 
 
 def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, device: str, resume: bool,
@@ -167,7 +168,9 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     reader = target.reader
     for why in target.reasons:
         log.info("group %d: %s", index, why)
-    union = _union_taps(reader.tap_layer_ids, [select_taps(reader.tap_layer_ids, r.config.taps) for r in runs])
+    layers = target.num_target_layers if first.online else None
+    union = _union_taps(reader.tap_layer_ids, [select_taps(reader.tap_layer_ids, r.config.taps, online_layers=layers)
+                                               for r in runs], online=first.online)
     units = []
     try:
         for r in runs:

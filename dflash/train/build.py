@@ -17,12 +17,19 @@ from dflash.errors import ConfigError
 from dflash.target.check import check_target_matches  # noqa: F401
 
 
-def select_taps(cache_taps: Sequence[int], requested: Sequence[int] | None) -> tuple[int, ...]:
-    """The drafter's target_layer_ids: `requested` (a subset of the cache's taps, in the given order) or all."""
+def select_taps(cache_taps: Sequence[int], requested: Sequence[int] | None, *,
+                online_layers: int | None = None) -> tuple[int, ...]:
+    """The drafter's target_layer_ids: `requested` (a subset of the cache's taps, in the given order) or all.
+    online_layers (an --online run: the target's layer count): the live target computes the taps and the cache
+    gives only the token stream, so `requested` may name any of the target's layers (ascending)."""
     available = tuple(int(t) for t in cache_taps)
     if requested is None:
         return available
     taps = tuple(int(t) for t in requested)
+    if online_layers is not None:
+        from dflash.target.taps import validate_tap_layer_ids
+
+        return validate_tap_layer_ids(taps, num_layers=online_layers)
     missing = [t for t in taps if t not in available]
     if missing:
         raise ConfigError(f"taps {missing} are not in the cache; it holds taps {list(available)}. "

@@ -34,7 +34,8 @@ class TrainConfig:
 
     # --- drafter shape (the hidden size comes from the cache, num_target_layers from the target) ---
     taps: tuple[int, ...] | None = None
-    """Target layer ids to feed the drafter, a subset of the cache's taps; None = all taps of the cache."""
+    """Target layer ids to feed the drafter, a subset of the cache's taps (with --online any of the target's
+    layers: the live target computes them); None = all taps of the cache."""
     num_layers: int = 5
     """Drafter decoder layers (paper: 5; 8 for Qwen3-Coder-30B-A3B)."""
     num_attention_heads: int | None = None

@@ -164,7 +164,7 @@ class DrafterSetup:
     """One run's drafter, built and placed on the device."""
 
     taps: tuple[int, ...]
-    """The drafter's target_layer_ids (a subset of the cache's taps, in the drafter's order)."""
+    """The drafter's target_layer_ids (a subset of the cache's taps, or online any of the target's layers)."""
     drafter: "DFlashDrafter"
     """On the device, fp32 master weights, seeded init (or to be loaded from the checkpoint)."""
     drafter_config: "DrafterConfig"
@@ -182,7 +182,7 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
 
     reasons: list[str] = []
     reader = target.reader
-    taps = select_taps(reader.tap_layer_ids, cfg.taps)
+    taps = select_taps(reader.tap_layer_ids, cfg.taps, online_layers=target.num_target_layers if cfg.online else None)
     if cfg.taps is None:
         reasons.append(f"taps: all of the cache's taps {list(taps)}")
     if resume_state is not None:

@@ -116,16 +116,18 @@ def test_subsets_joined_files_and_runs_plan(tmp_path):
     assert gpu.storage == "fp8" and [(p[0], p[1]) for p in br.runs_plan(gpu)] == [
         ("all_fp8", "train_fp8"), ("all_bf16", "train_bf16"), ("all_noise", "train_fp8"), ("all_seed1", "train_fp8"),
         ("all_seqnorm", "train_fp8"), ("n2000", "train_n2000"), ("n8000", "train_n8000")]
-    # --compare-online (--bf16-online): all_bf16 reads the fp8 cache's token stream, its features from the live
-    # target rounded to bf16; with an int4 reference the --also-storages fp8 run too, rounded to fp8
+    # --compare-online (--bf16-online): all_bf16 reads the token stream of a one-tap cache of the same data
+    # (TOKENS_CACHE), its features from the live target rounded to bf16; with an int4 reference the
+    # --also-storages fp8 run too, rounded to fp8
+    assert (br.TOKENS_CACHE, br.TOKENS_CACHE_TAPS) == ("train_tokens", (0,))
     for flag in ("--bf16-online", "--compare-online"):
         online = dict((p[0], p[1:]) for p in br.runs_plan(br.parse_args([flag])))
-        assert online["all_bf16"] == ("train_fp8", {"online": True, "online_storage": "bf16"})
+        assert online["all_bf16"] == ("train_tokens", {"online": True, "online_storage": "bf16"})
         assert online["all_fp8"] == ("train_fp8", {})
     int4 = dict((p[0], p[1:]) for p in br.runs_plan(br.parse_args(["--storage", "int4", "--compare-online",
                                                                     "--also-storages", "fp8"])))
-    assert int4["all_int4"] == ("train_int4", {}) and int4["all_fp8"] == ("train_int4", {
-        "online": True, "online_storage": "fp8"}) and int4["all_bf16"][0] == "train_int4"
+    assert int4["all_int4"] == ("train_int4", {}) and int4["all_fp8"] == ("train_tokens", {
+        "online": True, "online_storage": "fp8"}) and int4["all_bf16"][0] == "train_tokens"
     # --also-storages: one more all_<storage> run from its own cache after the all_* runs; the reference's and
     # the compared storage are not run twice
     more = br.runs_plan(br.parse_args(["--also-storages", "int4,fp8,bf16", "--skip",

@@ -212,3 +212,12 @@ def test_cli_help_and_example_spec(tmp_path):
     res = CliRunner().invoke(cli, ["sweep", str(tmp_path / "nope.yaml"), "--cache", "c", "--model", "m",
                                    "--output", str(tmp_path / "o")])
     assert res.exit_code == 1 and "does not exist" in res.output
+
+
+def test_stream_taps_of_a_group():
+    """A group's stream reads the union of its runs' taps in cache order; an online group's live target
+    computes them ascending, also layers the cache does not hold."""
+    from dflash.sweep.runner import _union_taps
+
+    assert _union_taps((1, 8, 15, 22), [(8, 1), (22,)], online=False) == (1, 8, 22)
+    assert _union_taps((0,), [(14, 1), (27,)], online=True) == (1, 14, 27)

@@ -18,7 +18,7 @@ NUM_CONVERSATIONS = 10
 STEPS = 4
 
 
-def _extract(smollm2_dir, d, storage: str):
+def _extract(smollm2_dir, d, storage: str, taps=None):
     from dflash.data.assets import sharegpt_conversations
     from dflash.extract.driver import ExtractConfig
     from dflash.extract.launch import launch
@@ -26,11 +26,12 @@ def _extract(smollm2_dir, d, storage: str):
     if not (d / "chats.jsonl").exists():
         lines = [json.dumps(c) for c in sharegpt_conversations(NUM_CONVERSATIONS)]
         (d / "chats.jsonl").write_text("\n".join(lines) + "\n")
-    cfg = ExtractConfig(model=str(smollm2_dir), data=(str(d / "chats.jsonl"),), output=str(d / f"cache_{storage}"),
+    out = d / (f"cache_{storage}" + (f"_taps{'-'.join(map(str, taps))}" if taps else ""))
+    cfg = ExtractConfig(model=str(smollm2_dir), data=(str(d / "chats.jsonl"),), output=str(out),
                         dtype="float32", max_length=96, batch_tokens=512, show_progress=False, device="cpu",
-                        storage=storage)
+                        storage=storage, taps=taps)
     launch(cfg, num_procs=1, echo=lambda *a, **k: None)
-    return d / f"cache_{storage}"
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +39,13 @@ def fp32_cache(tmp_path_factory, smollm2_dir):
     return str(smollm2_dir), _extract(smollm2_dir, tmp_path_factory.mktemp("online"), "bf16")
 
 
-def _run(cache, model, out, *, online: bool, online_storage: str | None = None):
+def _run(cache, model, out, *, online: bool, online_storage: str | None = None, taps=(1, 14, 27)):
     from dflash.train.config import TrainConfig
     from dflash.train.trainer import train
 
     cfg = TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=1, block_size=4, num_anchors=8,
                       intermediate_size=128, mask_token_id=16, lr=3e-3, batch_tokens=256, steps=STEPS, seed=3,
-                      log_every=1, save_every=100, num_readers=1, prefetch=2, online=online, taps=(1, 14, 27),
+                      log_every=1, save_every=100, num_readers=1, prefetch=2, online=online, taps=taps,
                       online_storage=online_storage)
     res = train(cfg, device="cpu")
     losses = [x for r in read_metrics(out) for x in r["step_losses"]]
@@ -63,6 +64,26 @@ def test_online_matches_cached_run(fp32_cache, tmp_path, monkeypatch):
     assert cached.cache_bytes_read > 0
     assert online.cache_bytes_read == 0  # ids and masks only
     assert loss_c[0] != loss_c[-1]  # the drafter trains (the comparison is not of constants)
+
+
+def test_online_taps_need_not_be_the_caches(fp32_cache, tmp_path, monkeypatch):
+    """An online run takes only the token stream from its cache: from a cache of one cheap tap (layer 0: one
+    layer of the target runs at extraction) it trains on taps (1, 14, 27) exactly as from a cache holding them.
+    A cached run on that cache is refused, naming the taps it holds."""
+    from dflash.errors import ConfigError
+
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    torch.set_num_threads(1)
+    model, cache = fp32_cache
+    one_tap = _extract(model, cache.parent, "bf16", taps=(0,))
+    _, loss_full = _run(cache, model, tmp_path / "full", online=True)
+    res, loss_one = _run(one_tap, model, tmp_path / "one", online=True)
+    assert loss_one == loss_full and len(loss_one) == STEPS
+    assert json.loads((res.drafter_dir / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [1, 14, 27]
+    with pytest.raises(ConfigError, match=r"taps \[1, 14, 27\] are not in the cache; it holds taps \[0\]"):
+        _run(one_tap, model, tmp_path / "cached", online=False)
+    with pytest.raises(ConfigError, match="40 is out of range for a target with 30"):  # checked against the target
+        _run(one_tap, model, tmp_path / "bad", online=True, taps=(1, 40))
 
 
 def test_online_loader_reads_no_hidden(fp32_cache):
