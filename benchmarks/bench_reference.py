@@ -26,7 +26,8 @@ generated). Stages:
      (at the final point), all + feature noise, all seed 1 (the seed-to-seed spread), all with
      --loss-normalization sequence (all_seqnorm: seqnorm_effect), all_<each --also-storages>
      (e.g. int4 at the reference point: issue 16's check on a drafter that learned), 2K and 8K (data scaling);
-     --parallel-runs N trains up to N consecutive runs of one cache at once, one process each (concurrent_groups)
+     --parallel-runs N trains up to N consecutive runs of one cache at once (concurrent_groups): online runs as one
+     `dflash sweep` group (one live target, each run's own rounding: train_shared), others one process each
   f. benchmarks/results/quality_reference_h200.json (--tiny: quality_reference_tiny_cpu.json) and a PNG per run
      of held-out tau against steps (quality_reference_<run>[_tiny].png) under benchmarks/results/
 Top-level numbers: tau_mtbench, tau_humaneval, tau_sharegpt_heldout (held-out, final drafter of the reference run),
@@ -278,35 +279,78 @@ def prepare_data(qargs, work: pathlib.Path, *, device: str) -> dict:
     return {"model": model, "train_cache": pathlib.Path(train["path"]), "eval_cache": pathlib.Path(ev["path"])}
 
 
-def train_once(args, *, model: str, cache, out: pathlib.Path, device: str, steps: int | None, eval_cache: str | None,
-               eval_every: int, log_every: int | None, seed: int = 0, noise_start: float = 0.0,
-               epochs: int = 6, online: bool = False, online_storage: str | None = None,
-               loss_normalization: str = "token", taps: tuple[int, ...] | None = None) -> dict:
-    """One `dflash train` (library call) with held-out eval; continues from its last checkpoint when one exists."""
-    from dflash.train.checkpoint import latest_checkpoint
+def train_config(args, *, model: str, cache, out: pathlib.Path, device: str, steps: int | None,
+                 eval_cache: str | None, eval_every: int, log_every: int | None, seed: int = 0,
+                 noise_start: float = 0.0, epochs: int = 6, online: bool = False, online_storage: str | None = None,
+                 loss_normalization: str = "token", taps: tuple[int, ...] | None = None):
+    """The TrainConfig of one run (a job: train_once's keyword arguments; `device` is train_once's)."""
     from dflash.train.config import TrainConfig
-    from dflash.train.metrics import read_metrics
-    from dflash.train.trainer import train
+
+    return TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=args.layers,
+                       block_size=args.block_size, num_anchors=args.num_anchors, mask_token_id=bq.SMOLLM2_MASK_TOKEN_ID,
+                       lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=steps, epochs=epochs,
+                       seed=seed, log_every=log_every or args.log_every, save_every=args.save_every,
+                       intermediate_size=args.intermediate_size, eval_cache=eval_cache, eval_every=eval_every,
+                       noise_start=noise_start, noise_end=0.0, online=online, online_storage=online_storage,
+                       loss_normalization=loss_normalization, taps=taps)
+
+
+def resumable(out: pathlib.Path) -> bool:
+    """Whether run folder `out` holds a checkpoint to continue from; a folder cut before its first one is removed."""
+    from dflash.train.checkpoint import latest_checkpoint
 
     resume = out.exists() and latest_checkpoint(out) is not None
     if out.exists() and not resume:
-        shutil.rmtree(out)  # cut before its first checkpoint
-    cfg = TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=args.layers,
-                      block_size=args.block_size, num_anchors=args.num_anchors, mask_token_id=bq.SMOLLM2_MASK_TOKEN_ID,
-                      lr=args.lr, warmup_ratio=0.04, batch_tokens=args.batch_tokens, steps=steps, epochs=epochs,
-                      seed=seed, log_every=log_every or args.log_every, save_every=args.save_every,
-                      intermediate_size=args.intermediate_size, eval_cache=eval_cache, eval_every=eval_every,
-                      noise_start=noise_start, noise_end=0.0, online=online, online_storage=online_storage,
-                      loss_normalization=loss_normalization, taps=taps)
+        shutil.rmtree(out)
+    return resume
+
+
+def run_record(out: pathlib.Path, *, seconds: float, resumed: bool) -> dict:
+    """What a run's folder says once it trained: steps, tokens/s (median of its log records after the first),
+    drafter folder and metrics records."""
+    from dflash.train.metrics import read_metrics
+
+    recs = read_metrics(out)
+    tps = [r["tokens_per_s"] for r in recs[1:]] or [r["tokens_per_s"] for r in recs]
+    return {"steps": recs[-1]["step"] if recs else 0, "seconds": round(seconds, 2),
+            "tokens_per_s": statistics.median(tps) if tps else None, "drafter": str(out / "drafter"),
+            "metrics": recs, "resumed": resumed}
+
+
+def train_once(args, *, device: str, out: pathlib.Path, **job) -> dict:
+    """One `dflash train` (library call) with held-out eval; continues from its last checkpoint when one exists."""
+    from dflash.train.trainer import train
+
+    resume = resumable(out)
+    cfg = train_config(args, device=device, out=out, **job)
     os.environ["DFLASH_NO_PROGRESS"] = "1"
     t = time.perf_counter()
     res = train(cfg, device=device, resume=resume)
     dt = time.perf_counter() - t
-    recs = read_metrics(out)
-    tps = [r["tokens_per_s"] for r in recs[1:]] or [r["tokens_per_s"] for r in recs]
     log(f"train {out.name}: {res.global_step} steps in {dt:.1f} s" + (" (resumed)" if resume else ""))
-    return {"steps": res.global_step, "seconds": round(dt, 2), "tokens_per_s": statistics.median(tps) if tps else None,
-            "drafter": str(res.drafter_dir), "metrics": recs, "resumed": resume}
+    return run_record(out, seconds=dt, resumed=resume) | {"steps": res.global_step, "drafter": str(res.drafter_dir)}
+
+
+def train_shared(jobs: dict[str, dict], *, work: pathlib.Path) -> dict[str, dict]:
+    """Run name -> train_once's record of each job, for online runs of one cache that differ only in their
+    rounding (online_storage): trained as one `dflash sweep` group (dflash.sweep.runner.run_group), so one live
+    target computes each micro-batch's taps once and each run rounds them through its own storage. Each run
+    continues from its last checkpoint (the group checkpoints all its runs at the same data position)."""
+    from dflash.sweep.runner import run_group
+    from dflash.sweep.spec import RunSpec
+
+    names = list(jobs)
+    cfgs = {n: train_config(**jobs[n]) for n in names}
+    resumed = [resumable(pathlib.Path(c.output)) for c in cfgs.values()]
+    log(f"training {', '.join(names)} as one group: one live target, each run's own rounding")
+    os.environ["DFLASH_NO_PROGRESS"] = "1"
+    t = time.perf_counter()
+    run_group(0, [RunSpec(name=n, config=cfgs[n], overrides={}) for n in names], output=work / "shared_group",
+              device=jobs[names[0]]["device"], resume=any(resumed))
+    dt = time.perf_counter() - t
+    return {n: run_record(pathlib.Path(cfgs[n].output), seconds=dt, resumed=r)
+            | {"trained_with": [m for m in names if m != n], "shared_target": True}
+            for n, r in zip(names, resumed)}
 
 
 def concurrent_groups(plan: list, *, finished: frozenset[str], n: int) -> dict[str, tuple[str, ...]]:
@@ -517,11 +561,12 @@ def parse_args(argv=None):
                          "cached speed on whole conversations (0.30 s a step against 0.137 s, "
                          "results/concurrent_probe_h200.json)")
     ap.add_argument("--parallel-runs", type=int, default=1, metavar="N",
-                    help="train up to N consecutive runs of the plan that read the same cache at once, one process "
-                         "each on the one device: the SmolLM2 drafter's step leaves the H200 idle much of the time "
-                         "(2 online runs at once: 0.42 s a step each against 0.30 s alone, 1.43x the steps; "
-                         "results/concurrent_probe_h200.json, 2026-12-03; bench_smollm2_step.py). Their tokens/s "
-                         "and step times are then shares of the device (trained_with in the run's record)")
+                    help="train up to N consecutive runs of the plan that read the same cache at once on the one "
+                         "device: online runs (--compare-online) as one sweep group, whose live target computes "
+                         "each micro-batch's taps once for all of them (each rounds them through its own storage); "
+                         "other runs one process each (two cached SmolLM2 runs gain nothing: the step keeps the "
+                         "GPU busy, results/smollm2_step_h200.json). Their tokens/s and step times are then shares "
+                         "of the device (trained_with in the run's record)")
     ap.add_argument("--drop-caches", action="store_true", help="delete each training cache once no later run "
                     "needs it (caches are extracted just before their first run)")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
@@ -853,7 +898,10 @@ def main(argv=None) -> dict:
                 result["train_conversations"] = result["caches"][cname]["samples"]
             mates = together.get(rname, (rname,))
             if len(mates) > 1 and rname not in trained:
-                trained.update(train_together({m: job(m) for m in mates}))
+                jobs = {m: job(m) for m in mates}
+                # online runs of one cache share one live target; others train in a process each
+                trained.update(train_shared(jobs, work=work) if all(j.get("online") for j in jobs.values())
+                               else train_together(jobs))
             r = st.run(f"e_train_{rname}", lambda rname=rname: trained.pop(rname) if rname in trained
                        else train_once(**job(rname)))
             if len(mates) > 1:  # the stage clock ran while the others trained: the run's own seconds instead

@@ -38,13 +38,13 @@
 #             --eval-responses benchmarks/assets/peer --skip all_bf16,all_seqnorm --drop-caches --resume
 #         fp8 vs bf16 at that point, both online from the token stream of a one-tap int4 cache of the same data
 #         (train_tokens: layer 0 only, so its extraction runs one layer and writes a fifth of the 5-tap cache's
-#         bytes; not yet timed here, the 5-tap one took 176 s), the live target's features
-#         rounded as an fp8 / bf16 cache would store them, one run per session (2026-12-03: 0.308 s a step = ~21
-#         min a run, of which 173 ms GPU work; the host syncs of transformers' mask builder are gone since, so
-#         `smollm2step` first says the new step time: at ~0.18 s a run takes ~13 min and leaves room for another
-#         stage; two at once are GPU-bound, ~0.35 s each: past a session with the set-up):
-#           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm,all_bf16 --resume
-#           then in a later session the same with --skip all_noise,all_seed1,all_seqnorm,all_fp8
+#         bytes; not yet timed here, the 5-tap one took 176 s), the live target's features rounded as an fp8 /
+#         bf16 cache would store them, trained together as one sweep group (--parallel-runs 2): one target
+#         forward per step for both. Estimate, not yet measured: GPU work per step ~35 ms target + 2 x 138 ms
+#         drafter = ~0.31 s, ~21 min for the pair, ~25 min with the set-up (2026-12-03 an online run alone took
+#         0.308 s a step before the mask-builder syncs were removed; `smollm2step` says the new figure):
+#           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm
+#             --parallel-runs 2 --resume
 #       A call cut at its limit resumes each run from its last checkpoint (--save-every 100), but only on the same
 #       warm machine: the device goes back ~30 s after a call, so chain the calls without a pause.
 #       The runs of 2026-12-02 (results/quality_reference_first12930_h200.json: greedy only, fp8, 6 epochs) are

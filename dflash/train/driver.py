@@ -205,10 +205,11 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
                     mb = loader.next()
                     if mb.is_empty or not active:
                         continue  # padding of the epoch's last step, or units still ahead: nothing to train
-                    if stream.online is not None:
-                        mb = stream.online.fill(mb, stream.compute_dtype)
+                    # online: one target forward, each run's features rounded through its own online_storage
+                    filled = None if stream.online is None else stream.online.fill(
+                        mb, stream.compute_dtype, storages=[u.cfg.online_storage for u in active])
                     for u in active:
-                        u.micro_batch(mb)
+                        u.micro_batch(mb if filled is None else filled[u.cfg.online_storage])
                 pos = ckpt.DataPosition(epoch=epoch, step_in_epoch=step_in_epoch + 1, global_step=pos.global_step + 1)
                 steps += 1
                 stop = cfg.stop_after_steps is not None and steps >= cfg.stop_after_steps

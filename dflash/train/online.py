@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -55,11 +56,12 @@ def forward_index_maps(starts_G: np.ndarray, lengths_G: np.ndarray, *, pad_src: 
 
 
 def live_taps(cfg, taps: tuple[int, ...], *, reader, device: torch.device) -> "OnlineTaps | None":
-    """The live target of a TrainConfig with online set (None otherwise): the cache's target dtype, the config's
-    forward budget and storage rounding. `taps`: the ones the stream reads (a sweep group's union)."""
+    """The live target of a TrainConfig with online set (None otherwise): the cache's target dtype and the config's
+    forward budget. `taps`: the ones the stream computes (a sweep group's union). Each run rounds them through its
+    own online_storage (fill)."""
     if not cfg.online:
         return None
-    return OnlineTaps.load(cfg.model, taps, device=device, batch_tokens=cfg.batch_tokens, storage=cfg.online_storage,
+    return OnlineTaps.load(cfg.model, taps, device=device, batch_tokens=cfg.batch_tokens,
                            dtype=online_target_dtype(reader.fingerprint.target_dtype, device))
 
 
@@ -67,10 +69,10 @@ class OnlineTaps:
     """The live target of an online run: fills MicroBatch.hidden_TKD from the micro-batch's input ids."""
 
     def __init__(self, model: torch.nn.Module, taps: tuple[int, ...], *, dtype: torch.dtype,
-                 batch_tokens: int, pad_id: int = 0, storage: str | None = None) -> None:
+                 batch_tokens: int, pad_id: int = 0) -> None:
         from dflash.target.forward import TappedForward
 
-        self.model, self.taps, self.dtype, self.storage = model, tuple(taps), dtype, storage
+        self.model, self.taps, self.dtype = model, tuple(taps), dtype
         self.tapped = TappedForward(model, self.taps)
         self.batch_tokens, self.pad_id = batch_tokens, pad_id
         self.forward_s = 0.0      # host wall time in fill() (on CUDA: queueing, not kernel time)
@@ -78,14 +80,13 @@ class OnlineTaps:
 
     @classmethod
     def load(cls, model_path: str, taps: tuple[int, ...], *, device: torch.device, dtype: torch.dtype,
-             batch_tokens: int, storage: str | None = None) -> "OnlineTaps":
+             batch_tokens: int) -> "OnlineTaps":
         from dflash.target.load import load_target
 
         model, tokenizer = load_target(model_path, device=device, dtype=dtype)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        log.info("online: live target %s (%s) computes taps %s for every micro-batch%s", model_path, dtype,
-                 list(taps), f", rounded through {storage} storage" if storage else "")
-        return cls(model, taps, dtype=dtype, batch_tokens=batch_tokens, pad_id=int(pad), storage=storage)
+        log.info("online: live target %s (%s) computes taps %s for every micro-batch", model_path, dtype, list(taps))
+        return cls(model, taps, dtype=dtype, batch_tokens=batch_tokens, pad_id=int(pad))
 
     def hidden(self, input_ids_T: torch.Tensor, lengths_N: np.ndarray) -> torch.Tensor:
         """Tapped target hidden states [T, K, D] (the target's dtype) of packed samples, in packed order."""
@@ -120,14 +121,20 @@ class OnlineTaps:
         t = torch.from_numpy(host)
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
-    def fill(self, mb: MicroBatch, dtype: torch.dtype) -> MicroBatch:
-        """The micro-batch with hidden_TKD computed by the target and cast to the drafter's compute dtype; with a
-        storage, encoded and decoded by the functions the extractor and the loader call on a cache of it (per
-        token and tap, so the forward batching does not change the result)."""
+    def fill(self, mb: MicroBatch, dtype: torch.dtype, *,
+             storages: Iterable[str | None] = (None,)) -> dict[str | None, MicroBatch]:
+        """Storage -> the micro-batch with hidden_TKD computed by the target (one forward for all) and cast to
+        the drafter's compute dtype; for a storage (None: unrounded), encoded and decoded by the functions the
+        extractor and the loader call on a cache of it (per token and tap, so the forward batching does not
+        change the result). One entry per distinct storage of `storages` (the runs of a sweep group)."""
+        out = {}
         with torch.inference_mode():
             h = self.hidden(mb.input_ids_T, mb.lengths)
-            if self.storage is not None:
-                enc = encode_stored(h, self.storage)
-                h = decode_stored(enc.hidden, enc.scales, enc.group_scales, storage=self.storage, dtype=dtype)
-        # a normal tensor: inference tensors cannot be saved for the drafter's backward
-        return dataclasses.replace(mb, hidden_TKD=h.to(dtype).clone())
+            for storage in dict.fromkeys(storages):
+                x = h
+                if storage is not None:
+                    enc = encode_stored(h, storage)
+                    x = decode_stored(enc.hidden, enc.scales, enc.group_scales, storage=storage, dtype=dtype)
+                out[storage] = x
+        # normal tensors (cloned outside inference mode): inference tensors cannot be saved for the backward
+        return {storage: dataclasses.replace(mb, hidden_TKD=x.to(dtype).clone()) for storage, x in out.items()}

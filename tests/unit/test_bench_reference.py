@@ -438,3 +438,22 @@ def test_cut_runs_recorded_and_compared_at_the_reference_steps(tmp_path):
     assert br.at_last_common_step(got, None) == {}
     png = pathlib.Path(br.plot_runs({"all_int4": ref}, got, tmp_path / "cut.png"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_online_runs_shared_equal_runs_trained_alone(tmp_path):
+    """--parallel-runs with online runs of one cache: one sweep group (one live target, each run's own rounding)
+    gives each run exactly the losses of training it alone, and the records say it was shared."""
+    target = tiny_target(tmp_path / "target")
+    cache = tiny_cache(tmp_path / "cache", target, num_samples=12)
+    args = types.SimpleNamespace(layers=1, block_size=4, num_anchors=8, lr=3e-3, batch_tokens=200, log_every=2,
+                                 save_every=2, intermediate_size=64)
+
+    def job(name, **over):
+        return dict(args=args, model=str(target), cache=cache, out=tmp_path / name, device="cpu", steps=4,
+                    eval_cache=None, eval_every=200, log_every=None, online=True, **over)
+    got = br.train_shared({"fp8": job("fp8", online_storage="fp8"), "raw": job("raw")}, work=tmp_path)
+    assert got["fp8"]["trained_with"] == ["raw"] and got["raw"]["shared_target"] and got["raw"]["steps"] == 4
+    for name, over in (("fp8", {"online_storage": "fp8"}), ("raw", {})):
+        alone = br.train_once(**job(f"alone_{name}", **over))
+        assert [m["step_losses"] for m in got[name]["metrics"]] == [m["step_losses"] for m in alone["metrics"]]
+    assert got["fp8"]["metrics"][-1]["step_losses"] != got["raw"]["metrics"][-1]["step_losses"]

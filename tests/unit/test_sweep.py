@@ -189,13 +189,15 @@ def test_grouping():
     norms = spec_from_dict({"grid": {"loss_normalization": ["token", "sequence"]}}, cache="c", model="m", output="o")
     groups = plan_groups(norms.runs, gpus=1, max_runs_per_device=None, separate_streams=False)
     assert [[r.config.loss_normalization for r in g] for g in groups] == [["token", "sequence"]]
-    # the online storage rounding is the stream's (one live target rounds the group's features once)
+    # the online storage rounding is a run's own (one live target computes the group's features once, each run
+    # rounds them); online itself is the stream's
     rounding = spec_from_dict({"base": {"online": True}, "grid": {"online_storage": ["fp8", "int4"]}}, cache="c",
                               model="m", output="o")
-    with pytest.raises(ConfigError, match="differ in 'online_storage'"):
-        plan_groups(rounding.runs, gpus=1, max_runs_per_device=None, separate_streams=False)
-    groups = plan_groups(rounding.runs, gpus=1, max_runs_per_device=None, separate_streams=True)
-    assert [[r.config.online_storage for r in g] for g in groups] == [["fp8"], ["int4"]]
+    groups = plan_groups(rounding.runs, gpus=1, max_runs_per_device=None, separate_streams=False)
+    assert [[r.config.online_storage for r in g] for g in groups] == [["fp8", "int4"]]
+    mixed = spec_from_dict({"grid": {"online": [True, False]}}, cache="c", model="m", output="o")
+    with pytest.raises(ConfigError, match="differ in 'online'"):
+        plan_groups(mixed.runs, gpus=1, max_runs_per_device=None, separate_streams=False)
 
 
 def test_cli_help_and_example_spec(tmp_path):

@@ -152,9 +152,10 @@ def test_online_storage_gives_the_features_and_run_of_that_cache(fp32_cache, tmp
                     input_ids_T=torch.from_numpy(p.input_ids.astype(np.int64)), loss_mask_T=torch.zeros(0),
                     hidden_TKD=torch.zeros(0))
     # decoded to bf16 as the reader's dequantize does (the loader decodes to the compute dtype the same way)
-    rounded = OnlineTaps(model, (1, 14), dtype=torch.float32, batch_tokens=128, storage=storage).fill(
-        mb, torch.bfloat16).hidden_TKD
-    raw = OnlineTaps(model, (1, 14), dtype=torch.float32, batch_tokens=128).fill(mb, torch.bfloat16).hidden_TKD
+    filled = OnlineTaps(model, (1, 14), dtype=torch.float32, batch_tokens=128).fill(
+        mb, torch.bfloat16, storages=[storage, None, storage])
+    assert list(filled) == [storage, None]   # one entry per distinct storage, from one forward
+    rounded, raw = filled[storage].hidden_TKD, filled[None].hidden_TKD
     ref = p.hidden
     same_rounded = float((rounded == ref).float().mean())
     same_raw = float((raw == ref).float().mean())
@@ -191,3 +192,29 @@ def test_forward_index_maps_pin_packed_positions_and_pads():
     assert real.tolist() == [0, 1, 2, 3, 6, 7]
     assert src.ravel()[real].tolist() == [10, 11, 12, 4, 20, 21]
     assert src.dtype == real.dtype == np.int64
+
+
+def test_online_sweep_group_rounds_each_run_through_its_own_storage(fp32_cache, tmp_path, monkeypatch):
+    """A sweep group of online runs that differ only in online_storage shares one live target (one forward per
+    micro-batch) and gives each run exactly the losses of `dflash train --online --online-storage` alone."""
+    from dflash.sweep.runner import run_sweep
+    from dflash.sweep.spec import spec_from_dict
+
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    torch.set_num_threads(1)
+    model, cache = fp32_cache
+    base = dict(num_layers=1, block_size=4, num_anchors=8, intermediate_size=128, mask_token_id=16, lr=3e-3,
+                batch_tokens=256, steps=STEPS, seed=3, log_every=1, save_every=100, num_readers=1, prefetch=2,
+                online=True, taps=[1, 14, 27])
+    out = tmp_path / "sweep"
+    spec = spec_from_dict({"base": base, "runs": [{"name": "fp8", "online_storage": "fp8"}, {"name": "raw"}]},
+                          cache=str(cache), model=model, output=str(out))
+    res = run_sweep(spec, output=out, device="cpu")
+    assert [len(g) for g in json.loads((out / "sweep.json").read_text())["groups"]] == [2]   # one stream
+    assert res.bytes_read == 0
+    for name, storage in (("fp8", "fp8"), ("raw", None)):
+        _, alone = _run(cache, model, tmp_path / f"alone_{name}", online=True, online_storage=storage)
+        assert [x for r in read_metrics(out / "runs" / name) for x in r["step_losses"]] == alone
+    fp8 = [x for r in read_metrics(out / "runs" / "fp8") for x in r["step_losses"]]
+    raw = [x for r in read_metrics(out / "runs" / "raw") for x in r["step_losses"]]
+    assert fp8 != raw   # the rounding reached each run
