@@ -389,17 +389,23 @@ def test_concurrent_groups_pairs_pending_runs_of_one_cache():
     assert all(names == (r,) for r, names in br.concurrent_groups(plan, finished=frozenset(), n=1).items())
 
 
-def test_runs_trained_together_equal_runs_trained_alone(tmp_path):
-    """--parallel-runs: two runs in two processes at once give each run's losses exactly as training it alone
-    (deterministic on CPU), and each record names the run it shared the device with."""
+def _small_jobs(tmp_path, *, save_every: int, **fixed):
+    """job(name, **over) -> train_once keyword arguments of a 4-step run on a tiny target and cache."""
     target = tiny_target(tmp_path / "target")
     cache = tiny_cache(tmp_path / "cache", target, num_samples=12)
     args = types.SimpleNamespace(layers=1, block_size=4, num_anchors=8, lr=3e-3, batch_tokens=200, log_every=2,
-                                 save_every=4, intermediate_size=64)
+                                 save_every=save_every, intermediate_size=64)
 
     def job(name, **over):
         return dict(args=args, model=str(target), cache=cache, out=tmp_path / name, device="cpu", steps=4,
-                    eval_cache=None, eval_every=200, log_every=None, **over)
+                    eval_cache=None, eval_every=200, log_every=None, **fixed, **over)
+    return job
+
+
+def test_runs_trained_together_equal_runs_trained_alone(tmp_path):
+    """--parallel-runs: two runs in two processes at once give each run's losses exactly as training it alone
+    (deterministic on CPU), and each record names the run it shared the device with."""
+    job = _small_jobs(tmp_path, save_every=4)
     alone = br.train_once(**job("alone", seed=1))
     got = br.train_together({"a": job("a"), "b": job("b", seed=1)})
     assert got["a"]["trained_with"] == ["b"] and got["b"]["trained_with"] == ["a"]
@@ -443,14 +449,7 @@ def test_cut_runs_recorded_and_compared_at_the_reference_steps(tmp_path):
 def test_online_runs_shared_equal_runs_trained_alone(tmp_path):
     """--parallel-runs with online runs of one cache: one sweep group (one live target, each run's own rounding)
     gives each run exactly the losses of training it alone, and the records say it was shared."""
-    target = tiny_target(tmp_path / "target")
-    cache = tiny_cache(tmp_path / "cache", target, num_samples=12)
-    args = types.SimpleNamespace(layers=1, block_size=4, num_anchors=8, lr=3e-3, batch_tokens=200, log_every=2,
-                                 save_every=2, intermediate_size=64)
-
-    def job(name, **over):
-        return dict(args=args, model=str(target), cache=cache, out=tmp_path / name, device="cpu", steps=4,
-                    eval_cache=None, eval_every=200, log_every=None, online=True, **over)
+    job = _small_jobs(tmp_path, save_every=2, online=True)
     got = br.train_shared({"fp8": job("fp8", online_storage="fp8"), "raw": job("raw")}, work=tmp_path)
     assert got["fp8"]["trained_with"] == ["raw"] and got["raw"]["shared_target"] and got["raw"]["steps"] == 4
     for name, over in (("fp8", {"online_storage": "fp8"}), ("raw", {})):
