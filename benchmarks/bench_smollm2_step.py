@@ -10,6 +10,9 @@ has 30 device-minutes, so these step times decide which runs fit. This measures,
   ms per step by kernel kind (bench_train.kernel_summary) against the step's wall ms (busy << wall: the host
   sets the pace and the GPU could run something else meanwhile); and, just before it, 2 steps under
   torch.cuda.set_sync_debug_mode("warn"): the Python lines where the host waited for the GPU, per step;
+- the online modes of `--shared` (default fp8 and bf16 rounding) as one sweep group: one live target computes
+  each micro-batch's taps once and each run rounds them its own way (bench_reference --compare-online
+  --parallel-runs 2): the group's step time, and its speed-up over training them alone one after the other;
 - each mode of `--pairs` as two runs at once, one process each (seeds 0 and 1), released together after their
   warm-up (a file barrier: compile times differ, and unaligned runs would each step mostly alone): the step
   time of each, the share of the timed span they overlapped (`overlap_fraction`), and the aggregate steps/s over
@@ -66,15 +69,20 @@ def parse_args(argv=None):
                     help="profiled steps near the end of each lone run, after 2 steps that name the host syncs (CUDA)")
     ap.add_argument("--modes", default="cached,online_fp8", help=f"runs alone, comma-separated of {', '.join(MODES)}")
     ap.add_argument("--pairs", default="cached,online_fp8", help="modes also run two at once ('' for none)")
+    ap.add_argument("--shared", default="online_fp8,online_bf16",
+                    help="online modes trained as one sweep group (one live target, each run's own rounding: what "
+                         "bench_reference --compare-online --parallel-runs 2 does); '' for none")
     ap.add_argument("--workdir", default="/tmp/bench_smollm2_step", help="target, data, cache and runs")
     ap.add_argument("--json", help="result file (default benchmarks/results/smollm2_step_{h200,tiny_cpu}.json)")
     args = ap.parse_args(argv)
     gpu = dict(conversations=2000, steps=120, warmup=20)
     tiny = dict(conversations=24, steps=6, warmup=2)
     fill_unset(args, tiny if args.tiny else gpu)
-    for m in filter(None, (args.modes + "," + args.pairs).split(",")):
+    for m in filter(None, (args.modes + "," + args.pairs + "," + args.shared).split(",")):
         if m not in MODES:
             ap.error(f"unknown mode {m!r}: one of {', '.join(MODES)}")
+    if any(not MODES[m].get("online") for m in filter(None, args.shared.split(","))):
+        ap.error("--shared takes online modes only (one live target serves the group)")
     return args
 
 
@@ -161,6 +169,30 @@ def one_run(index: int, emit, jobs: list[dict]) -> dict:
             "host_syncs_per_step": dict(sorted(where.items(), key=lambda kv: -kv[1])) if cuda else None}
 
 
+def shared_run(index: int, emit, cfgs: list, warmup: int) -> dict:
+    """dflash.procs.spawn worker: the online runs `cfgs` as one sweep group (dflash.sweep.runner.run_group): one
+    target forward per micro-batch for all, each run rounding the taps through its own online_storage. Returns
+    the group's step time (the first run's log records after the warm-up: every run logs the same steps)."""
+    import os
+
+    import torch
+
+    from dflash.sweep.runner import run_group
+    from dflash.sweep.spec import RunSpec
+    from dflash.train.metrics import read_metrics
+
+    os.environ["DFLASH_NO_PROGRESS"] = "1"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = time.perf_counter()
+    run_group(0, [RunSpec(name=pathlib.Path(c.output).name, config=c, overrides={}) for c in cfgs],
+              output=pathlib.Path(cfgs[0].output).parent / "shared_group", device=device, resume=False)
+    wall = time.perf_counter() - t
+    timed = [r for r in read_metrics(cfgs[0].output) if r["step"] > warmup and r.get("step_time_s")]
+    return {"runs": [pathlib.Path(c.output).name for c in cfgs], "steps": cfgs[0].steps, "wall_s": round(wall, 2),
+            "step_s_median": statistics.median(r["step_time_s"] for r in timed) if timed else None,
+            "log_records_timed": len(timed)}
+
+
 def wait_for_all(folder: str, name: str, n: int, timeout_s: float = 600.0) -> None:
     """A barrier between runs in separate processes: this run's file in `folder`, then wait until `n` are there
     (runs that share the GPU time their steps only while all of them are past their warm-up and compile)."""
@@ -237,6 +269,17 @@ def main(argv=None) -> dict:
             rec["pair_speedup"] = 2 * alone / statistics.mean(r["step_s_median"] for r in runs)
         result["pairs"][mode] = rec
         log(json.dumps({k: v for k, v in rec.items() if k != "runs"} | {"step_s": [r["step_s_median"] for r in runs]}))
+    shared = list(filter(None, args.shared.split(",")))
+    if shared:
+        log(f"{', '.join(shared)}: one sweep group, one live target")
+        cfgs = [job(m, 0, f"{m}_shared", 0)["cfg"] for m in shared]
+        rec = spawn(shared_run, 1, args=(cfgs, args.warmup), process_group=False)[0]
+        alone = [result["alone"].get(m, {}).get("step_s_median") for m in shared]
+        if all(alone) and rec["step_s_median"]:
+            # the group's steps of all its runs against each run's steps alone, one after the other
+            rec["speedup_vs_alone_in_turn"] = sum(alone) / rec["step_s_median"]
+        result["shared"] = rec
+        log(json.dumps(rec))
     out = pathlib.Path(args.json) if args.json else \
         REPO / "benchmarks" / "results" / f"smollm2_step_{'tiny_cpu' if args.tiny else 'h200'}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -42,7 +42,8 @@
 #         bf16 cache would store them, trained together as one sweep group (--parallel-runs 2): one target
 #         forward per step for both. Estimate, not yet measured: GPU work per step ~35 ms target + 2 x 138 ms
 #         drafter = ~0.31 s, ~21 min for the pair, ~25 min with the set-up (2026-12-03 an online run alone took
-#         0.308 s a step before the mask-builder syncs were removed; `smollm2step` says the new figure):
+#         0.308 s a step before the mask-builder syncs were removed; `smollm2step --modes online_fp8,online_bf16
+#         --pairs ""` says the new figures, the shared group's included, in ~5 min):
 #           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm
 #             --parallel-runs 2 --resume
 #       A call cut at its limit resumes each run from its last checkpoint (--save-every 100), but only on the same
@@ -62,8 +63,10 @@
 #         peer --stop-after dflash (carrying part-e and shared);  peer --resume --stop-after specforge (twice);
 #         peer --resume
 #   bash benchmarks/run_h200.sh smollm2step [ARGS]   # bench_smollm2_step: the SmolLM2 drafter's step cached and
-#       online (fp8-rounded), alone with a profile and two at once (~5 min with the stashed GGUF; what
-#       bench_reference --parallel-runs 2 gains and where an online step's extra time goes)
+#       online (fp8-rounded), alone with a profile, two at once, and fp8 + bf16 online as one shared group (~7-8
+#       min with the stashed GGUF, near a call's limit; what bench_reference --parallel-runs 2 gains and where an
+#       online step's time goes). Before the shared fp8 vs bf16 reference runs, the short form (~5 min):
+#         smollm2step --modes online_fp8,online_bf16 --pairs ""
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1

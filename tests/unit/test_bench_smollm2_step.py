@@ -45,3 +45,11 @@ def test_pairs_are_timed_side_by_side(tmp_path):
     assert bench.overlap_fraction([[0, 10], [0, 10]]) == 1.0
     assert bench.overlap_fraction([[0, 10], [5, 20]]) == pytest.approx(5 / 15)
     assert bench.overlap_fraction([[0, 10], [12, 20]]) == 0.0
+
+
+def test_shared_group_takes_online_modes_only(capsys):
+    assert bench.parse_args([]).shared == "online_fp8,online_bf16"
+    assert bench.parse_args(["--shared", ""]).shared == ""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shared", "cached,online_fp8"])
+    assert "--shared takes online modes only" in capsys.readouterr().err
