@@ -53,6 +53,7 @@ CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer dra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
@@ -277,6 +278,48 @@ def prepare_data(qargs, work: pathlib.Path, *, device: str) -> dict:
     train = extract_cache(model, [str(work / "train_greedy.jsonl")], work / "cache_train", storage="bf16", **kw)
     ev = extract_cache(model, [str(work / f) for f in EVAL_SETS.values()], work / "cache_eval", storage="bf16", **kw)
     return {"model": model, "train_cache": pathlib.Path(train["path"]), "eval_cache": pathlib.Path(ev["path"])}
+
+
+def heldout_line(name: str, rec: dict) -> str:
+    """One progress line for a held-out evaluation record of run `name` (metrics.jsonl)."""
+    sets = "".join(f", {label} {rec[k]:.3f}" for label, k in (("MT-Bench", f"heldout_tau/{HELDOUT_SETS['mtbench']}"),
+                                                              ("HumanEval", f"heldout_tau/{HELDOUT_SETS['humaneval']}"))
+                   if rec.get(k) is not None)
+    return (f"{name} step {rec['step']}: held-out tau {rec['heldout_tau']:.3f}{sets}; "
+            f"{rec.get('step_time_s') or 0:.3f} s a step, train acc len {rec.get('accept_len') or 0:.2f}")
+
+
+@contextlib.contextmanager
+def watching(runs: dict[str, pathlib.Path], *, every_s: float = 15.0):
+    """While the body trains `runs` (name -> run folder), a thread prints a line per new held-out evaluation in
+    their metrics.jsonl: the trainings log nothing else (no progress bars here), and a device call's output is
+    all a cut call leaves to read."""
+    import threading
+
+    from dflash.train.metrics import read_metrics
+
+    seen = {n: len([r for r in read_metrics(d) if r.get("heldout_tau") is not None]) for n, d in runs.items()}
+    stop = threading.Event()
+
+    def poll() -> None:
+        for n, d in runs.items():
+            evals = [r for r in read_metrics(d) if r.get("heldout_tau") is not None]
+            for rec in evals[seen[n]:]:
+                log(heldout_line(n, rec))
+            seen[n] = len(evals)
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            poll()
+
+    t = threading.Thread(target=loop, name="bench-reference-watch", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        poll()
 
 
 def train_config(args, *, model: str, cache, out: pathlib.Path, device: str, steps: int | None,
@@ -900,10 +943,15 @@ def main(argv=None) -> dict:
             if len(mates) > 1 and rname not in trained:
                 jobs = {m: job(m) for m in mates}
                 # online runs of one cache share one live target; others train in a process each
-                trained.update(train_shared(jobs, work=work) if all(j.get("online") for j in jobs.values())
-                               else train_together(jobs))
+                with watching({m: jobs[m]["out"] for m in mates}):
+                    trained.update(train_shared(jobs, work=work) if all(j.get("online") for j in jobs.values())
+                                   else train_together(jobs))
+
+            def train_alone(rname=rname) -> dict:
+                with watching({rname: job(rname)["out"]}):
+                    return train_once(**job(rname))
             r = st.run(f"e_train_{rname}", lambda rname=rname: trained.pop(rname) if rname in trained
-                       else train_once(**job(rname)))
+                       else train_alone(rname))
             if len(mates) > 1:  # the stage clock ran while the others trained: the run's own seconds instead
                 st.result["stage_seconds"][f"e_train_{rname}"] = r["seconds"]
             if args.drop_caches and all(c != cname for _, c, _ in plan[ri + 1:]):

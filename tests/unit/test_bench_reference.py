@@ -6,6 +6,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+import time
 import types
 
 import numpy as np
@@ -456,3 +457,17 @@ def test_online_runs_shared_equal_runs_trained_alone(tmp_path):
         alone = br.train_once(**job(f"alone_{name}", **over))
         assert [m["step_losses"] for m in got[name]["metrics"]] == [m["step_losses"] for m in alone["metrics"]]
     assert got["fp8"]["metrics"][-1]["step_losses"] != got["raw"]["metrics"][-1]["step_losses"]
+
+
+def test_watching_prints_each_new_heldout_evaluation(tmp_path, capsys):
+    """While runs train, each new held-out evaluation in their metrics.jsonl is one progress line, once."""
+    _write_metrics(tmp_path / "run_a", {500: (1.2, 1.3)})        # an earlier call's: not printed again
+    path = tmp_path / "run_a" / "metrics.jsonl"
+    with br.watching({"a": tmp_path / "run_a", "b": tmp_path / "run_b"}, every_s=0.05):
+        with path.open("a") as f:
+            f.write(json.dumps({"step": 600, "loss": 1.0}) + "\n")   # a log record without evaluation
+            f.write(json.dumps({"step": 1000, "heldout_tau": 1.5, "step_time_s": 0.31, "accept_len": 2.0,
+                                "heldout_tau/mtbench_greedy.jsonl": 1.4}) + "\n")
+        time.sleep(0.3)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "held-out" in x]
+    assert len(lines) == 1 and "a step 1000: held-out tau 1.500, MT-Bench 1.400; 0.310 s a step" in lines[0]
