@@ -800,16 +800,29 @@ def assistant_turns(path: str) -> int:
     return n
 
 
+def reference_taps(model: str) -> tuple[int, ...]:
+    """The taps a cache of `model` holds when extraction picks them (every cache here but TOKENS_CACHE): also the
+    taps the online runs compute, whatever their cache holds."""
+    from dflash.target.taps import default_tap_layer_ids
+
+    return default_tap_layer_ids(json.loads((pathlib.Path(model) / "config.json").read_text())["num_hidden_layers"])
+
+
+def plot_dir(args) -> pathlib.Path:
+    """Where the PNGs go (--plot-dir, default benchmarks/results), created."""
+    plots = pathlib.Path(args.plot_dir) if args.plot_dir else REPO / "benchmarks" / "results"
+    plots.mkdir(parents=True, exist_ok=True)
+    return plots
+
+
 def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *, dtype: str, device: str,
                needed: set[str]) -> dict:
     """disk_plan for this run (the `needed` caches, caches_needed, not yet on disk: tokens from extraction dry
     runs, bytes from dflash.extract.space, the rule `dflash extract` refuses by); SystemExit with what to change
     when it does not fit."""
     from dflash.extract.space import estimate_cache_bytes
-    from dflash.target.taps import default_tap_layer_ids
-
     conf = json.loads((pathlib.Path(model) / "config.json").read_text())
-    default_taps = len(default_tap_layer_ids(conf["num_hidden_layers"]))
+    default_taps = len(reference_taps(model))
     todo = {c: v for c, v in caches.items() if c in needed and not cache_present(work / f"cache_{c}")}
     est = {}
     for c, (files, storage, taps) in todo.items():
@@ -909,11 +922,7 @@ def main(argv=None) -> dict:
         result.setdefault("curves", {})
         specs = {r: (c, over) for r, c, over in plan}
 
-        from dflash.target.taps import default_tap_layer_ids
-
-        # online runs compute the reference cache's taps (extraction's default), whatever their cache holds
-        online_taps = default_tap_layer_ids(json.loads((pathlib.Path(model) / "config.json").read_text())[
-            "num_hidden_layers"])
+        online_taps = reference_taps(model)
 
         def job(rname: str) -> dict:
             cname, over = specs[rname]
@@ -922,6 +931,11 @@ def main(argv=None) -> dict:
             return dict(args=args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}",
                         device=device, steps=args.steps, epochs=args.epochs, eval_cache=str(work / "cache_eval"),
                         eval_every=args.eval_every, log_every=None, **over)
+
+        def train_watched(rname: str) -> dict:
+            j = job(rname)
+            with watching({rname: j["out"]}):
+                return train_once(**j)
         together = concurrent_groups(plan, finished=frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}")),
                                      n=args.parallel_runs)
         trained: dict[str, dict] = {}  # results of runs trained together, until their stage records them
@@ -946,12 +960,8 @@ def main(argv=None) -> dict:
                 with watching({m: jobs[m]["out"] for m in mates}):
                     trained.update(train_shared(jobs, work=work) if all(j.get("online") for j in jobs.values())
                                    else train_together(jobs))
-
-            def train_alone(rname=rname) -> dict:
-                with watching({rname: job(rname)["out"]}):
-                    return train_once(**job(rname))
             r = st.run(f"e_train_{rname}", lambda rname=rname: trained.pop(rname) if rname in trained
-                       else train_alone(rname))
+                       else train_watched(rname))
             if len(mates) > 1:  # the stage clock ran while the others trained: the run's own seconds instead
                 st.result["stage_seconds"][f"e_train_{rname}"] = r["seconds"]
             if args.drop_caches and all(c != cname for _, c, _ in plan[ri + 1:]):
@@ -975,9 +985,7 @@ def main(argv=None) -> dict:
             result["curves"][rname] = c
             result.get("partial_curves", {}).pop(rname, None)  # an earlier call's cut curve of it: now whole
             result.get("partial_at_reference_steps", {}).pop(rname, None)
-            plots = pathlib.Path(args.plot_dir) if args.plot_dir else REPO / "benchmarks" / "results"
-            plots.mkdir(parents=True, exist_ok=True)
-            png = plots / f"quality_reference_{rname}{'_tiny' if args.tiny else ''}.png"
+            png = plot_dir(args) / f"quality_reference_{rname}{'_tiny' if args.tiny else ''}.png"
             result["runs"][rname]["plot"] = plot_curve(rname, c, png)
             summarise(result)
             st.save()
@@ -988,11 +996,9 @@ def main(argv=None) -> dict:
             ref = result.get("curves", {}).get(f"all_{args.storage}")
             result["partial_at_reference_steps"] = at_last_common_step(result["partial_curves"], ref)
             if result["partial_curves"] and ref:
-                plots = pathlib.Path(args.plot_dir) if args.plot_dir else REPO / "benchmarks" / "results"
-                plots.mkdir(parents=True, exist_ok=True)
                 result["partial_plot"] = plot_runs(
                     {f"all_{args.storage}": ref}, result["partial_curves"],
-                    plots / f"quality_reference_cut_runs{'_tiny' if args.tiny else ''}.png")
+                    plot_dir(args) / f"quality_reference_cut_runs{'_tiny' if args.tiny else ''}.png")
         bq.close_run(st, work=work, own_work=own_work)
     print(format_table(result), flush=True)
     log(f"written {out_json}")
