@@ -230,10 +230,10 @@ def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: 
     import gzip
 
     from dflash.extract.preflight import target_greedy_of
-    from dflash.target.identity import target_config_hash
+    from dflash.target.identity import target_config_hashes
 
     src_dir = pathlib.Path(args.eval_responses) if args.eval_responses else None
-    cfg_hash = target_config_hash(model) if src_dir else None
+    cfg_hashes = target_config_hashes(model) if src_dir else frozenset()
     out, todo = {}, {}
     for name, fname in sets.items():
         plain, packed = (src_dir / fname, src_dir / (fname + ".gz")) if src_dir else (None, None)
@@ -247,7 +247,7 @@ def eval_responses(args, model: str, prompts: dict, work: pathlib.Path, device: 
         (work / fname).write_bytes(data)
         # extraction's own rule, checked now: else the eval cache comes out unmarked and the first held-out
         # evaluation refuses it only after the training caches are extracted (minutes of a device call)
-        greedy, why = target_greedy_of([str(work / fname)], target_config_hash=cfg_hash, target_dtype=dtype)
+        greedy, why = target_greedy_of([str(work / fname)], target_config_hashes=cfg_hashes, target_dtype=dtype)
         if not greedy:
             raise SystemExit(f"--eval-responses {src}: not this run's target-greedy responses ({why})")
         out[name] = {"file": str(work / fname), "copied_from": str(src), "prompts": data.count(b"\n")}

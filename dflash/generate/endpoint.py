@@ -246,13 +246,14 @@ def endpoint_chunk(convs: Sequence[Conversation], *, client: EndpointClient, mod
 def regenerate_endpoint(cfg: EndpointConfig, *, progress: bool = True, echo: Callable[[str], None] = print,
                         stop_after: float | None = None) -> RegenerateStats:
     """Run (or resume) one endpoint job; the same output and totals as dflash.generate.run.regenerate."""
-    from dflash.generate.output import ShardedOutput
+    from dflash.generate.output import ShardedOutput, read_job
 
     t0 = time.perf_counter()
     read_skips = SkipCounter()
     convs = load_conversations(data=cfg.data, prompts=cfg.prompts, limit=cfg.limit, skips=read_skips)
+    earlier = (read_job(cfg.output) or {}).get("model") or {}
     served = {"endpoint": cfg.completions_url, "served_model": cfg.served_model,
-              "local": model_fingerprint(cfg.model) if cfg.model else None}
+              "local": model_fingerprint(cfg.model, earlier=earlier.get("local")) if cfg.model else None}
     out = ShardedOutput(cfg.output, job=job_of(cfg, model=served, extra={"endpoint": True}), overwrite=cfg.overwrite)
     try:
         return _run_open(cfg, out=out, convs=convs, read_skips=read_skips, progress=progress, echo=echo,

@@ -44,6 +44,12 @@ def parts_dir(output: str | os.PathLike) -> pathlib.Path:
     return out.with_name(out.name + PARTS_SUFFIX)
 
 
+def read_job(output: str | os.PathLike) -> dict | None:
+    """The job.json of a job begun in `output`, None when there is none."""
+    p = parts_dir(output) / "job.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
 def _write_durable(path: pathlib.Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -128,8 +134,7 @@ class ShardedOutput:
         self.committed: dict[int, dict] = self._read_commits()
 
     def _read_job(self) -> dict | None:
-        p = self.parts / "job.json"
-        return json.loads(p.read_text()) if p.is_file() else None
+        return read_job(self.output)
 
     def _read_commits(self) -> dict[int, dict]:
         log = self.parts / "commits.jsonl"

@@ -152,15 +152,20 @@ def regenerate_chunk(convs: Sequence[Conversation], *, decode: DecodeFn, rules: 
     return chunk_records(runs, meta=meta, stats=stats)
 
 
-def model_fingerprint(model_dir: str) -> dict:
+def model_fingerprint(model_dir: str, *, earlier: dict | None = None) -> dict:
     """Config hash plus the weight files' names and sizes (hashing the weights of a 27B target would take
-    minutes; a changed checkpoint almost always changes a size or the config)."""
-    from dflash.target.identity import target_config_hash
+    minutes; a changed checkpoint almost always changes a size or the config). `earlier`: the model fingerprint
+    of a job already begun in the output, whose config hash is kept when it names this target too
+    (identity.target_config_hashes), so that job resumes."""
+    from dflash.target.identity import target_config_hash, target_config_hashes
 
     p = pathlib.Path(model_dir)
     weights = sorted((f.name, f.stat().st_size) for f in p.iterdir()
                      if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")) if p.is_dir() else []
-    return {"config_hash": target_config_hash(model_dir) if p.is_dir() else None, "weights": [list(w) for w in weights]}
+    config_hash = target_config_hash(model_dir) if p.is_dir() else None
+    if config_hash and earlier and earlier.get("config_hash") in target_config_hashes(model_dir):
+        config_hash = earlier["config_hash"]
+    return {"config_hash": config_hash, "weights": [list(w) for w in weights]}
 
 
 def job_of(cfg, *, model: dict, extra: dict) -> dict:
@@ -279,7 +284,7 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
 
     from dflash.dtypes import default_dtype
     from dflash.generate.decode import resolve_backend
-    from dflash.generate.output import ShardedOutput
+    from dflash.generate.output import ShardedOutput, read_job
     from dflash.target.load import check_model_path
 
     t0 = time.perf_counter()
@@ -289,7 +294,7 @@ def regenerate(cfg: RegenerateConfig, *, progress: bool = True, echo: Callable[[
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = cfg.dtype or default_dtype(device)   # the one CPU-vs-CUDA rule of every command (dflash.dtypes)
     backend = "continuous" if cfg.temperature > 0 else resolve_backend(cfg.backend, torch.device(device).type)
-    mfp = model_fingerprint(model_dir)
+    mfp = model_fingerprint(model_dir, earlier=(read_job(cfg.output) or {}).get("model"))
     # a greedy job's fingerprint is what it was before sampling existed, so its outputs still resume
     sampled = {"temperature": cfg.temperature, "seed": cfg.seed} if cfg.temperature > 0 else {}
     job = job_of(cfg, model=mfp, extra={"batch_size": cfg.batch_size, "dtype": dtype, "backend": backend,

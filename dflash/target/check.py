@@ -30,7 +30,7 @@ def check_target_matches(fingerprint: Any, *, model_dir: str | os.PathLike, toke
     hidden size, layer count, tokenizer (when given), config.json hash and weights hash (when the cache records
     one), in that order. The weights hash is cached by file identity, so after the first call it costs a stat
     of each weight file (~1 ms); the first call on a new checkpoint reads every weight byte once."""
-    from dflash.target.identity import target_config_hash, target_weights_hash, tokenizer_hash
+    from dflash.target.identity import target_config_hash, target_config_hashes, target_weights_hash, tokenizer_hash
 
     mine = target_label(model_dir)
 
@@ -42,7 +42,8 @@ def check_target_matches(fingerprint: Any, *, model_dir: str | os.PathLike, toke
     differ("num_target_layers", num_target_layers, fingerprint.num_target_layers)
     if tokenizer is not None:
         differ("tokenizer_hash", tokenizer_hash(tokenizer), fingerprint.tokenizer_hash)
-    differ("target_config_hash", target_config_hash(model_dir), fingerprint.target_config_hash)
+    if fingerprint.target_config_hash not in target_config_hashes(model_dir):
+        differ("target_config_hash", target_config_hash(model_dir), fingerprint.target_config_hash)
     cached_weights = fingerprint.target_weights_hash
     if cached_weights:  # '' = a cache from before the field: its weights are unknown, nothing to compare
         differ("target_weights_hash", target_weights_hash(model_dir), cached_weights)

@@ -18,10 +18,38 @@ def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def target_config_hash(model_dir: str | os.PathLike) -> str:
-    """sha256 of config.json as canonical JSON."""
+SAVE_RECORD_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash", "torch_dtype", "dtype"})
+"""config.json keys that record how and where a folder was saved, not the model: save_pretrained writes its own
+transformers version into every config (and transformers 5 renames torch_dtype to dtype), so the same target
+re-saved on another machine would otherwise change identity. The weights' dtype is in the weights hash, the
+compute dtype in the fingerprint's target_dtype."""
+
+
+def _model_keys(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _model_keys(v) for k, v in obj.items() if k not in SAVE_RECORD_KEYS}
+    if isinstance(obj, list):
+        return [_model_keys(v) for v in obj]
+    return obj
+
+
+def _read_config(model_dir: str | os.PathLike) -> dict:
     with open(Path(model_dir) / "config.json") as f:
-        return sha256_json(json.load(f))
+        return json.load(f)
+
+
+def target_config_hash(model_dir: str | os.PathLike) -> str:
+    """sha256 of config.json as canonical JSON, without the keys that record how it was saved (SAVE_RECORD_KEYS,
+    at every depth)."""
+    return sha256_json(_model_keys(_read_config(model_dir)))
+
+
+def target_config_hashes(model_dir: str | os.PathLike) -> frozenset[str]:
+    """Every hash that names this target's config: target_config_hash, and the hash of the whole file that
+    caches, eval responses and generated records written before SAVE_RECORD_KEYS carry (so they stay this
+    target's)."""
+    config = _read_config(model_dir)
+    return frozenset({sha256_json(_model_keys(config)), sha256_json(config)})
 
 
 def tokenizer_hash(tokenizer: Any) -> str:

@@ -132,6 +132,33 @@ def test_cache_without_weights_hash_stays_readable_and_resumable(tiny, tmp_path)
     assert m["fingerprint"].get("target_weights_hash", "") == ""  # no claim about weights it never checked
 
 
+def test_resume_after_the_target_is_resaved_and_on_a_whole_file_config_hash(tiny, tmp_path):
+    import shutil
+
+    from dflash.target.identity import sha256_json
+
+    model0, data = tiny
+    model = tmp_path / "model"
+    shutil.copytree(model0, model)
+    out = tmp_path / "cache"
+    extract(str(model), data, out)
+    # the target re-saved by another transformers (its version and dtype key in config.json): the same target
+    config = json.loads((model / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k != "torch_dtype"} | {"transformers_version": "9.9.9",
+                                                                        "dtype": "bfloat16"}
+    (model / "config.json").write_text(json.dumps(config))
+    res, _ = extract(str(model), data, out)
+    assert res.num_committed_before == NUM_GOOD and res.num_samples == 0  # resumed, nothing redone
+    # a cache whose manifest hashed config.json whole (dflash before SAVE_RECORD_KEYS) resumes and keeps its hash
+    whole = sha256_json(config)
+    m = json.loads((out / "manifest.json").read_text())
+    m["fingerprint"]["target_config_hash"] = whole
+    (out / "manifest.json").write_text(json.dumps(m))
+    res, _ = extract(str(model), data, out)
+    assert res.num_committed_before == NUM_GOOD and res.num_samples == 0
+    assert json.loads((out / "manifest.json").read_text())["fingerprint"]["target_config_hash"] == whole
+
+
 @pytest.fixture(scope="module")
 def ref_cache(tiny, tmp_path_factory):
     """An uninterrupted extraction, copied by each test that damages it."""

@@ -97,7 +97,7 @@ def test_endpoint_regenerates_whole_conversations(server, tmp_path):
         assert meta["greedy"] is False and "input_ids" not in r
         assert [t["stop_reason"] for t in meta["turns"]] and len(meta["turns"]) == roles.count("assistant")
     # training data, never an eval cache: extraction does not mark it target-greedy
-    ok, why = target_greedy_of([str(out)], target_config_hash=config_hash(served))
+    ok, why = target_greedy_of([str(out)], target_config_hashes={config_hash(served)})
     assert ok is False and "greedy marker" in why
 
 

@@ -130,8 +130,8 @@ def test_record_is_exact_and_read_as_pretokenized(smol, tmp_path):
             assert list(ids[: len(r.input_ids)]) == r.input_ids
     p = tmp_path / "gen.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert target_greedy_of([str(p)], target_config_hash=h)[0] is True
-    assert target_greedy_of([str(p)], target_config_hash="0" * 64)[0] is False
+    assert target_greedy_of([str(p)], target_config_hashes={h})[0] is True
+    assert target_greedy_of([str(p)], target_config_hashes={"0" * 64})[0] is False
 
 
 def test_generate_cli(smol, tmp_path):

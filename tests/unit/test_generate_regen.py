@@ -197,7 +197,7 @@ def test_whole_conversations_are_exact_and_extract_reads_them(smollm2_dir, data_
     got = [r for r in iter_records(tmp_path / "all.jsonl.gz")]
     assert [r.input_ids for r in got] == [r["input_ids"] for r in recs]
     h = config_hash(str(smollm2_dir))
-    assert target_greedy_of([str(tmp_path / "all.jsonl.gz")], target_config_hash=h)[0] is True
+    assert target_greedy_of([str(tmp_path / "all.jsonl.gz")], target_config_hashes={h})[0] is True
 
     # same job again: nothing to do; first / last turn modes
     again, _ = _run(smollm2_dir, tmp_path / "all.jsonl.gz", data_file)
@@ -277,7 +277,7 @@ def test_sampled_regeneration_is_marked_and_independent_of_batching(smollm2_dir,
     assert [r["input_ids"] for r in a] != [r["input_ids"] for r in g]
     meta = a[0]["dflash_generate"]
     assert (meta["greedy"], meta["temperature"], meta["seed"], meta["backend"]) == (False, 0.9, 3, "continuous")
-    ok, _ = target_greedy_of([str(tmp_path / "a.jsonl.gz")], target_config_hash=meta["target_config_hash"],
+    ok, _ = target_greedy_of([str(tmp_path / "a.jsonl.gz")], target_config_hashes={meta["target_config_hash"]},
                              target_dtype=meta["dtype"])
     assert ok is False
     with pytest.raises(ConfigError, match="--backend continuous"):
@@ -291,10 +291,10 @@ def test_extraction_refuses_a_greedy_marker_of_another_dtype(tmp_path):
     rec = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
            "dflash_generate": {"target": "m", "target_config_hash": "h", "dtype": "bfloat16", "greedy": True}}
     p.write_text(json.dumps(rec) + "\n")
-    assert target_greedy_of([str(p)], target_config_hash="h", target_dtype="bfloat16")[0] is True
-    ok, why = target_greedy_of([str(p)], target_config_hash="h", target_dtype="float32")
+    assert target_greedy_of([str(p)], target_config_hashes={"h"}, target_dtype="bfloat16")[0] is True
+    ok, why = target_greedy_of([str(p)], target_config_hashes={"h"}, target_dtype="float32")
     assert ok is False and "bfloat16" in why and "float32" in why
-    assert target_greedy_of([str(p)], target_config_hash="other", target_dtype="bfloat16")[0] is False
+    assert target_greedy_of([str(p)], target_config_hashes={"other"}, target_dtype="bfloat16")[0] is False
 
 
 def test_mtbench_question_regenerated_whole(smollm2_dir, tmp_path):
