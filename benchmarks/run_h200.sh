@@ -46,6 +46,8 @@
 #         --pairs ""` says the new figures, the shared group's included, in ~5 min):
 #           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm
 #             --parallel-runs 2 --resume
+#       The session's last call: REF_LIMIT=<seconds> under the device time left, so the bench is stopped (its runs'
+#       curves so far kept in the JSON as partial_curves) and the JSON copied out before the machine is taken.
 #       A call cut at its limit resumes each run from its last checkpoint (--save-every 100), but only on the same
 #       warm machine: the device goes back ~30 s after a call, so chain the calls without a pause.
 #       The runs of 2026-12-02 (results/quality_reference_first12930_h200.json: greedy only, fp8, 6 epochs) are
@@ -155,7 +157,7 @@ case "$stage" in
   sweep) sweep || rc=$? ;;
   check) gpu_tests || rc=$?; block_mask || rc=$? ;;
   quality) quality 560 "$@" || rc=$? ;;
-  reference) reference 570 "$@" || rc=$? ;;
+  reference) reference "${REF_LIMIT:-570}" "$@" || rc=$? ;;  # REF_LIMIT: under what a session has left
   evaloverhead) evaloverhead || rc=$? ;;
   storage4) storage4 "$@" || rc=$? ;;
   smollm2step) smollm2step "$@" || rc=$? ;;
