@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import hashlib
 import itertools
 import json
@@ -461,7 +462,8 @@ def partial_curves(plan: list, work: pathlib.Path, *, finished: frozenset[str], 
     fresh machine cannot continue it; its curve up to there still compares runs at equal steps (one lr schedule)."""
     from dflash.train.metrics import read_metrics
 
-    out = {}
+    # a run this call skips (another call or GPU trains it) keeps what earlier calls recorded of it
+    out = {r: c for r, c in earlier.items() if r not in finished}
     for rname, _, _ in plan:
         if rname in finished:
             continue
@@ -627,6 +629,9 @@ def parse_args(argv=None):
                     help="held-out ShareGPT prompts made from the package when no file is given")
     ap.add_argument("--json", help="result file (default benchmarks/results/quality_reference_h200.json)")
     ap.add_argument("--plot-dir", help="where the PNGs go (default benchmarks/results)")
+    ap.add_argument("--merge", metavar="JSON", help="add the runs of another call's result JSON (the same data and "
+                    "eval responses, other runs: run_h200.sh refpair trains on two GPUs at once) to --json, plot "
+                    "the runs it adds and exit")
     args, rest = ap.parse_known_args(argv)
     # generation, extraction and drafter sizes are bench_quality's (--tiny or GPU defaults; its flags pass through)
     q = bq.parse_args((["--tiny"] if args.tiny else []) + rest
@@ -662,8 +667,8 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
         return f"all_{x}", f"train_{x}", {}
 
     plan = [(f"all_{ref}", f"train_{ref}", {}), compared(other),
+            ("all_seed1", f"train_{ref}", {"seed": 1}),  # the spread that tells whether a difference is real
             ("all_noise", f"train_{ref}", {"noise_start": args.noise_start}),
-            ("all_seed1", f"train_{ref}", {"seed": 1}),
             ("all_seqnorm", f"train_{ref}", {"loss_normalization": "sequence"})]
     plan += [compared(x) for x in filter(None, args.also_storages.split(",")) if x not in (ref, other)]
     plan += [(f"n{n}", f"train_n{n}", {}) for n in map(int, args.scaling.split(","))]
@@ -851,6 +856,8 @@ def main(argv=None) -> dict:
     dtype = "bfloat16" if device == "cuda" else "float32"
     suffix = "tiny_cpu" if args.tiny else "h200"
     out_json = pathlib.Path(args.json) if args.json else REPO / "benchmarks" / "results" / f"quality_reference_{suffix}.json"
+    if args.merge:
+        return merge_into(args, out_json)
     own_work = args.workdir is None
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="dflash-reference-"))
     if not args.resume and not own_work and work.is_dir() and any(work.iterdir()):
@@ -1000,6 +1007,54 @@ def main(argv=None) -> dict:
                     {f"all_{args.storage}": ref}, result["partial_curves"],
                     plot_dir(args) / f"quality_reference_cut_runs{'_tiny' if args.tiny else ''}.png")
         bq.close_run(st, work=work, own_work=own_work)
+    print(format_table(result), flush=True)
+    log(f"written {out_json}")
+    return result
+
+
+def merged_results(base: dict, other: dict) -> dict:
+    """`base` with the runs `other` adds: the result of a call that trained other runs of the same data, scored on
+    the same eval responses (another GPU of the machine). A run finished in either is kept (base's when both); a
+    run cut in both keeps the longer curve; the top-level numbers are recomputed from the runs."""
+    for key in ("train_data_sha256", "eval_responses_sha256"):
+        if base.get(key) != other.get(key):
+            raise SystemExit(f"the two results differ in {key}: they are not runs of one reference")
+    out = copy.deepcopy(base)
+    runs, curves = out.setdefault("runs", {}), out.setdefault("curves", {})
+    for rname, rec in other.get("runs", {}).items():
+        if rname not in runs:
+            runs[rname], curves[rname] = rec, other["curves"][rname]
+    for key in ("stage_out", "stage_seconds"):
+        out[key] = {**other.get(key, {}), **out.get(key, {})}
+    cut: dict = {}
+    for src in (base, other):
+        for rname, c in src.get("partial_curves", {}).items():
+            if rname not in runs and len(c["step"]) > len(cut.get(rname, {"step": []})["step"]):
+                cut[rname] = c
+    out["partial_curves"] = cut
+    out["partial_at_reference_steps"] = at_last_common_step(cut, curves.get(f"all_{out.get('reference_storage')}"))
+    out["calls"] = out.get("calls", []) + [c for c in other.get("calls", []) if c not in out.get("calls", [])]
+    summarise(out)
+    return out
+
+
+def merge_into(args, out_json: pathlib.Path) -> dict:
+    """--merge: --json updated with the other JSON's runs, their PNGs drawn here (the device drew them in its
+    own folders), the cut runs' figure redrawn."""
+    from dflash.durable import replace_text
+
+    base = json.loads(out_json.read_text())
+    result = merged_results(base, json.loads(pathlib.Path(args.merge).read_text()))
+    for rname in result["runs"].keys() - base.get("runs", {}).keys():
+        png = plot_dir(args) / f"quality_reference_{rname}.png"
+        result["runs"][rname]["plot"] = plot_curve(rname, result["curves"][rname], png)
+    ref = result["curves"].get(f"all_{result.get('reference_storage')}")
+    if result["partial_curves"] and ref:
+        result["partial_plot"] = plot_runs({f"all_{result['reference_storage']}": ref}, result["partial_curves"],
+                                           plot_dir(args) / "quality_reference_cut_runs.png")
+    else:
+        result.pop("partial_plot", None)
+    replace_text(out_json, json.dumps(result, indent=2) + "\n")
     print(format_table(result), flush=True)
     log(f"written {out_json}")
     return result

@@ -52,6 +52,10 @@
 #       warm machine: the device goes back ~30 s after a call, so chain the calls without a pause.
 #       The runs of 2026-12-02 (results/quality_reference_first12930_h200.json: greedy only, fp8, 6 epochs) are
 #       not continued: the data changed (the training files' sha256 is a run's identity).
+#   bash benchmarks/run_h200.sh refpair   # on nvidia-h200-x2: both still-to-run groups of the reference at once
+#       (fp8 vs bf16 online on GPU 0, seed 1 then noise on GPU 1, each from the committed JSON in its own workdir;
+#       ~25 min each); every call the same command (REF_LIMIT=<seconds> for the session's last), the two JSONs
+#       merged here with bench_reference.py --merge (see refpair below)
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
 #       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
 #   bash benchmarks/run_h200.sh peer [ARGS]   # bench_peer (issue 15): SpecForge's DFlash trainer and dflash side by
@@ -104,20 +108,41 @@ quality() { local t=$1; shift
             timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --seeds 3 --workdir /tmp/bq \
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
 
-reference() { local t=$1; shift; mkdir -p /tmp/bref
+reference() { local t=$1; shift; local w=${REF_WORK:-/tmp/bref}; mkdir -p "$w"
               # a new session's first --resume call continues from the committed JSON (bench_reference redoes the
               # target, eval cache and training caches a fresh machine lacks and keeps the finished runs)
-              if [[ " $* " == *" --resume "* && ! -f /tmp/bref/quality_reference_h200.json \
+              if [[ " $* " == *" --resume "* && ! -f $w/quality_reference_h200.json \
                     && -f benchmarks/results/quality_reference_h200.json ]]; then
-                cp benchmarks/results/quality_reference_h200.json /tmp/bref/; fi
+                cp benchmarks/results/quality_reference_h200.json "$w"/; fi
               gguf_joined || return 1
-              timeout "$t" python3 benchmarks/bench_reference.py --workdir /tmp/bref --gguf "$GGUF" \
-                --json /tmp/bref/quality_reference_h200.json "$@"  # outside the synced tree: --resume reads it
+              timeout "$t" python3 benchmarks/bench_reference.py --workdir "$w" --gguf "$GGUF" \
+                --json "$w/quality_reference_h200.json" "$@"  # outside the synced tree: --resume reads it
               local r=$?
               # the eval responses travel back, for the next session's --eval-responses (same eval cache)
-              if [ -n "${OUT:-}" ]; then for f in mtbench_greedy humaneval_greedy sharegpt_greedy; do
-                [ -f /tmp/bref/$f.jsonl ] && gzip -c /tmp/bref/$f.jsonl > "$OUT/$f.jsonl.gz"; done; fi
+              if [ -n "${OUT:-}" ] && [ -z "${REF_PAIR:-}" ]; then
+                for f in mtbench_greedy humaneval_greedy sharegpt_greedy; do
+                  [ -f "$w/$f.jsonl" ] && gzip -c "$w/$f.jsonl" > "$OUT/$f.jsonl.gz"; done; fi
               return $r; }
+# two reference calls at once, GPU 0 and GPU 1 of a 2-GPU machine, each in its own workdir from the committed
+# JSON: the online fp8 vs bf16 group on GPU 0, seed 1 then feature noise on GPU 1. Their JSONs come back as
+# quality_reference_gpu0_h200.json / _gpu1_; here: cp the first to results/quality_reference_h200.json, then
+# `python benchmarks/bench_reference.py --json benchmarks/results/quality_reference_h200.json --merge GPU1_JSON`
+REF_DATA=(--train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
+          benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
+          --eval-responses benchmarks/assets/peer --drop-caches --resume)
+refpair() { local t=$1; gguf_joined || return 1
+            REF_PAIR=1 REF_WORK=/tmp/bref CUDA_VISIBLE_DEVICES=0 reference "$t" "${REF_DATA[@]}" --compare-online \
+              --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm --parallel-runs 2 \
+              --plot-dir /tmp/bref/plots >"$LOGS/ref_gpu0.log" 2>&1 &
+            local a=$!
+            REF_PAIR=1 REF_WORK=/tmp/bref1 CUDA_VISIBLE_DEVICES=1 reference "$t" "${REF_DATA[@]}" \
+              --skip all_bf16,all_seqnorm --plot-dir /tmp/bref1/plots >"$LOGS/ref_gpu1.log" 2>&1 &
+            local b=$!
+            wait $a || rc=$?; wait $b || rc=$?
+            tail -n 30 "$LOGS/ref_gpu0.log" "$LOGS/ref_gpu1.log"
+            if [ -n "${OUT:-}" ]; then
+              cp /tmp/bref/quality_reference_h200.json "$OUT/quality_reference_gpu0_h200.json"
+              cp /tmp/bref1/quality_reference_h200.json "$OUT/quality_reference_gpu1_h200.json"; fi; }
 evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
                    --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
 
@@ -158,6 +183,7 @@ case "$stage" in
   check) gpu_tests || rc=$?; block_mask || rc=$? ;;
   quality) quality 560 "$@" || rc=$? ;;
   reference) reference "${REF_LIMIT:-570}" "$@" || rc=$? ;;  # REF_LIMIT: under what a session has left
+  refpair) refpair "${REF_LIMIT:-570}" ;;
   evaloverhead) evaloverhead || rc=$? ;;
   storage4) storage4 "$@" || rc=$? ;;
   smollm2step) smollm2step "$@" || rc=$? ;;
@@ -166,7 +192,7 @@ case "$stage" in
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

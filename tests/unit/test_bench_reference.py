@@ -115,7 +115,7 @@ def test_subsets_joined_files_and_runs_plan(tmp_path):
     assert gpu.scaling == "2000,8000" and gpu.block_size == 16 and gpu.num_anchors == 512
     # the GPU reference is in fp8 (a bf16 whole-conversation cache does not fit the H200 machine's disk)
     assert gpu.storage == "fp8" and [(p[0], p[1]) for p in br.runs_plan(gpu)] == [
-        ("all_fp8", "train_fp8"), ("all_bf16", "train_bf16"), ("all_noise", "train_fp8"), ("all_seed1", "train_fp8"),
+        ("all_fp8", "train_fp8"), ("all_bf16", "train_bf16"), ("all_seed1", "train_fp8"), ("all_noise", "train_fp8"),
         ("all_seqnorm", "train_fp8"), ("n2000", "train_n2000"), ("n8000", "train_n8000")]
     # --compare-online (--bf16-online): all_bf16 reads the token stream of a one-tap cache of the same data
     # (TOKENS_CACHE), its features from the live target rounded to bf16; with an int4 reference the
@@ -431,9 +431,13 @@ def test_cut_runs_recorded_and_compared_at_the_reference_steps(tmp_path):
     _write_metrics(tmp_path / "run_all_noise", {500: (1.1, 1.2), 1000: (1.4, 1.7), 1500: (1.9, 2.0)})
     _write_metrics(tmp_path / "run_all_seed1", {500: (1.0, 1.0)})
     earlier = {"all_seed1": {"step": [500, 1000], "mtbench_greedy.jsonl": [1.0, 1.3]},
-               "n2000": {"step": [100], "mtbench_greedy.jsonl": [1.1]}}
+               "n2000": {"step": [100], "mtbench_greedy.jsonl": [1.1]},
+               "all_bf16": {"step": [500], "mtbench_greedy.jsonl": [1.2]},   # not in this call's plan
+               "all_int4": {"step": [500], "mtbench_greedy.jsonl": [1.2]}}
     got = br.partial_curves(plan, tmp_path, finished=frozenset({"all_int4"}), earlier=earlier)
-    assert set(got) == {"all_noise", "all_seed1", "n2000"}     # all_int4 finished: in `curves`, not here
+    # all_int4 finished: in `curves`, not here; all_bf16, skipped by this call, keeps its earlier curve
+    assert set(got) == {"all_noise", "all_seed1", "n2000", "all_bf16"} and got["all_bf16"] == earlier["all_bf16"]
+    del got["all_bf16"]
     assert got["all_noise"]["step"] == [500, 1000, 1500] and got["all_seed1"] == earlier["all_seed1"]
     assert got["n2000"] == earlier["n2000"]                      # nothing of it on this machine
     ref = br.curve(json.loads(line) for line in (tmp_path / "run_all_int4" / "metrics.jsonl").read_text().splitlines())
@@ -471,3 +475,48 @@ def test_watching_prints_each_new_heldout_evaluation(tmp_path, capsys):
         time.sleep(0.3)
     lines = [x for x in capsys.readouterr().out.splitlines() if "held-out" in x]
     assert len(lines) == 1 and "a step 1000: held-out tau 1.500, MT-Bench 1.400; 0.310 s a step" in lines[0]
+
+
+def test_results_of_two_gpus_merged(tmp_path):
+    """run_h200.sh refpair: two calls train other runs of one reference on two GPUs; --merge adds the runs the
+    second finished and keeps the longer curve of a run cut in both; it refuses results of other data."""
+    def curve_of(taus):
+        return {"step": [500 * (i + 1) for i in range(len(taus))], "heldout_tau": list(taus),
+                "mtbench_greedy.jsonl": list(taus), "humaneval_greedy.jsonl": [t + 0.1 for t in taus]}
+
+    def run_of(tau):
+        return {"samples": 10, "tokens": 100, "steps": 1000, "tokens_per_s": 5.0, "tau_mtbench": tau,
+                "tau_humaneval": tau + 0.1,
+                "tau_sharegpt": None, "final_train_accept_len": 3.0}
+    head = {"train_data_sha256": "d", "eval_responses_sha256": {"mtbench": "e"}, "reference_storage": "int4",
+            "stage_out": {"a_target": "/tmp/bref/t", "e_train_all_int4": {}}, "stage_seconds": {"a_target": 1.0}}
+    gpu0 = head | {"runs": {"all_int4": run_of(2.0), "all_bf16": run_of(2.01)},
+                   "curves": {"all_int4": curve_of([1.5, 2.0]), "all_bf16": curve_of([1.5, 2.01])},
+                   "partial_curves": {"all_seed1": curve_of([1.4]), "all_fp8": curve_of([1.5])},
+                   "calls": [{"date": "1", "command": "a"}, {"date": "2", "command": "gpu0"}]}
+    gpu1 = head | {"stage_out": {"a_target": "/tmp/bref1/t", "e_train_all_seed1": {}},
+                   "stage_seconds": {"a_target": 2.0, "e_train_all_seed1": 9.0},
+                   "runs": {"all_int4": run_of(9.9), "all_seed1": run_of(2.02)},
+                   "curves": {"all_int4": curve_of([9.9]), "all_seed1": curve_of([1.45, 2.02])},
+                   "partial_curves": {"all_noise": curve_of([1.5]), "all_fp8": curve_of([1.6, 1.9])},
+                   "calls": [{"date": "1", "command": "a"}, {"date": "3", "command": "gpu1"}]}
+    m = br.merged_results(gpu0, gpu1)
+    assert set(m["runs"]) == {"all_int4", "all_bf16", "all_seed1"} and m["runs"]["all_int4"]["tau_mtbench"] == 2.0
+    assert m["curves"]["all_seed1"] == gpu1["curves"]["all_seed1"]
+    assert set(m["partial_curves"]) == {"all_noise", "all_fp8"}            # all_seed1 finished on GPU 1
+    assert m["partial_curves"]["all_fp8"]["step"] == [500, 1000]            # the longer of the two
+    assert m["partial_at_reference_steps"]["all_fp8"]["tau_mtbench"] == 1.9
+    assert m["stage_out"]["a_target"] == "/tmp/bref/t" and "e_train_all_seed1" in m["stage_out"]
+    assert [c["command"] for c in m["calls"]] == ["a", "gpu0", "gpu1"]
+    assert m["seed_spread"]["mtbench"] == pytest.approx(0.01) and "all_seed1" not in gpu0["runs"]
+    with pytest.raises(SystemExit, match="train_data_sha256"):
+        br.merged_results(gpu0, gpu1 | {"train_data_sha256": "other"})
+    # the command: --json updated in place, the added run's PNG drawn
+    base = tmp_path / "r.json"
+    base.write_text(json.dumps(gpu0))
+    (tmp_path / "g1.json").write_text(json.dumps(gpu1))
+    br.main(["--json", str(base), "--merge", str(tmp_path / "g1.json"), "--plot-dir", str(tmp_path)])
+    got = json.loads(base.read_text())
+    assert got["runs"]["all_seed1"]["plot"] == str(tmp_path / "quality_reference_all_seed1.png")
+    assert (tmp_path / "quality_reference_all_seed1.png").read_bytes()[:4] == b"\x89PNG"
+    assert got["partial_plot"] == str(tmp_path / "quality_reference_cut_runs.png")
