@@ -28,22 +28,17 @@
 #       then `reference ... --resume` while the machine stays warm. The committed quality_reference_h200.json is the
 #       2026-12-03 run on the greedy and the seed-1 sampled regeneration (33.4M tokens: 53 GB as int4, 99 GB as fp8,
 #       so int4 is the storage that fits): all_int4, n2000 and n8000 done; a later session's first --resume call
-#       seeds /tmp/bref from it and continues it with the same data and the committed eval responses. Still to
-#       run (each ~4,088 steps; ~4 min of target, dry runs and int4 extraction first):
-#         noise and seed 1, one after the other (2026-12-03 they ran two at once and were cut at step 2,526 when
-#         the session's time ran out: a cached step keeps the GPU busy, two at once stepped 0.31 s each against
-#         0.143 s alone; ~4 min of set-up (int4 extraction 176 s), then ~10 min a run: nothing else that session):
+#       seeds /tmp/bref from it and continues it with the same data and the committed eval responses. all_seed1
+#       finished 2026-12-04 (refpair, GPU 1). Still to run (each 4,088 steps; ~4 min of set-up first):
+#         feature noise (~0.138 s a step, ~10 min + set-up):
 #           reference --train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
 #             benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
 #             --eval-responses benchmarks/assets/peer --skip all_bf16,all_seqnorm --drop-caches --resume
 #         fp8 vs bf16 at that point, both online from the token stream of a one-tap int4 cache of the same data
-#         (train_tokens: layer 0 only, so its extraction runs one layer and writes a fifth of the 5-tap cache's
-#         bytes; not yet timed here, the 5-tap one took 176 s), the live target's features rounded as an fp8 /
-#         bf16 cache would store them, trained together as one sweep group (--parallel-runs 2): one target
-#         forward per step for both. Estimate, not yet measured: GPU work per step ~35 ms target + 2 x 138 ms
-#         drafter = ~0.31 s, ~21 min for the pair, ~25 min with the set-up (2026-12-03 an online run alone took
-#         0.308 s a step before the mask-builder syncs were removed; `smollm2step --modes online_fp8,online_bf16
-#         --pairs ""` says the new figures, the shared group's included, in ~5 min):
+#         (extracted in 160 s), the live target's features rounded as an fp8 / bf16 cache would store them,
+#         trained together as one sweep group (--parallel-runs 2): one target forward per step for both, 0.36 s a
+#         group step (2026-12-04), ~25 min for the pair: with the set-up more than one session's 30 device-minutes
+#         on one GPU, so run it on nvidia-h200-x2 beside the noise run (refpair) when that kind is lent:
 #           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm
 #             --parallel-runs 2 --resume
 #       The session's last call: REF_LIMIT=<seconds> under the device time left, so the bench is stopped (its runs'
