@@ -178,8 +178,16 @@ def kernel_summary(prof, *, steps: int, wall_s: float) -> dict:
         kinds[kind] = kinds.get(kind, 0.0) + r["ms_per_step"]
     busy = sum(r["ms_per_step"] for r in rows)
     step_ms = wall_s * 1e3 / steps
+    # the host's side: CUDA runtime calls (launches, copies, and the synchronising calls where the host waits
+    # for the GPU) by time spent in them, so an idle GPU says whether the host queued too slowly or waited
+    runtime = sorted(({"call": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                       "calls_per_step": e.count / steps}
+                      for e in prof.key_averages()
+                      if e.device_type == DeviceType.CPU and e.key.startswith("cuda") and e.count),
+                     key=lambda r: -r["ms_per_step"])
     return {"step_ms": step_ms, "gpu_busy_ms": busy, "gpu_idle_fraction": max(0.0, 1 - busy / step_ms),
-            "ms_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top_kernels": rows[:30]}
+            "ms_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top_kernels": rows[:30],
+            "host_cuda_calls": runtime[:12]}
 
 
 class ResidentLoader:

@@ -35,10 +35,10 @@
 #             benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
 #             --eval-responses benchmarks/assets/peer --skip all_bf16,all_seqnorm --drop-caches --resume
 #         fp8 vs bf16 at that point, both online from the token stream of a one-tap int4 cache of the same data
-#         (extracted in 160 s), the live target's features rounded as an fp8 / bf16 cache would store them,
-#         trained together as one sweep group (--parallel-runs 2): one target forward per step for both, 0.36 s a
-#         group step (2026-12-04), ~25 min for the pair: with the set-up more than one session's 30 device-minutes
-#         on one GPU, so run it on nvidia-h200-x2 beside the noise run (refpair) when that kind is lent:
+#         (extracted in 160 s), the live target's features rounded as an fp8 / bf16 cache would store them. On one
+#         GPU as one sweep group (--parallel-runs 2: one target forward per step for both) a group step took
+#         0.36-0.40 s (2026-12-04), ~26 min for the pair, more than a session's 30 device-minutes with the
+#         set-up; on nvidia-h200-x2 each alone on its own GPU (refpair) when that kind is lent. One GPU:
 #           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm
 #             --parallel-runs 2 --resume
 #       The session's last call: REF_LIMIT=<seconds> under the device time left, so the bench is stopped (its runs'
@@ -47,10 +47,11 @@
 #       warm machine: the device goes back ~30 s after a call, so chain the calls without a pause.
 #       The runs of 2026-12-02 (results/quality_reference_first12930_h200.json: greedy only, fp8, 6 epochs) are
 #       not continued: the data changed (the training files' sha256 is a run's identity).
-#   bash benchmarks/run_h200.sh refpair   # on nvidia-h200-x2: both still-to-run groups of the reference at once
-#       (fp8 vs bf16 online on GPU 0, seed 1 then noise on GPU 1, each from the committed JSON in its own workdir;
-#       ~25 min each); every call the same command (REF_LIMIT=<seconds> for the session's last), the two JSONs
-#       merged here with bench_reference.py --merge (see refpair below)
+#   bash benchmarks/run_h200.sh refpair   # on nvidia-h200-x2: fp8 vs bf16 at the reference point, each online
+#       alone on its own GPU from the committed JSON (~3.5 min of set-up, then 4,088 steps at ~0.27 s: ~22 min);
+#       every call the same command (REF_LIMIT=<seconds> for the session's last), the two JSONs merged here with
+#       bench_reference.py --merge (see refpair below). 2026-12-04 its first form (the fp8 + bf16 group on GPU 0,
+#       seed 1 then noise on GPU 1) finished all_seed1 before the machine was taken back
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
 #       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
 #   bash benchmarks/run_h200.sh peer [ARGS]   # bench_peer (issue 15): SpecForge's DFlash trainer and dflash side by
@@ -119,19 +120,22 @@ reference() { local t=$1; shift; local w=${REF_WORK:-/tmp/bref}; mkdir -p "$w"
                   [ -f "$w/$f.jsonl" ] && gzip -c "$w/$f.jsonl" > "$OUT/$f.jsonl.gz"; done; fi
               return $r; }
 # two reference calls at once, GPU 0 and GPU 1 of a 2-GPU machine, each in its own workdir from the committed
-# JSON: the online fp8 vs bf16 group on GPU 0, seed 1 then feature noise on GPU 1. Their JSONs come back as
-# quality_reference_gpu0_h200.json / _gpu1_; here: cp the first to results/quality_reference_h200.json, then
+# JSON: fp8 vs bf16 at the reference point, each trained online alone (0.270 s a step against 0.403 s for the two
+# as one sweep group on one GPU: smollm2_step_online_h200.json), all_fp8 on GPU 0 and all_bf16 on GPU 1. Their
+# JSONs come back as quality_reference_gpu0_h200.json / _gpu1_; here: cp the first to
+# results/quality_reference_h200.json, then
 # `python benchmarks/bench_reference.py --json benchmarks/results/quality_reference_h200.json --merge GPU1_JSON`
 REF_DATA=(--train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
           benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
-          --eval-responses benchmarks/assets/peer --drop-caches --resume)
+          --eval-responses benchmarks/assets/peer --drop-caches --resume --compare-online
+          --skip all_noise,all_seed1,all_seqnorm)
 refpair() { local t=$1; gguf_joined || return 1
-            REF_PAIR=1 REF_WORK=/tmp/bref CUDA_VISIBLE_DEVICES=0 reference "$t" "${REF_DATA[@]}" --compare-online \
-              --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm --parallel-runs 2 \
+            REF_PAIR=1 REF_WORK=/tmp/bref CUDA_VISIBLE_DEVICES=0 reference "$t" "${REF_DATA[@]}" \
+              --also-storages fp8 --skip all_bf16,all_noise,all_seed1,all_seqnorm \
               --plot-dir /tmp/bref/plots >"$LOGS/ref_gpu0.log" 2>&1 &
             local a=$!
             REF_PAIR=1 REF_WORK=/tmp/bref1 CUDA_VISIBLE_DEVICES=1 reference "$t" "${REF_DATA[@]}" \
-              --skip all_bf16,all_seqnorm --plot-dir /tmp/bref1/plots >"$LOGS/ref_gpu1.log" 2>&1 &
+              --plot-dir /tmp/bref1/plots >"$LOGS/ref_gpu1.log" 2>&1 &
             local b=$!
             wait $a || rc=$?; wait $b || rc=$?
             tail -n 30 "$LOGS/ref_gpu0.log" "$LOGS/ref_gpu1.log"
