@@ -51,7 +51,9 @@ from bench_quality import SMOLLM2_MASK_TOKEN_ID, fill_unset  # noqa: E402
 LOG_EVERY = 10  # a log record syncs the host: the probe's interval (its step times are 10-step means)
 SYNC_STEPS = 2  # steps run with torch.cuda.set_sync_debug_mode("warn") in a profiled run
 MODES = {"cached": {}, "online": {"online": True}, "online_fp8": {"online": True, "online_storage": "fp8"},
-         "online_bf16": {"online": True, "online_storage": "bf16"}}
+         "online_bf16": {"online": True, "online_storage": "bf16"},
+         # the live target's layers compiled (TrainConfig.online_compile): what the host-bound online step gains
+         "online_fp8_compiled": {"online": True, "online_storage": "fp8", "online_compile": "on"}}
 
 
 def log(msg: str) -> None:

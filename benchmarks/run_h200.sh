@@ -69,6 +69,12 @@
 #       min with the stashed GGUF, near a call's limit; what bench_reference --parallel-runs 2 gains and where an
 #       online step's time goes). Before the shared fp8 vs bf16 reference runs, the short form (~5 min):
 #         smollm2step --modes online_fp8,online_bf16 --pairs ""
+#       The online step alone is host-bound on the eager target's kernel launches (2026-12-04: 2,867 launches,
+#       GPU busy 172 ms of 0.27-0.37 s a step: smollm2_step_online*_h200.json); TrainConfig.online_compile runs
+#       the target's layers compiled, off until timed (~3 min with the stashed GGUF):
+#         smollm2step --modes online_fp8,online_fp8_compiled --pairs "" --shared "" --steps 60
+#           --conversations 1000 --json benchmarks/results/smollm2_step_online_compiled_h200.json
+#       if it gains, online_compile "auto" by default, then the shared fp8 + bf16 group may fit one session.
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1

@@ -30,11 +30,11 @@ from dflash.errors import ConfigError
 from dflash.train.config import TrainConfig, config_from_dict
 
 STREAM_FIELDS = ("batch_tokens", "grad_accum", "data_seed", "dtype", "num_readers", "prefetch", "verify_checksums",
-                 "save_every", "log_every", "online")
+                 "save_every", "log_every", "online", "online_compile")
 """What one loader stream depends on (data_seed = shuffle_seed or seed); save_every/log_every are shared so
 every run of a group checkpoints and logs at the same data position; online: the group's features come from one
 live target instead of the cache (one forward per micro-batch; each run rounds them through its own
-online_storage, so storages compare on one stream at the cost of one target)."""
+online_storage, so storages compare on one stream at the cost of one target), online_compile: how it runs."""
 FIXED_FIELDS = ("cache", "model", "output", "stop_after_steps")
 """Set by the sweep command itself, never by the spec."""
 _TOP_KEYS = {"base", "grid", "runs", "max_runs_per_device", "separate_streams"}

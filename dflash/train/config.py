@@ -106,6 +106,11 @@ class TrainConfig:
     """Compute the drafter's taps with the live target for every micro-batch instead of reading them from the
     cache (the cache still gives the token stream: same samples, order and anchors as a cached run). The
     baseline the cache replaces; the target forward is paid every step and counted in tokens/s."""
+    online_compile: str = "off"
+    """With --online: run the live target's decoder layers torch.compile'd (one graph for all layers of a class,
+    dynamic shapes): auto = on CUDA only, on, off. The online step is host-bound on the eager target's kernel
+    launches; off until the compiled one is timed on the GPU (bench_smollm2_step online_fp8_compiled). Same
+    math up to float rounding."""
     online_storage: str | None = None
     """With --online: round the live taps through this cache storage's encoding and decoding (bf16, fp8, int4 or a
     4-bit format name), the features a cache of that storage would give the drafter, so its quality cost is
@@ -184,6 +189,8 @@ class TrainConfig:
             raise ConfigError("taps=(): give at least one tap layer id, or leave it unset for all cached taps")
         if self.gamma is not None and self.gamma <= 0:
             raise ConfigError(f"gamma={self.gamma}: must be > 0")
+        if self.online_compile not in COMPILE_SETTINGS:
+            raise ConfigError(f"online_compile={self.online_compile!r}: choose {', '.join(COMPILE_SETTINGS)}")
         if self.online_storage is not None:
             if not self.online:
                 raise ConfigError(f"online_storage={self.online_storage!r} rounds the live target's taps: it needs "

@@ -61,32 +61,36 @@ def live_taps(cfg, taps: tuple[int, ...], *, reader, device: torch.device) -> "O
     own online_storage (fill)."""
     if not cfg.online:
         return None
+    from dflash.compiled import compile_wanted
+
     return OnlineTaps.load(cfg.model, taps, device=device, batch_tokens=cfg.batch_tokens,
-                           dtype=online_target_dtype(reader.fingerprint.target_dtype, device))
+                           dtype=online_target_dtype(reader.fingerprint.target_dtype, device),
+                           compile_layers=compile_wanted(cfg.online_compile, device))
 
 
 class OnlineTaps:
     """The live target of an online run: fills MicroBatch.hidden_TKD from the micro-batch's input ids."""
 
     def __init__(self, model: torch.nn.Module, taps: tuple[int, ...], *, dtype: torch.dtype,
-                 batch_tokens: int, pad_id: int = 0) -> None:
+                 batch_tokens: int, pad_id: int = 0, compile_layers: bool = False) -> None:
         from dflash.target.forward import TappedForward
 
         self.model, self.taps, self.dtype = model, tuple(taps), dtype
-        self.tapped = TappedForward(model, self.taps)
+        self.tapped = TappedForward(model, self.taps, compile_layers=compile_layers)
         self.batch_tokens, self.pad_id = batch_tokens, pad_id
         self.forward_s = 0.0      # host wall time in fill() (on CUDA: queueing, not kernel time)
         self.tokens = 0
 
     @classmethod
     def load(cls, model_path: str, taps: tuple[int, ...], *, device: torch.device, dtype: torch.dtype,
-             batch_tokens: int) -> "OnlineTaps":
+             batch_tokens: int, compile_layers: bool = False) -> "OnlineTaps":
         from dflash.target.load import load_target
 
         model, tokenizer = load_target(model_path, device=device, dtype=dtype)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        log.info("online: live target %s (%s) computes taps %s for every micro-batch", model_path, dtype, list(taps))
-        return cls(model, taps, dtype=dtype, batch_tokens=batch_tokens, pad_id=int(pad))
+        log.info("online: live target %s (%s%s) computes taps %s for every micro-batch", model_path, dtype,
+                 ", compiled layers" if compile_layers else "", list(taps))
+        return cls(model, taps, dtype=dtype, batch_tokens=batch_tokens, pad_id=int(pad), compile_layers=compile_layers)
 
     def hidden(self, input_ids_T: torch.Tensor, lengths_N: np.ndarray) -> torch.Tensor:
         """Tapped target hidden states [T, K, D] (the target's dtype) of packed samples, in packed order."""

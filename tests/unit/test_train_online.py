@@ -171,6 +171,31 @@ def test_online_storage_gives_the_features_and_run_of_that_cache(fp32_cache, tmp
     assert gap_r < 3e-4 and gap_r < gap_u / 3
 
 
+def test_online_compiled_layers_give_the_taps_in_one_graph(fp32_cache):
+    """online_compile: the live target's decoder layers under torch.compile give the eager taps up to float
+    rounding, over forward batches of several shapes, from one graph shared by every layer (a graph per layer or
+    per shape would cost a compile each, and the eager launches it removes are the online step's host cost)."""
+    from torch._dynamo.utils import counters
+
+    from dflash.cache import CacheReader
+    from dflash.target.load import load_target
+    from dflash.train.online import OnlineTaps
+
+    model_dir, cache = fp32_cache
+    reader = CacheReader(cache)
+    p = reader.read_many([3, 0, 5, 1, 7], taps=(1, 14))
+    reader.close()
+    ids, lengths = torch.from_numpy(p.input_ids.astype(np.int64)), p.lengths
+    model, _ = load_target(model_dir, device="cpu", dtype=torch.float32)
+    eager = OnlineTaps(model, (1, 14), dtype=torch.float32, batch_tokens=128).hidden(ids, lengths)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = OnlineTaps(model, (1, 14), dtype=torch.float32, batch_tokens=128, compile_layers=True)
+    assert all("forward" in layer.__dict__ for layer in compiled.tapped._kept_layers)
+    got = compiled.hidden(ids, lengths)   # several forward batches: shapes (B, S) differ
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert float((got - eager).abs().max() / eager.abs().max()) < 1e-5
+
+
 def test_online_storage_needs_online_and_a_storage():
     from dflash.errors import ConfigError
     from dflash.train.config import TrainConfig
@@ -181,6 +206,8 @@ def test_online_storage_needs_online_and_a_storage():
     with pytest.raises(ConfigError, match="fp9"):
         TrainConfig(**kw, online=True, online_storage="fp9")
     assert TrainConfig(**kw, online=True, online_storage="int4").online_storage == "int4"
+    with pytest.raises(ConfigError, match="online_compile='yes': choose auto, on, off"):
+        TrainConfig(**kw, online=True, online_compile="yes")
 
 
 def test_forward_index_maps_pin_packed_positions_and_pads():
