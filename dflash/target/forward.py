@@ -70,9 +70,9 @@ def compile_decoder_layers(layers: Sequence[nn.Module]) -> None:
     dynamic shapes, one compiled object per class): the layers of a class share one graph, their weights are its
     inputs, so a 30-layer target compiles once (tests count the graphs). Why: an eager layer is ~40 kernel
     launches and as many Python dispatches, and a target run in the training loop (online) is host-bound on
-    them (results/smollm2_step_online_host_h200.json: 2,867 launches a step, the GPU busy 172 of the step's
-    ms); compiled, each norm, RoPE and gating chain is one kernel. Same math up to float rounding. Hooks and
-    __call__ still apply (an instance attribute, as fused.compile_elementwise)."""
+    them (results/smollm2_step_online_host_h200.json: 2,867 launches a step, the GPU busy 172 ms of a profiled
+    step's 552); compiled, each norm, RoPE and gating chain is one kernel. Same math up to float rounding.
+    Hooks and __call__ still apply (an instance attribute, as fused.compile_elementwise)."""
     import types
 
     from dflash.compiled import compiled_op
@@ -90,7 +90,7 @@ class TappedForward:
     swaps modules of the shared model for the duration of a call); use one per process.
     compile_elementwise: run the Qwen3.5 norm and gate chains torch.compile'd (dflash.target.fused; off by
     default, and meant for CUDA: on CPU inductor's compile costs more than it saves). compile_layers: run each
-    run decoder layer's whole forward torch.compile'd (compile_layers below). Both change `model`'s modules for
+    decoder layer it runs whole under torch.compile (compile_decoder_layers). Both change `model`'s modules for
     every user of that model instance.
     """
 
