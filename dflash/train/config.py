@@ -216,11 +216,12 @@ class TrainConfig:
 
 
 # Fields that may differ between a run and its resume (paths, bookkeeping); anything else changes the math.
-# loss_impl and compile_elementwise change only float rounding (and checkpoints written before they existed
-# lack the fields). Not online: live features are unrounded, an fp8 or bf16 cache's are not.
+# loss_impl, compile_elementwise and online_compile change only float rounding (and checkpoints written before
+# they existed lack the fields). Not online: live features are unrounded, an fp8 or bf16 cache's are not.
 RESUME_MUTABLE = frozenset({"cache", "model", "output", "log_every", "save_every", "keep_checkpoints",
                             "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps",
-                            "loss_impl", "compile_elementwise", "eval_cache", "eval_every", "eval_limit"})
+                            "loss_impl", "compile_elementwise", "online_compile", "eval_cache", "eval_every",
+                            "eval_limit"})
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:
