@@ -208,6 +208,13 @@ def test_online_storage_needs_online_and_a_storage():
     assert TrainConfig(**kw, online=True, online_storage="int4").online_storage == "int4"
     with pytest.raises(ConfigError, match="online_compile='yes': choose auto, on, off"):
         TrainConfig(**kw, online=True, online_compile="yes")
+    # float rounding only: a run may resume with the target compiled or not, unlike with another storage
+    from dflash.train.config import check_resume_compatible
+
+    saved = TrainConfig(**kw, online=True, online_storage="fp8").to_json()
+    check_resume_compatible(saved, TrainConfig(**kw, online=True, online_storage="fp8", online_compile="on"))
+    with pytest.raises(ConfigError, match="online_storage"):
+        check_resume_compatible(saved, TrainConfig(**kw, online=True, online_storage="bf16"))
 
 
 def test_forward_index_maps_pin_packed_positions_and_pads():
