@@ -47,6 +47,8 @@ turns, less the held-out ones) is ~1.3x that: ~17M tokens, ~50 GB in fp8, ~4 min
 The committed reference (2026-12-03, results/quality_reference_h200.json): the greedy and the seed-1 sampled
 regeneration, 33,588 conversations, 33.4M tokens, --storage int4 (52.0 GB; fp8 ~99 GB does not fit), extracted in
 141 s; 2 epochs = 4,088 steps at 0.143 s (114K tok/s), one held-out evaluation of the three sets 1.22 s.
+all_seed1 finished 2026-12-04 on one GPU of a 2-GPU machine (run_h200.sh refpair, the JSONs joined by --merge);
+the online fp8 + bf16 group stepped at ~0.36 s there and was cut at step ~1,550.
 CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps)
 """
 
