@@ -187,7 +187,9 @@ def kernel_summary(prof, *, steps: int, wall_s: float) -> dict:
                      key=lambda r: -r["ms_per_step"])
     return {"step_ms": step_ms, "gpu_busy_ms": busy, "gpu_idle_fraction": max(0.0, 1 - busy / step_ms),
             "ms_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top_kernels": rows[:30],
-            "host_cuda_calls": runtime[:12]}
+            "host_cuda_calls": runtime[:12],
+            # every copy by kind: a Pageable one makes the host wait for the copy (and what is queued before it)
+            "copies": [r for r in rows if r["kernel"].startswith(("Memcpy", "Memset"))]}
 
 
 class ResidentLoader:
