@@ -328,7 +328,8 @@ def watching(runs: dict[str, pathlib.Path], *, every_s: float = 15.0):
 def train_config(args, *, model: str, cache, out: pathlib.Path, device: str, steps: int | None,
                  eval_cache: str | None, eval_every: int, log_every: int | None, seed: int = 0,
                  noise_start: float = 0.0, epochs: int = 6, online: bool = False, online_storage: str | None = None,
-                 loss_normalization: str = "token", taps: tuple[int, ...] | None = None):
+                 loss_normalization: str = "token", taps: tuple[int, ...] | None = None,
+                 online_compile: str = "off"):
     """The TrainConfig of one run (a job: train_once's keyword arguments; `device` is train_once's)."""
     from dflash.train.config import TrainConfig
 
@@ -338,7 +339,7 @@ def train_config(args, *, model: str, cache, out: pathlib.Path, device: str, ste
                        seed=seed, log_every=log_every or args.log_every, save_every=args.save_every,
                        intermediate_size=args.intermediate_size, eval_cache=eval_cache, eval_every=eval_every,
                        noise_start=noise_start, noise_end=0.0, online=online, online_storage=online_storage,
-                       loss_normalization=loss_normalization, taps=taps)
+                       loss_normalization=loss_normalization, taps=taps, online_compile=online_compile)
 
 
 def resumable(out: pathlib.Path) -> bool:
@@ -607,6 +608,10 @@ def parse_args(argv=None):
                          "test_train_online.py): what such a cache gives, without one on disk; ~0.45x the "
                          "cached speed on whole conversations (0.30 s a step against 0.137 s, "
                          "results/concurrent_probe_h200.json)")
+    ap.add_argument("--online-compile", choices=["auto", "on", "off"], default="off",
+                    help="TrainConfig.online_compile of the --compare-online runs: the live target's layers "
+                         "torch.compile'd (the online step is host-bound on the eager target's kernel launches: "
+                         "results/smollm2_step_online_host_h200.json); a resumed run may change it")
     ap.add_argument("--parallel-runs", type=int, default=1, metavar="N",
                     help="train up to N consecutive runs of the plan that read the same cache at once on the one "
                          "device: online runs (--compare-online) as one sweep group, whose live target computes "
@@ -929,14 +934,15 @@ def main(argv=None) -> dict:
         # runs of earlier calls stay recorded (Stages copied them) also when this call skips or does not reach them
         result.setdefault("runs", {})
         result.setdefault("curves", {})
-        specs = {r: (c, over) for r, c, over in plan}
-
         online_taps = reference_taps(model)
+
+        def overrides(over: dict) -> dict:
+            """A run's own settings; an online run computes the default taps, compiled or not."""
+            return over | {"taps": online_taps, "online_compile": args.online_compile} if over.get("online") else over
+        specs = {r: (c, overrides(over)) for r, c, over in plan}
 
         def job(rname: str) -> dict:
             cname, over = specs[rname]
-            if over.get("online"):
-                over = over | {"taps": online_taps}
             return dict(args=args, model=model, cache=work / f"cache_{cname}", out=work / f"run_{rname}",
                         device=device, steps=args.steps, epochs=args.epochs, eval_cache=str(work / "cache_eval"),
                         eval_every=args.eval_every, log_every=None, **over)
@@ -949,7 +955,7 @@ def main(argv=None) -> dict:
                                      n=args.parallel_runs)
         trained: dict[str, dict] = {}  # results of runs trained together, until their stage records them
         turns: dict[str, int] = {}  # cache name -> assistant turns of its data (a pass over the file: once)
-        for ri, (rname, cname, over) in enumerate(plan):
+        for ri, (rname, cname, _) in enumerate(plan):
             if cname not in turns:
                 turns[cname] = assistant_turns(caches[cname][0][0])
             unread = cname not in needed
@@ -990,7 +996,7 @@ def main(argv=None) -> dict:
                 "heldout_seconds_median": statistics.median(evals) if evals else None,
                 "step_time_s_median": statistics.median(steps_s) if steps_s else None,
                 "eval_overhead_fraction": eval_overhead_fraction(evals, steps_s, every=default_eval_every())
-                if evals and steps_s else None, **over}
+                if evals and steps_s else None, **specs[rname][1]}
             result["curves"][rname] = c
             result.get("partial_curves", {}).pop(rname, None)  # an earlier call's cut curve of it: now whole
             result.get("partial_at_reference_steps", {}).pop(rname, None)

@@ -74,7 +74,9 @@
 #       the target's layers compiled, off until timed (~3 min with the stashed GGUF):
 #         smollm2step --modes online_fp8,online_fp8_compiled --pairs "" --shared "" --steps 60
 #           --conversations 1000 --json benchmarks/results/smollm2_step_online_compiled_h200.json
-#       if it gains, online_compile "auto" by default, then the shared fp8 + bf16 group may fit one session.
+#       if it gains, add --online-compile auto to the reference commands (bench_reference passes it to its
+#       --compare-online runs; a resumed run may change it) and make it TrainConfig's default: the shared fp8 +
+#       bf16 group may then fit one session.
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
