@@ -76,6 +76,7 @@ import bench_quality as bq  # noqa: E402
 from bench_quality import Stages, log  # noqa: E402
 
 from dflash.cache.format import STORAGE_DTYPES as STORAGES  # noqa: E402  (int4: the default 4-bit format)
+from dflash.compiled import COMPILE_SETTINGS  # noqa: E402
 
 EVAL_SETS = bq.EVAL_SETS
 # The reference run also scores ShareGPT first turns that no training conversation holds as a user turn: beside
@@ -470,12 +471,29 @@ def partial_curves(plan: list, work: pathlib.Path, *, finished: frozenset[str], 
     for rname, _, _ in plan:
         if rname in finished:
             continue
-        here = curve(read_metrics(work / f"run_{rname}"))
-        before = earlier.get(rname) or {"step": []}
-        best = here if len(here["step"]) >= len(before["step"]) else before
+        best = longer_curve(curve(read_metrics(work / f"run_{rname}")), earlier.get(rname) or {"step": []})
         if best["step"]:
             out[rname] = best
     return out
+
+
+def longer_curve(a: dict, b: dict) -> dict:
+    """Of two held-out curves of one cut run (one lr schedule), the one that got further; `a` on a tie."""
+    return a if len(a["step"]) >= len(b["step"]) else b
+
+
+def compare_cut_runs(result: dict, ref_name: str) -> None:
+    """The cut runs (result["partial_curves"]) against the reference run `ref_name` at their last common steps:
+    partial_at_reference_steps."""
+    result["partial_at_reference_steps"] = at_last_common_step(result["partial_curves"],
+                                                               result.get("curves", {}).get(ref_name))
+
+
+def plot_cut_runs(result: dict, ref_name: str, png: pathlib.Path) -> None:
+    """partial_plot: the cut runs against the reference run `ref_name`, when there are both."""
+    ref = result.get("curves", {}).get(ref_name)
+    if result["partial_curves"] and ref:
+        result["partial_plot"] = plot_runs({ref_name: ref}, result["partial_curves"], png)
 
 
 def at_last_common_step(partial: dict, ref: dict | None) -> dict:
@@ -608,7 +626,7 @@ def parse_args(argv=None):
                          "test_train_online.py): what such a cache gives, without one on disk; ~0.45x the "
                          "cached speed on whole conversations (0.30 s a step against 0.137 s, "
                          "results/concurrent_probe_h200.json)")
-    ap.add_argument("--online-compile", choices=["auto", "on", "off"], default="off",
+    ap.add_argument("--online-compile", choices=COMPILE_SETTINGS, default="off",
                     help="TrainConfig.online_compile of the --compare-online runs: the live target's layers "
                          "torch.compile'd (the online step is host-bound on the eager target's kernel launches: "
                          "results/smollm2_step_online_host_h200.json); a resumed run may change it")
@@ -1008,12 +1026,9 @@ def main(argv=None) -> dict:
         if plan is not None:
             result["partial_curves"] = partial_curves(plan, work, finished=frozenset(result.get("runs", {})),
                                                       earlier=st.earlier.get("partial_curves") or {})
-            ref = result.get("curves", {}).get(f"all_{args.storage}")
-            result["partial_at_reference_steps"] = at_last_common_step(result["partial_curves"], ref)
-            if result["partial_curves"] and ref:
-                result["partial_plot"] = plot_runs(
-                    {f"all_{args.storage}": ref}, result["partial_curves"],
-                    plot_dir(args) / f"quality_reference_cut_runs{'_tiny' if args.tiny else ''}.png")
+            compare_cut_runs(result, f"all_{args.storage}")
+            plot_cut_runs(result, f"all_{args.storage}",
+                          plot_dir(args) / f"quality_reference_cut_runs{'_tiny' if args.tiny else ''}.png")
         bq.close_run(st, work=work, own_work=own_work)
     print(format_table(result), flush=True)
     log(f"written {out_json}")
@@ -1037,10 +1052,10 @@ def merged_results(base: dict, other: dict) -> dict:
     cut: dict = {}
     for src in (base, other):
         for rname, c in src.get("partial_curves", {}).items():
-            if rname not in runs and len(c["step"]) > len(cut.get(rname, {"step": []})["step"]):
-                cut[rname] = c
+            if rname not in runs:
+                cut[rname] = longer_curve(cut[rname], c) if rname in cut else c
     out["partial_curves"] = cut
-    out["partial_at_reference_steps"] = at_last_common_step(cut, curves.get(f"all_{out.get('reference_storage')}"))
+    compare_cut_runs(out, f"all_{out.get('reference_storage')}")
     out["calls"] = out.get("calls", []) + [c for c in other.get("calls", []) if c not in out.get("calls", [])]
     summarise(out)
     return out
@@ -1056,12 +1071,8 @@ def merge_into(args, out_json: pathlib.Path) -> dict:
     for rname in result["runs"].keys() - base.get("runs", {}).keys():
         png = plot_dir(args) / f"quality_reference_{rname}.png"
         result["runs"][rname]["plot"] = plot_curve(rname, result["curves"][rname], png)
-    ref = result["curves"].get(f"all_{result.get('reference_storage')}")
-    if result["partial_curves"] and ref:
-        result["partial_plot"] = plot_runs({f"all_{result['reference_storage']}": ref}, result["partial_curves"],
-                                           plot_dir(args) / "quality_reference_cut_runs.png")
-    else:
-        result.pop("partial_plot", None)
+    result.pop("partial_plot", None)  # the device's figure: drawn again here when there are cut runs
+    plot_cut_runs(result, f"all_{result.get('reference_storage')}", plot_dir(args) / "quality_reference_cut_runs.png")
     replace_text(out_json, json.dumps(result, indent=2) + "\n")
     print(format_table(result), flush=True)
     log(f"written {out_json}")
