@@ -137,16 +137,11 @@ REF_DATA=(--train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
           benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
           --eval-responses benchmarks/assets/peer --drop-caches --resume --compare-online
           --skip all_noise,all_seed1,all_seqnorm)
-refpair() { local t=$1; gguf_joined || return 1
-            REF_PAIR=1 REF_WORK=/tmp/bref CUDA_VISIBLE_DEVICES=0 reference "$t" "${REF_DATA[@]}" \
-              --also-storages fp8 --skip all_bf16,all_noise,all_seed1,all_seqnorm \
-              --plot-dir /tmp/bref/plots >"$LOGS/ref_gpu0.log" 2>&1 &
-            local a=$!
-            REF_PAIR=1 REF_WORK=/tmp/bref1 CUDA_VISIBLE_DEVICES=1 reference "$t" "${REF_DATA[@]}" \
-              --plot-dir /tmp/bref1/plots >"$LOGS/ref_gpu1.log" 2>&1 &
-            local b=$!
-            wait $a || rc=$?; wait $b || rc=$?
-            tail -n 30 "$LOGS/ref_gpu0.log" "$LOGS/ref_gpu1.log"
+ref_gpu0() { REF_PAIR=1 REF_WORK=/tmp/bref reference "$1" "${REF_DATA[@]}" --also-storages fp8 \
+               --skip all_bf16,all_noise,all_seed1,all_seqnorm --plot-dir /tmp/bref/plots; }
+ref_gpu1() { REF_PAIR=1 REF_WORK=/tmp/bref1 reference "$1" "${REF_DATA[@]}" --plot-dir /tmp/bref1/plots; }
+refpair() { gguf_joined || return 1  # once, before the two calls would join it at the same time
+            both ref_gpu0 "ref_gpu0 $1" ref_gpu1 "ref_gpu1 $1"
             if [ -n "${OUT:-}" ]; then
               cp /tmp/bref/quality_reference_h200.json "$OUT/quality_reference_gpu0_h200.json"
               cp /tmp/bref1/quality_reference_h200.json "$OUT/quality_reference_gpu1_h200.json"; fi; }
