@@ -165,8 +165,9 @@ def kernel_summary(prof, *, steps: int, wall_s: float) -> dict:
     steps that took `wall_s`: where a step's time goes, and how much of it the GPU sits idle."""
     from torch.autograd import DeviceType
 
+    events = prof.key_averages()  # aggregates the whole trace: once
     rows = []
-    for e in prof.key_averages():
+    for e in events:
         if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0:
             rows.append({"kernel": e.key[:160], "ms_per_step": e.self_device_time_total / 1e3 / steps,
                          "calls_per_step": e.count / steps})
@@ -182,7 +183,7 @@ def kernel_summary(prof, *, steps: int, wall_s: float) -> dict:
     # for the GPU) by time spent in them, so an idle GPU says whether the host queued too slowly or waited
     runtime = sorted(({"call": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
                        "calls_per_step": e.count / steps}
-                      for e in prof.key_averages()
+                      for e in events
                       if e.device_type == DeviceType.CPU and e.key.startswith("cuda") and e.count),
                      key=lambda r: -r["ms_per_step"])
     return {"step_ms": step_ms, "gpu_busy_ms": busy, "gpu_idle_fraction": max(0.0, 1 - busy / step_ms),
