@@ -52,6 +52,8 @@
 #       every call the same command (REF_LIMIT=<seconds> for the session's last), the two JSONs merged here with
 #       bench_reference.py --merge (see refpair below). 2026-12-04 its first form (the fp8 + bf16 group on GPU 0,
 #       seed 1 then noise on GPU 1) finished all_seed1 before the machine was taken back
+#   bash benchmarks/run_h200.sh flextiles [ARGS]   # probe_flex_tiles: flex attention tile options on the drafter's
+#       block layout, SmolLM2 and 27B heads (~8 min for all variants; max-autotune alone takes ~4 min a shape)
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
 #       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
 #   bash benchmarks/run_h200.sh peer [ARGS]   # bench_peer (issue 15): SpecForge's DFlash trainer and dflash side by
@@ -71,12 +73,14 @@
 #         smollm2step --modes online_fp8,online_bf16 --pairs ""
 #       The online step alone is host-bound on the eager target's kernel launches (2026-12-04: 2,867 launches,
 #       GPU busy 172 ms of 0.27-0.37 s a step: smollm2_step_online*_h200.json); TrainConfig.online_compile runs
-#       the target's layers compiled, off until timed (~3 min with the stashed GGUF):
+#       the target's layers compiled (~3 min with the stashed GGUF):
 #         smollm2step --modes online_fp8,online_fp8_compiled --pairs "" --shared "" --steps 60
-#           --conversations 1000 --json benchmarks/results/smollm2_step_online_compiled_h200.json
-#       if it gains, add --online-compile auto to the reference commands (bench_reference passes it to its
-#       --compare-online runs; a resumed run may change it) and make it TrainConfig's default: the shared fp8 +
-#       bf16 group may then fit one session.
+#           --conversations 1000 --json $OUT/smollm2_step_online_compiled_h200.json
+#       2026-12-04: 0.230 vs 0.245 s a step (x1.06; 894 vs 2,854 launches, GPU busy 146 vs 164 ms), so REF_DATA
+#       passes --online-compile on; TrainConfig's default stays off (a 6% gain, timed on SmolLM2's layers only).
+#       The shared fp8 + bf16 group on one GPU (0.36-0.40 s a step before that and before the drafter's 64 x 64
+#       flex forward tiles: ~18 ms less a step, results/flex_tiles_h200.json) is to be timed again before it is
+#       tried in one session: ~22 min of 4,088 steps need <= 0.32 s a step.
 #   bash benchmarks/run_h200.sh evaloverhead   # bench_eval_overhead on the reference run's 8K cache (~4 min)
 # On a 2-GPU machine, two stages share one call, one GPU each (machine_info records it in "note"):
 #   bash benchmarks/run_h200.sh pair1   # io on GPU 0 (bench_cache alone first) || train on GPU 1
@@ -135,7 +139,7 @@ reference() { local t=$1; shift; local w=${REF_WORK:-/tmp/bref}; mkdir -p "$w"
 # `python benchmarks/bench_reference.py --json benchmarks/results/quality_reference_h200.json --merge GPU1_JSON`
 REF_DATA=(--train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
           benchmarks/assets/quality/sharegpt_sampled_t0.8_s1-0*.jsonl.gz --storage int4 --epochs 2
-          --eval-responses benchmarks/assets/peer --drop-caches --resume --compare-online
+          --eval-responses benchmarks/assets/peer --drop-caches --resume --compare-online --online-compile on
           --skip all_noise,all_seed1,all_seqnorm)
 ref_gpu0() { REF_PAIR=1 REF_WORK=/tmp/bref reference "$1" "${REF_DATA[@]}" --also-storages fp8 \
                --skip all_bf16,all_noise,all_seed1,all_seqnorm --plot-dir /tmp/bref/plots; }
@@ -161,6 +165,7 @@ storage4() { local stage=$1; shift
 gpu_tests() { timeout "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
   tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py; }  # named files: no hypothesis there
 block_mask() { timeout "${1:-200}" python3 benchmarks/bench_block_mask.py; }
+flextiles() { timeout 560 python3 benchmarks/probe_flex_tiles.py --out "${OUT:-/tmp}/flex_tiles_h200.json" "$@"; }  # no target, no GGUF
 sweep_then_gpu_tests() { sweep "$1"; gpu_tests 120; }
 quality_parts() { quality "$1" "${QPARTS[@]}"; }
 # both NAME0 "CMD0 ARGS" NAME1 "CMD1 ARGS": two stages at once, GPU 0 and GPU 1, logs in $LOGS/NAME.log
@@ -190,11 +195,12 @@ case "$stage" in
   storage4) storage4 "$@" || rc=$? ;;
   smollm2step) smollm2step "$@" || rc=$? ;;
   peer) peer "$@" || rc=$? ;;
+  flextiles) flextiles "$@" || rc=$? ;;
   pair1) cache; both extract "extract 410" train "train 410" ;;
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|flextiles ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

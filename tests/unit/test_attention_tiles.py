@@ -134,3 +134,18 @@ def test_compiled_flex_with_layout_tiles_equals_dense_on_cuda_forward_and_backwa
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=2e-3, atol=2e-3)
     for a, b in zip(outs[0][1], outs[1][1]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_flex_kernel_options_small_heads_on_cuda_only():
+    # 64 x 64 forward tiles for heads of <= 64 dims on CUDA (measured 2.9x on the H200, flex_tiles_h200.json);
+    # the 27B drafter's 256-dim heads would not fit them in shared memory, and CPU flex takes no tile options.
+    from dflash.drafter.attention import flex_kernel_options
+
+    assert flex_kernel_options(64, "cuda") == {"BLOCK_M": 64, "BLOCK_N": 64}
+    assert flex_kernel_options(32, "cuda") == {"BLOCK_M": 64, "BLOCK_N": 64}
+    assert flex_kernel_options(128, "cuda") is None
+    assert flex_kernel_options(256, "cuda") is None
+    assert flex_kernel_options(64, "cpu") is None
+    opts = flex_kernel_options(64, "cuda")
+    opts["BLOCK_M"] = 16  # a caller's copy: the rule itself is not changed
+    assert flex_kernel_options(64, "cuda")["BLOCK_M"] == 64
