@@ -27,6 +27,11 @@ dflash.target.fused's compiled Qwen3.5 norm/gate chains in the extractions and t
 same setting on both sides of ratio_vs_forward_only). --compare-compile times the forward-only pass once more
 with the setting flipped (a compiled flip first makes an untimed compiling pass), in the same run:
 compile_compare.speedup is compiled over eager. The peer-style run is eager, as the peers' HF path is.
+--compile-layers (ExtractConfig.compile_layers, default off) runs each decoder layer whole under torch.compile in
+place of the compiled chains; --compare-compile-layers times the forward-only pass once more with it flipped
+(compile_layers_compare.speedup: layers compiled whole over the chains compiled; an FLA kernel that dynamo
+cannot trace is recorded as the compare's error). Next on the H200: extract --storage fp8 --peer-tokens 0
+--compare-compile-layers (issue 20: the fp8 run is forward-bound at 0.98 of forward-only, 12,074 tok/s).
 
 The 27B-shape target has random weights built directly on the GPU: a 54 GB checkpoint cannot be written to
 the 64 GB disk beside the cache, so `load_target` is replaced by a function returning that model (with the
@@ -195,6 +200,41 @@ def forward_only(cfg, model, device) -> tuple[float, int, int, int]:
     return time.perf_counter() - t, real, padded, len({len(b.members) for b in batches})
 
 
+def compare_compile_layers(model, layers, layers_on: bool, chains_on: bool, real: int, fo_s: float,
+                           timed_pass) -> dict:
+    """The forward-only pass once more with ExtractConfig.compile_layers flipped (the driver's rule: compiled
+    layers replace the compiled norm/gate chains), then the run's own setting back. A flip to compiled layers
+    first makes an untimed pass (it compiles); a compile that fails is returned as {"error": ...}."""
+    from dflash.target.forward import compile_decoder_layers, restore_decoder_layers
+    from dflash.target.fused import compile_elementwise, restore_elementwise
+
+    first_s = None
+    try:
+        if layers_on:
+            restore_decoder_layers(layers)
+            compile_elementwise(model)
+        else:
+            restore_elementwise(model)
+            compile_decoder_layers(layers)
+            first_s = timed_pass()
+        flip_s = timed_pass()
+    except Exception as e:  # noqa: BLE001  (an FLA kernel dynamo cannot trace is a finding, not the end of the run)
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+                "flipped_to": "eager layers" if layers_on else "compiled"}
+    finally:
+        restore_decoder_layers(layers)
+        restore_elementwise(model)
+        if layers_on:
+            compile_decoder_layers(layers)
+        elif chains_on:
+            compile_elementwise(model)
+    layers_s, chains_s = (fo_s, flip_s) if layers_on else (flip_s, fo_s)
+    return {"flipped_to": "eager layers" if layers_on else "compiled", "flipped_tok_s": real / flip_s,
+            "chains": "compiled" if chains_on else "eager",
+            "layers_forward_only_tok_s": real / layers_s, "chains_forward_only_tok_s": real / chains_s,
+            "speedup": chains_s / layers_s, "first_pass_s": first_s}
+
+
 PEER_MIN_TOKENS = 100_000   # below this the peer-style rate is mostly first-call cost: no ratio is reported
 
 
@@ -291,6 +331,12 @@ def main() -> None:
                         "CUDA): torch.compile'd Qwen3.5 norm/gate chains (dflash.target.fused)")
     p.add_argument("--compare-compile", action="store_true",
                    help="also time the forward-only pass with --compile-elementwise flipped (compile_compare)")
+    p.add_argument("--compile-layers", choices=("auto", "on", "off"), default="off",
+                   help="ExtractConfig.compile_layers of the extractions and the forward-only floor: each decoder "
+                        "layer whole under torch.compile (in place of the norm/gate chains)")
+    p.add_argument("--compare-compile-layers", action="store_true",
+                   help="also time the forward-only pass with --compile-layers flipped (compile_layers_compare; a "
+                        "failing compile is recorded, the rest of the run goes on)")
     p.add_argument("--load-seconds", type=float, default=None,
                    help="stand-in for the checkpoint load before each extraction (default: 5 on CUDA, 0 on CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -323,10 +369,17 @@ def main() -> None:
     from dflash.compiled import compile_wanted
     from dflash.target.fused import compile_elementwise, restore_elementwise
 
-    compiled = compile_wanted(args.compile_elementwise, device)
+    from dflash.target.forward import compile_decoder_layers, restore_decoder_layers, text_decoder
+
+    layers_on = compile_wanted(args.compile_layers, device)
+    compiled = compile_wanted(args.compile_elementwise, device) and not layers_on  # the driver's rule
     # the driver's TappedForward compiles this same model instance too (idempotent); forward_only's sees it
     fused_modules = compile_elementwise(model) if compiled else {}
-    print(f"compiled norm/gate chains: {fused_modules or 'none (eager)'}", flush=True)
+    layers = text_decoder(model).layers
+    if layers_on:
+        compile_decoder_layers(layers)
+    print(f"compiled norm/gate chains: {fused_modules or 'none (eager)'}; decoder layers compiled whole: "
+          f"{layers_on}", flush=True)
     load_s = args.load_seconds if args.load_seconds is not None else (5.0 if device.type == "cuda" else 0.0)
 
     def load_prebuilt(*_a, **_k):  # see module docstring
@@ -341,6 +394,7 @@ def main() -> None:
         return ExtractConfig(model=str(model_dir), data=(str(src),), output=str(out), storage=storage,
                              max_length=4096, batch_tokens=args.batch_tokens, show_progress=False,
                              compile_elementwise="on" if compiled else "off",
+                             compile_layers="on" if layers_on else "off",
                              dtype="bfloat16")  # the forward-only floor runs bf16 (also on CPU)
 
     quiet = lambda *_: None  # noqa: E731
@@ -397,6 +451,10 @@ def main() -> None:
                         "eager_forward_only_tok_s": real / eager_s,
                         "speedup": eager_s / fc_s, "first_pass_s": first_s,
                         "flipped_to": "eager" if compiled else "compiled"}
+    layers_cmp = compare_compile_layers(model, layers, layers_on, compiled, real, fo_s,
+                                        lambda: forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)[0]
+                                        ) if args.compare_compile_layers else None
+    restore_decoder_layers(layers)
     restore_elementwise(model)  # the peer-style run below is HF's eager forward, as the peers run it
     num_layers_run = max(taps) + 1
     flops = target_flops(model.config, num_layers_run=num_layers_run)
@@ -456,6 +514,14 @@ def main() -> None:
                      compiled_cmp[("eager_" if flip == "eager" else "") + "forward_only_tok_s"],
                      f"compiled x{compiled_cmp['speedup']:.3f} of eager forward only"
                      + (f"; first compiled pass {first:.1f}s (compiles)" if first is not None else "")))
+    if layers_cmp and "error" not in layers_cmp:
+        rows.append((f"forward only, layers {layers_cmp['flipped_to']}", layers_cmp["flipped_tok_s"],
+                     f"layers compiled whole x{layers_cmp['speedup']:.3f} of the layers eager, norm/gate chains "
+                     f"{layers_cmp['chains']}"
+                     + (f"; first pass {layers_cmp['first_pass_s']:.1f}s (compiles)"
+                        if layers_cmp["first_pass_s"] is not None else "")))
+    elif layers_cmp:
+        rows.append(("forward only, layers compiled whole", float("nan"), layers_cmp["error"]))
     rows.append(("FLOP floor", floor_tok_s, f"{total_flops / real / 1e9:.1f} GFLOP/tok, measured peak "
                  f"{peak / 1e12:.3g} TFLOP/s"))
     rows.append(("FLOP floor at the 989T spec", H200_SPEC_BF16 * real / total_flops, "H200 dense bf16 spec"))
@@ -484,7 +550,8 @@ def main() -> None:
         "first_pass_compile_s": warm_s - fo_s,
         "forward_only_tok_s": fo_tok_s, "forward_only_timeline": fo_timeline, "floor_tok_s": floor_tok_s,
         "floor_tok_s_at_spec_989": H200_SPEC_BF16 * real / total_flops, "peer_min_tokens_for_ratio": PEER_MIN_TOKENS,
-        "peer_style": peer, "compile_compare": compiled_cmp, **summary,
+        "peer_style": peer, "compile_compare": compiled_cmp, "compile_layers": args.compile_layers,
+        "compile_layers_compare": layers_cmp, **summary,
     }
     res_dir = pathlib.Path(args.results_dir)
     res_dir.mkdir(parents=True, exist_ok=True)

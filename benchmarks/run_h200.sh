@@ -8,6 +8,8 @@
 #   bash benchmarks/run_h200.sh cache   # bench_cache alone (issue 20's read ratios, ~4 min)
 #   bash benchmarks/run_h200.sh extract [ARGS]  # bench_extract 600K tokens alone (~7 min: ~5 timed, 1 untimed
 #       warm-up pass); ARGS go to bench_extract, e.g. --storage fp8 --compare-compile (issue 20: compiled vs eager)
+#       or --storage fp8 --peer-tokens 0 --compare-compile-layers (decoder layers compiled whole vs the chains:
+#       the fp8 run is forward-bound, 11,853 tok/s at 0.98 of forward-only on 2026-12-04; ~1-2 min more)
 #   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
 #   bash benchmarks/run_h200.sh trainreal  # bench_train_real: real ShareGPT lengths and equal 2,048-token
 #       sequences from a disk cache, 27B drafter shape (issue 20's train_real_lengths_h200.json, ~6-7 min)

@@ -52,6 +52,9 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--compile-elementwise", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Qwen3.5 targets: run the layers' RMSNorm, gated RMSNorm and SiLU-gating chains torch.compile'd "
                    "(one fused kernel each; float rounding only). auto: on CUDA. Other architectures: no effect.")
+@click.option("--compile-layers", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
+              help="Run each decoder layer whole under torch.compile (one graph per layer class; float rounding "
+                   "only); replaces --compile-elementwise when on. auto: on CUDA. Off until timed on the 27B shape.")
 @click.option("--dry-run", is_flag=True, default=False,
               help="Print samples, tokens, bytes on disk and an ETA, then stop without loading the model.")
 @click.option("--repair", is_flag=True, default=False,
@@ -59,7 +62,7 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
                    "and extract their samples again.")
 @click.option("--no-progress", is_flag=True, default=False, help="Do not draw the progress bar.")
 def command(model, data, output, taps, storage, max_length, num_procs, batch_tokens, shard_tokens, no_thinking,
-            dtype, device, fla_conv, compile_elementwise, dry_run, repair, no_progress) -> None:
+            dtype, device, fla_conv, compile_elementwise, compile_layers, dry_run, repair, no_progress) -> None:
     """Run the target model over conversation data and write the hidden-state cache.
 
     Prints the plan (samples, tokens, bytes on disk, ETA) before any model work and refuses to start when
@@ -75,7 +78,8 @@ def command(model, data, output, taps, storage, max_length, num_procs, batch_tok
         model=model, data=tuple(data), output=output, taps=taps, storage=storage, max_length=max_length,
         batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         template_kwargs={"enable_thinking": False} if no_thinking else {},
-        dtype=dtype, device=device, fla_conv=fla_conv, compile_elementwise=compile_elementwise, dry_run=dry_run,
+        dtype=dtype, device=device, fla_conv=fla_conv, compile_elementwise=compile_elementwise,
+        compile_layers=compile_layers, dry_run=dry_run,
         repair=repair, show_progress=not no_progress)
     try:
         from dflash.store.url import is_store_url

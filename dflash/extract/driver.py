@@ -70,6 +70,12 @@ class ExtractConfig:
     Float rounding only (checked per layer against transformers' layers, tests/gpu/test_target_fused_gpu.py), so
     it is not part of the cache fingerprint. Other architectures are left as they are; on CPU inductor's compile
     costs more than it saves."""
+    compile_layers: str = "off"
+    """"auto" (on CUDA), "on" or "off": run each decoder layer the taps need whole under torch.compile
+    (dflash.target.forward.compile_decoder_layers: one graph per layer class, dynamic shapes), which fuses what
+    compile_elementwise leaves eager (residual adds, RoPE, gates); when on, compile_elementwise is not applied
+    as well (the layer graph holds those chains). Float rounding only, not in the fingerprint. Off by default
+    until timed on the 27B shape (bench_extract.py --compare-compile-layers)."""
     dry_run: bool = False
     """Print the plan (samples, tokens, bytes, ETA) and stop."""
     store_rate: StoreRate | None = None
@@ -106,6 +112,8 @@ class ExtractConfig:
             raise ConfigError(f"device={self.device!r}: use auto, cpu or cuda")
         if self.compile_elementwise not in COMPILE_SETTINGS:
             raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: use auto, on or off")
+        if self.compile_layers not in COMPILE_SETTINGS:
+            raise ConfigError(f"compile_layers={self.compile_layers!r}: use auto, on or off")
 
 
     def compute_dtype(self) -> str:
@@ -245,10 +253,13 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
             tokens=most, num_taps=len(pre.fingerprint.tap_layer_ids), hidden=pre.fingerprint.hidden_size,
             storage=cfg.storage))
     model, _ = load_target(cfg.model, device=device, dtype=dtype_of(cfg.compute_dtype()), fla_conv=cfg.fla_conv)
-    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids,
-                           compile_elementwise=compile_wanted(cfg.compile_elementwise, device))
+    layers = compile_wanted(cfg.compile_layers, device)
+    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids, compile_layers=layers,
+                           compile_elementwise=compile_wanted(cfg.compile_elementwise, device) and not layers)
     if tapped.fused_modules:
         log.info("compiled norm/gate chains: %s", tapped.fused_modules)
+    if layers:
+        log.info("compiled decoder layers: %d", tapped.num_layers_run)
     pad_id = pre.tokenizer.pad_token_id if pre.tokenizer.pad_token_id is not None else 0
     counters = RankCounters()
     reporter = ProgressReporter(rank=rank, world_size=world_size if distributed else 1,

@@ -81,6 +81,12 @@ def compile_decoder_layers(layers: Sequence[nn.Module]) -> None:
         layer.forward = types.MethodType(compiled_op(type(layer).forward), layer)
 
 
+def restore_decoder_layers(layers: Sequence[nn.Module]) -> None:
+    """Undo compile_decoder_layers: each layer runs its class's forward eagerly again."""
+    for layer in layers:
+        layer.__dict__.pop("forward", None)
+
+
 class TappedForward:
     """Callable: input ids [B, S] -> tapped hidden states [B, S, K, D] in the model's dtype.
 

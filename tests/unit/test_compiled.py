@@ -19,3 +19,6 @@ def test_unknown_setting_is_refused():
         compile_wanted("yes", "cuda")
     with pytest.raises(ConfigError, match="compile_elementwise='yes'"):
         ExtractConfig(model="m", data=("d.jsonl",), output="o", compile_elementwise="yes")
+    with pytest.raises(ConfigError, match="compile_layers='yes'"):
+        ExtractConfig(model="m", data=("d.jsonl",), output="o", compile_layers="yes")
+    assert ExtractConfig(model="m", data=("d.jsonl",), output="o").compile_layers == "off"
