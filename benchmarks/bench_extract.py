@@ -202,9 +202,10 @@ def forward_only(cfg, model, device) -> tuple[float, int, int, int]:
 
 def compare_compile_layers(model, layers, layers_on: bool, chains_on: bool, real: int, fo_s: float,
                            timed_pass) -> dict:
-    """The forward-only pass once more with ExtractConfig.compile_layers flipped (the driver's rule: compiled
-    layers replace the compiled norm/gate chains), then the run's own setting back. A flip to compiled layers
-    first makes an untimed pass (it compiles); a compile that fails is returned as {"error": ...}."""
+    """The forward-only pass once more with ExtractConfig.compile_layers flipped (dflash.compiled.target_compiles:
+    compiled layers replace the compiled norm/gate chains). A flip to compiled layers first makes an untimed pass
+    (it compiles); a compile that fails is returned as {"error": ...}. Leaves the model flipped: the caller
+    restores it (main: eager, for the peer-style run)."""
     from dflash.target.forward import compile_decoder_layers, restore_decoder_layers
     from dflash.target.fused import compile_elementwise, restore_elementwise
 
@@ -221,13 +222,6 @@ def compare_compile_layers(model, layers, layers_on: bool, chains_on: bool, real
     except Exception as e:  # noqa: BLE001  (an FLA kernel dynamo cannot trace is a finding, not the end of the run)
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
                 "flipped_to": "eager layers" if layers_on else "compiled"}
-    finally:
-        restore_decoder_layers(layers)
-        restore_elementwise(model)
-        if layers_on:
-            compile_decoder_layers(layers)
-        elif chains_on:
-            compile_elementwise(model)
     layers_s, chains_s = (fo_s, flip_s) if layers_on else (flip_s, fo_s)
     return {"flipped_to": "eager layers" if layers_on else "compiled", "flipped_tok_s": real / flip_s,
             "chains": "compiled" if chains_on else "eager",
@@ -366,13 +360,11 @@ def main() -> None:
     t = time.perf_counter()
     model, tokenizer = build_random_model(model_dir, device, fla_conv=args.fla_conv)
     build_s = time.perf_counter() - t
-    from dflash.compiled import compile_wanted
+    from dflash.compiled import target_compiles
+    from dflash.target.forward import compile_decoder_layers, restore_decoder_layers, text_decoder
     from dflash.target.fused import compile_elementwise, restore_elementwise
 
-    from dflash.target.forward import compile_decoder_layers, restore_decoder_layers, text_decoder
-
-    layers_on = compile_wanted(args.compile_layers, device)
-    compiled = compile_wanted(args.compile_elementwise, device) and not layers_on  # the driver's rule
+    compiled, layers_on = target_compiles(args.compile_elementwise, args.compile_layers, device)  # as the driver
     # the driver's TappedForward compiles this same model instance too (idempotent); forward_only's sees it
     fused_modules = compile_elementwise(model) if compiled else {}
     layers = text_decoder(model).layers

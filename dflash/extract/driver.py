@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.cache.format import resolve_storage
-from dflash.compiled import COMPILE_SETTINGS, compile_wanted
+from dflash.compiled import COMPILE_SETTINGS, target_compiles
 from dflash.dtypes import DTYPES, default_dtype, dtype_of
 from dflash.errors import ConfigError, DflashError
 from dflash.extract.plan import PlannedBatch
@@ -253,9 +253,8 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
             tokens=most, num_taps=len(pre.fingerprint.tap_layer_ids), hidden=pre.fingerprint.hidden_size,
             storage=cfg.storage))
     model, _ = load_target(cfg.model, device=device, dtype=dtype_of(cfg.compute_dtype()), fla_conv=cfg.fla_conv)
-    layers = compile_wanted(cfg.compile_layers, device)
-    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids, compile_layers=layers,
-                           compile_elementwise=compile_wanted(cfg.compile_elementwise, device) and not layers)
+    chains, layers = target_compiles(cfg.compile_elementwise, cfg.compile_layers, device)
+    tapped = TappedForward(model, pre.fingerprint.tap_layer_ids, compile_elementwise=chains, compile_layers=layers)
     if tapped.fused_modules:
         log.info("compiled norm/gate chains: %s", tapped.fused_modules)
     if layers:

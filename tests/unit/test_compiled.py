@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash.compiled import compile_wanted
+from dflash.compiled import compile_wanted, target_compiles
 from dflash.errors import ConfigError
 from dflash.extract.driver import ExtractConfig
 
@@ -22,3 +22,11 @@ def test_unknown_setting_is_refused():
     with pytest.raises(ConfigError, match="compile_layers='yes'"):
         ExtractConfig(model="m", data=("d.jsonl",), output="o", compile_layers="yes")
     assert ExtractConfig(model="m", data=("d.jsonl",), output="o").compile_layers == "off"
+
+
+@pytest.mark.parametrize(("elementwise", "layers", "device", "want"), [
+    ("auto", "off", "cuda", (True, False)), ("auto", "on", "cuda", (False, True)),
+    ("auto", "auto", "cuda", (False, True)), ("auto", "auto", "cpu", (False, False)),
+    ("on", "auto", "cpu", (True, False)), ("off", "off", "cuda", (False, False))])
+def test_target_compiles_layers_replace_the_chains(elementwise, layers, device, want):
+    assert target_compiles(elementwise, layers, device) == want
