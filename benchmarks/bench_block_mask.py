@@ -19,16 +19,14 @@ import argparse
 import datetime
 import json
 import pathlib
-import statistics
 import sys
-import time
 
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import machine_info, sync  # noqa: E402
+from common import machine_info, timed  # noqa: E402
 
 from dflash.drafter.attention import TILE, flex_block_mask, layout_mask_mod  # noqa: E402
 from dflash.train.objective import packed_layout  # noqa: E402
@@ -51,18 +49,6 @@ def batch_layout(batch_tokens: int, *, num_anchors: int, block_size: int, device
             a = torch.sort(a[torch.randperm(a.numel(), generator=g)[:num_anchors]])[0]
         anchors.append(a.to(device))
     return packed_layout(lengths=lengths, anchors=anchors, block_size=block_size)
-
-
-def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
-    out = fn()  # warm-up: compiles
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        out = fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
 
 
 def visited(bm) -> int:

@@ -32,6 +32,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
+    """Median seconds of `repeats` synced calls of fn after one untimed call (compiles, autotuning), and the last
+    call's result."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
 def matmul_peak(device: torch.device) -> float:
     """Dense matmul FLOP/s measured here: bf16 8192^3 on CUDA (~700-720 TFLOP/s on the H200), fp32 1024^3 on
     CPU; median of 10 timed groups after 2 warm-up groups."""

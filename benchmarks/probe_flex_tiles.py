@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -41,7 +40,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import machine_info  # noqa: E402
+from common import machine_info, timed  # noqa: E402
 
 from dflash.drafter.attention import flex_block_mask, flex_kernel_options  # noqa: E402
 from dflash.train.objective import packed_layout  # noqa: E402
@@ -87,17 +86,6 @@ def visible_pairs(layout) -> int:
     return int((layout.anchor_J.sum() + B * layout.num_blocks) * B)
 
 
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def run_variant(name: str, spec: dict, q, k, v, bm, repeats: int) -> tuple[dict, torch.Tensor | None]:
     import torch._dynamo
     import torch.nn.attention.flex_attention as fa
@@ -127,9 +115,8 @@ def run_variant(name: str, spec: dict, q, k, v, bm, repeats: int) -> tuple[dict,
         fwd_bwd()
         torch.cuda.synchronize()
         first_s = time.perf_counter() - t
-        fwd(), fwd_bwd()
-        row = {"first_call_s": round(first_s, 2), "fwd_ms": 1e3 * timed(fwd, repeats),
-               "fwd_bwd_ms": 1e3 * timed(fwd_bwd, repeats)}
+        row = {"first_call_s": round(first_s, 2), "fwd_ms": 1e3 * timed(fwd, q.device, repeats)[0],
+               "fwd_bwd_ms": 1e3 * timed(fwd_bwd, q.device, repeats)[0]}
         return row, out.detach()
     except Exception as e:  # noqa: BLE001  (a variant the kernel refuses is a result, not the end of the probe)
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}, None
