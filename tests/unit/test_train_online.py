@@ -7,7 +7,6 @@ no hidden bytes. Measured on CPU: per-step losses agree to <= 7e-5 relative (tol
 """
 
 import json
-import pathlib
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ NUM_CONVERSATIONS = 10
 STEPS = 4
 
 
-def _extract(smollm2_dir, d, storage: str, taps=None):
+def _extract(smollm2_dir, d, storage: str, taps=None, **over):
     from dflash.data.assets import sharegpt_conversations
     from dflash.extract.driver import ExtractConfig
     from dflash.extract.launch import launch
@@ -30,7 +29,7 @@ def _extract(smollm2_dir, d, storage: str, taps=None):
     out = d / (f"cache_{storage}" + (f"_taps{'-'.join(map(str, taps))}" if taps else ""))
     cfg = ExtractConfig(model=str(smollm2_dir), data=(str(d / "chats.jsonl"),), output=str(out),
                         dtype="float32", max_length=96, batch_tokens=512, show_progress=False, device="cpu",
-                        storage=storage, taps=taps)
+                        storage=storage, taps=taps, **over)
     launch(cfg, num_procs=1, echo=lambda *a, **k: None)
     return out
 
@@ -259,15 +258,9 @@ def test_extract_compile_layers_gives_the_eager_cache(fp32_cache, tmp_path):
     """`dflash extract --compile-layers on`: the target's decoder layers under torch.compile write the cache the
     eager layers write, up to float rounding seen through bf16 storage (same samples, tokens and loss masks)."""
     from dflash.cache import CacheReader
-    from dflash.extract.driver import ExtractConfig
-    from dflash.extract.launch import launch
 
     model_dir, eager_cache = fp32_cache
-    out = tmp_path / "compiled"
-    cfg = ExtractConfig(model=model_dir, data=(str(pathlib.Path(eager_cache).parent / "chats.jsonl"),),
-                        output=str(out), dtype="float32", max_length=96, batch_tokens=512, show_progress=False,
-                        device="cpu", storage="bf16", compile_layers="on")
-    launch(cfg, num_procs=1, echo=lambda *a, **k: None)
+    out = _extract(model_dir, tmp_path, "bf16", compile_layers="on")  # the same conversations, layers compiled
     a, b = CacheReader(eager_cache), CacheReader(out)
     ids = list(range(len(a)))
     assert len(b) == len(a)
