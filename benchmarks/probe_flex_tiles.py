@@ -3,7 +3,10 @@ the block layout"), forward and backward, at two drafter shapes:
 
   smollm2  9 heads, 3 KV heads, head_dim 64, 16,384 context tokens a step (the reference quality run's step;
            flex attention is 59 ms of its 138 ms, results/smollm2_step_h200.json)
-  27b      24 heads, 4 KV heads, head_dim 256, 4,096 context tokens (bench_train_real's micro-batch)
+  27b      32 heads, 8 KV heads, head_dim 128 (the Qwen3.5-27B drafter: configs/train_qwen3.5-27b.yaml), 4,096
+           context tokens (bench_train_real's micro-batch)
+  hd256    24 heads, 4 KV heads, head_dim 256 (Qwen3.5-27B's own full-attention layers; what "27b" measured until
+           2026-12-04, by mistake: no drafter has these heads), 4,096 context tokens
 
 Samples of --min-len..--max-len tokens are packed to the step's context tokens; each sample's anchors are up to
 512 of the positions in its last 70% (its response), blocks of 16, the layout and BlockMask the drafter builds
@@ -20,10 +23,11 @@ against the default variant. A variant that fails records its error and the prob
 
 2026-12-04, H200 (flex_tiles_h200.json, the variants then, before "drafter" and the bwd_32x64 / bwd_64_s1_w8 rows
 were added): at head_dim 64, 64 x 64 forward tiles 1.88 ms against the default's 5.48 (same output), the
-backward ~5.6 ms whatever its tiles; max-autotune 1.61 / 6.76 ms after 259 s of autotuning. At head_dim 256
-the forward is fine (194 TFLOP/s) but the backward takes 19.2 of the 21.8 ms; bigger forward tiles do not fit
-shared memory. Next: `--shapes 27b --variants default,bwd_32x64,bwd_64_s1_w8,max-autotune` (what autotune picks
-for the backward).
+backward ~5.6 ms whatever its tiles; max-autotune 1.61 / 6.76 ms after 259 s of autotuning; in the SmolLM2
+step, flex attention went from 59.4 to 39.7 ms (smollm2_step_tiles_h200.json). At head_dim 256 (hd256) the
+forward is fine (194 TFLOP/s), the backward takes 19.2 of the 21.8 ms and nothing beats inductor's default:
+max-autotune picks 64 x 64 / 2 stages / 4 warps at the same 22.0 ms (flex_tiles_hd256_h200.json). The 27B
+drafter's own heads (128 dims) are not measured yet: `--shapes 27b` (~5 min with max-autotune).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from dflash.drafter.attention import flex_block_mask, flex_kernel_options  # noq
 from dflash.train.objective import packed_layout  # noqa: E402
 
 SHAPES = {"smollm2": {"heads": 9, "kv_heads": 3, "head_dim": 64, "ctx_tokens": 16384},
-          "27b": {"heads": 24, "kv_heads": 4, "head_dim": 256, "ctx_tokens": 4096}}
+          "27b": {"heads": 32, "kv_heads": 8, "head_dim": 128, "ctx_tokens": 4096},
+          "hd256": {"heads": 24, "kv_heads": 4, "head_dim": 256, "ctx_tokens": 4096}}
 VARIANTS = {
     "default": {},
     "drafter": {"drafter": True},  # what flex_block_attention passes (flex_kernel_options)

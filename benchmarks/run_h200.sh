@@ -39,8 +39,10 @@
 #         fp8 vs bf16 at that point, both online from the token stream of a one-tap int4 cache of the same data
 #         (extracted in 160 s), the live target's features rounded as an fp8 / bf16 cache would store them. On one
 #         GPU as one sweep group (--parallel-runs 2: one target forward per step for both) a group step took
-#         0.36-0.40 s (2026-12-04), ~26 min for the pair, more than a session's 30 device-minutes with the
-#         set-up; on nvidia-h200-x2 each alone on its own GPU (refpair) when that kind is lent. One GPU:
+#         0.36-0.40 s (2026-12-04; 0.33-0.39 s later that day with compiled target layers and the drafter's 64 x 64
+#         flex tiles), ~26 min for the pair, more than a session's 30 device-minutes with the set-up; on
+#         nvidia-h200-x2 each alone on its own GPU (refpair) when that kind is lent, else one per session on one
+#         GPU (refone fp8, refone bf16). The group on one GPU, as tried:
 #           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm
 #             --parallel-runs 2 --resume
 #       The session's last call: REF_LIMIT=<seconds> under the device time left, so the bench is stopped (its runs'
@@ -54,6 +56,8 @@
 #       every call the same command (REF_LIMIT=<seconds> for the session's last), the two JSONs merged here with
 #       bench_reference.py --merge (see refpair below). 2026-12-04 its first form (the fp8 + bf16 group on GPU 0,
 #       seed 1 then noise on GPU 1) finished all_seed1 before the machine was taken back
+#   bash benchmarks/run_h200.sh refone fp8|bf16   # one half of refpair alone on one GPU, a session each (~20 min;
+#       see refone below): the way to fp8 vs bf16 at the reference point while only one H200 is lent
 #   bash benchmarks/run_h200.sh flextiles [ARGS]   # probe_flex_tiles: flex attention tile options on the drafter's
 #       block layout, SmolLM2 and 27B heads (~8 min for all variants; max-autotune alone takes ~4 min a shape)
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
@@ -64,7 +68,8 @@
 #       in the git-ignored shared/peers/ (mkdir -p shared/peers && cp ../shared/peers/*.tar.gz shared/peers/; carry
 #       `shared`; only the checkout's own shared/ travels, not ../shared). After the three GGUF parts are stashed
 #       (a call carrying .whl, then parts a-d one per call), four calls on one warm machine (2026-12-02: a-f ~6 min with
-#       3 dflash seeds, ~4.5 now that the eval responses are committed; a SpecForge run of 2 epochs of
+#       3 dflash seeds, ~4.5 now that the eval responses are committed, ~6.5 expected with the 6-epoch dflash run
+#       of --dflash-time-epochs (876 steps at ~0.1 s: the time ratio's run); a SpecForge run of 2 epochs of
 #       --train-prompts 1200 took 301 s, so one per call (--specforge-seeds 2 by default); h-i ~5.5 min):
 #         peer --stop-after dflash (carrying part-e and shared);  peer --resume --stop-after specforge (twice);
 #         peer --resume
@@ -151,6 +156,20 @@ refpair() { gguf_joined || return 1  # once, before the two calls would join it 
             if [ -n "${OUT:-}" ]; then
               cp /tmp/bref/quality_reference_h200.json "$OUT/quality_reference_gpu0_h200.json"
               cp /tmp/bref1/quality_reference_h200.json "$OUT/quality_reference_gpu1_h200.json"; fi; }
+# one half of refpair alone on a 1-GPU machine, one session each (2026-12-04: the fp8 + bf16 group on one GPU steps
+# in 0.33-0.39 s even with compiled target layers and the drafter's 64 x 64 flex tiles, ~26 min for 4,088 steps, more
+# than a session holds; one online run alone steps in ~0.23-0.25 s: ~17 min + ~3 min of set-up). Every call of the
+# session the same command (REF_LIMIT=<seconds> for its last); the JSON comes back as quality_reference_gpu0_h200.json
+# (fp8) or _gpu1_ (bf16), merged here as for refpair
+refone() { local w g r
+           case "${2:-}" in
+             fp8) w=/tmp/bref g=gpu0; ref_gpu0 "$1"; r=$? ;;
+             bf16) w=/tmp/bref1 g=gpu1; ref_gpu1 "$1"; r=$? ;;
+             *) echo "run_h200.sh refone fp8|bf16" >&2; return 2 ;;
+           esac
+           if [ -n "${OUT:-}" ] && [ -f "$w/quality_reference_h200.json" ]; then
+             cp "$w/quality_reference_h200.json" "$OUT/quality_reference_${g}_h200.json"; fi
+           return $r; }
 evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
                    --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
 
@@ -193,6 +212,7 @@ case "$stage" in
   quality) quality 560 "$@" || rc=$? ;;
   reference) reference "${REF_LIMIT:-570}" "$@" || rc=$? ;;  # REF_LIMIT: under what a session has left
   refpair) refpair "${REF_LIMIT:-570}" ;;
+  refone) refone "${REF_LIMIT:-570}" "$@" || rc=$? ;;
   evaloverhead) evaloverhead || rc=$? ;;
   storage4) storage4 "$@" || rc=$? ;;
   smollm2step) smollm2step "$@" || rc=$? ;;
@@ -202,7 +222,7 @@ case "$stage" in
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|flextiles ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|flextiles ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

@@ -294,6 +294,38 @@ def test_summary_numbers_and_checks(bench):
     assert "specforge_seed1" in bench.format_table(r)
 
 
+def test_time_ratio_from_the_longer_run_when_the_same_steps_run_falls_short(bench):
+    """--dflash-time-epochs: the same-steps run never reaches SpecForge's final tau, so the ratio is taken at the
+    longer run's first evaluation at or above it, its stamps shifted by stage f's extraction (it trains from that
+    cache); a same-steps hit wins over the longer run; neither reaching it leaves the ratio unset."""
+    ev = {"dflash": {"mtbench": {"tau": 1.40}}, "specforge": {"mtbench": {"tau": 1.45}},
+          "dflash_epochs6": {"mtbench": {"tau": 1.60}}}
+    r = {"eval": ev, "specforge": {"run": {"wall_s": 200.0}},
+         "dflash": {"extract_wall_s": 10.0, "wall_s": 60.0, "heldout": [{"wall_s": 50.0, "step": 10, "tau": 1.40}]},
+         "dflash_long": {"epochs": 6, "wall_s": 150.0, "heldout": [{"wall_s": 40.0, "step": 10, "tau": 1.30},
+                                                                    {"wall_s": 70.0, "step": 20, "tau": 1.45},
+                                                                    {"wall_s": 100.0, "step": 30, "tau": 1.55}]}}
+    bench.summarise(r)
+    assert r["time_to_peer_tau"]["dflash_first_at_or_above"] == {"wall_s": 80.0, "step": 20, "tau": 1.45}
+    assert r["time_to_peer_tau_ratio"] == pytest.approx(0.4) and "6-epoch" in r["time_to_peer_tau"]["dflash_run"]
+    assert "dflash_seed_spread" not in r   # the longer run is not another seed
+    table = bench.format_table(r)
+    assert "dflash_epochs6" in table and "160.0" in table   # its wall: stage f's extraction + its own
+    r["dflash"]["heldout"].append({"wall_s": 58.0, "step": 20, "tau": 1.46})
+    bench.summarise(r)
+    assert r["time_to_peer_tau_ratio"] == pytest.approx(58.0 / 200.0) and "same-steps" in r["time_to_peer_tau"]["dflash_run"]
+    r["dflash"]["heldout"].pop()
+    r["dflash_long"]["heldout"] = r["dflash_long"]["heldout"][:1]
+    bench.summarise(r)
+    assert r["time_to_peer_tau_ratio"] is None and r["time_to_peer_tau"]["dflash_run"] is None
+
+
+def test_time_epochs_must_exceed_the_recipe_epochs(bench):
+    assert bench.parse_args([]).dflash_time_epochs == 6 and bench.parse_args(["--tiny"]).dflash_time_epochs is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dflash-time-epochs", "2"])
+
+
 def test_zlab_loop_tau_next_to_the_eval_on_the_same_prompts(bench):
     """The loop ran the first 2 prompts: the eval's tau over sample ids 0 and 1 (in whatever order the cache holds
     them) is what it compares with; a set without them (a 1-token response, a result from before per-sequence taus
