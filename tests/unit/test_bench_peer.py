@@ -1,7 +1,8 @@
 """The pure logic of benchmarks/bench_peer.py (issue 15): the token-id / loss-mask agreement check, run on real
 SmolLM2 conversations tokenized by dflash and by SpecForge's own parser (loaded from the snapshot, no extra
 packages); the recipe mapping (one drafter config for both trainers, loadable by z-lab's DFlashDraftModel with
-dflash's tensor names); step matching; and the two lr schedules."""
+dflash's tensor names); step matching; the two lr schedules; and the two trainers' losses, SpecForge's own
+OnlineDFlashModel against dflash's micro-batch loss on the same weights and anchors."""
 
 import importlib
 import importlib.util
@@ -394,3 +395,117 @@ def test_gpu_runs_score_on_the_committed_eval_responses(bench):
         assert len(recs) == count and all(r["dflash_generate"]["greedy"] for r in recs)
         hashes |= {r["dflash_generate"]["target_config_hash"] for r in recs}
     assert len(hashes) == 1
+
+
+@pytest.fixture(scope="module")
+def specforge_objective(peers):
+    """SpecForge's OnlineDFlashModel (specforge/core/dflash.py) and its DFlashDraftModel, imported from the snapshot
+    under a package of their own (specforge/__init__ imports sglang, yunchang, datasets): the two files and the
+    draft registry they import, nothing else of SpecForge."""
+    root = peers["specforge"] / "specforge"
+    saved = {k: sys.modules.get(k) for k in ("specforge", "specforge.modeling", "specforge.modeling.draft")}
+    for name, path in (("specforge", root), ("specforge.modeling", root / "modeling"),
+                       ("specforge.modeling.draft", root / "modeling" / "draft")):
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [str(path)]
+        sys.modules[name] = pkg
+    try:
+        draft = importlib.import_module("specforge.modeling.draft.dflash")
+        core = _load_by_path("specforge_core_dflash_under_test", root / "core" / "dflash.py")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return draft.DFlashDraftModel, core.OnlineDFlashModel
+
+
+def _peer_pair(specforge_objective, *, seed: int = 0):
+    """One drafter, twice: dflash's DFlashDrafter and SpecForge's DFlashDraftModel holding the same weights (a
+    2-layer drafter over a 5-tap 64-wide target, vocabulary 256, fp32), with the frozen embedding / LM head."""
+    from transformers import Qwen3Config
+
+    from dflash.drafter.model import DFlashDrafter
+
+    DraftModel, Online = specforge_objective
+    recipe = peer_recipe.PeerRecipe(num_layers=2, mask_token_id=3)
+    tcfg = peer_recipe.train_config(recipe, cache="c", model="m", output="o", steps=10, batch_tokens=4096)
+    dc = peer_recipe.drafter_config(recipe, target_config=dict(hidden_size=64, num_hidden_layers=8, vocab_size=256),
+                                    train_cfg=tcfg)
+    torch.manual_seed(seed)
+    ours = DFlashDrafter(dc)
+    hf = Qwen3Config(**dc.to_hf_config())
+    hf._attn_implementation = "sdpa"   # SpecForge's --attention-backend sdpa: its boolean block mask
+    theirs = DraftModel(hf)
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all("rotary_emb" in k for k in missing)
+    embed_VD = torch.randn(dc.vocab_size, dc.hidden_size) * 0.5
+    head_VD = torch.randn(dc.vocab_size, dc.hidden_size) * 0.5
+    embed, head = torch.nn.Embedding(dc.vocab_size, dc.hidden_size), torch.nn.Linear(dc.hidden_size, dc.vocab_size,
+                                                                                       bias=False)
+    embed.weight.data.copy_(embed_VD)
+    head.weight.data.copy_(head_VD)
+    online = Online(theirs, head, embed, mask_token_id=recipe.mask_token_id, block_size=recipe.block_size,
+                    attention_backend="sdpa", num_anchors=recipe.num_anchors, loss_decay_gamma=recipe.gamma)
+    return ours, online, embed_VD, head_VD, recipe, dc
+
+
+def _specforge_loss(online, ids_S, mask_S, hidden_SKD, anchors_J):
+    """SpecForge's loss of one sequence (its batch of 1) with the given anchors instead of its random draw."""
+    online._sample_anchor_positions = lambda seq_len, loss_mask, device: (
+        anchors_J[None].long(), torch.ones(1, len(anchors_J), dtype=torch.bool))
+    loss, _, _ = online(ids_S[None], hidden_SKD.flatten(1)[None], mask_S[None].float())
+    return loss
+
+
+def _dflash_loss(ours, seqs, anchors, embed_VD, head_VD, recipe, normalization):
+    """dflash's micro-batch loss of the sequences packed into one micro-batch, with the given anchors."""
+    from dflash.train.loader import MicroBatch
+    from dflash.train.objective import supervised_slots
+    from dflash.train.step import HostBlocks, micro_batch_loss
+
+    ids, masks, hidden = (torch.cat([s[i] for s in seqs]) for i in range(3))
+    mb = MicroBatch(sample_ids=np.arange(len(seqs)), lengths=np.asarray([len(s[0]) for s in seqs]), input_ids_T=ids,
+                    loss_mask_T=masks, hidden_TKD=hidden)
+    supervised = sum(supervised_slots(s[1].numpy(), a.numpy(), block_size=recipe.block_size)
+                     for s, a in zip(seqs, anchors))
+    hb = HostBlocks(anchors_J=torch.cat(anchors), blocks_per_sample=[len(a) for a in anchors],
+                    supervised_tokens=supervised, visible_keys=0)
+    return micro_batch_loss(ours, mb, hb, embed_VD=embed_VD, lm_head_VD=head_VD, mask_token_id=recipe.mask_token_id,
+                            gamma=recipe.gamma, loss_chunk_blocks=4, loss_impl="fused_eager",
+                            loss_normalization=normalization).loss
+
+
+def _sequence(dc, *, length: int, prompt: int, seed: int, anchors: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, dc.vocab_size, (length,), generator=g)
+    mask = torch.arange(length) >= prompt
+    hidden = torch.randn(length, dc.num_taps, dc.hidden_size, generator=g)
+    # anchors both trainers could draw: response positions a <= S - B with a response token after them
+    cand = torch.arange(prompt, length - 16 + 1)
+    return ids, mask, hidden, cand[torch.randperm(len(cand), generator=g)[:anchors]].sort().values
+
+
+def test_specforge_and_dflash_minimise_the_same_loss(specforge_objective):
+    """Same weights, same sequence, same anchors: SpecForge's OnlineDFlashModel loss (sdpa backend, gamma 7) and
+    dflash's training loss agree to fp32 rounding, and so do their gradients. Packed, dflash's per-sequence
+    normalization is the mean of SpecForge's per-sequence losses (its one sequence per micro-batch, averaged over
+    the accumulation steps): the objective bench_peer trains both with. What remains different between the two
+    trainers is the anchor draw, the data order and the optimizer's precision, not the loss."""
+    ours, online, embed_VD, head_VD, recipe, dc = _peer_pair(specforge_objective)
+    a = _sequence(dc, length=90, prompt=30, seed=1, anchors=12)
+    b = _sequence(dc, length=61, prompt=12, seed=2, anchors=4)
+    sf_a = _specforge_loss(online, a[0], a[1], a[2], a[3])
+    ours_a = _dflash_loss(ours, [a[:3]], [a[3]], embed_VD, head_VD, recipe, "token")
+    assert float(ours_a) == pytest.approx(float(sf_a), rel=1e-5)
+    sf_a.backward()
+    ours_a.backward()
+    theirs = dict(online.draft_model.named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.allclose(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-7), name
+    sf_b = _specforge_loss(online, b[0], b[1], b[2], b[3])
+    packed = _dflash_loss(ours, [a[:3], b[:3]], [a[3], b[3]], embed_VD, head_VD, recipe, "sequence")
+    assert float(packed) == pytest.approx((float(sf_a) + float(sf_b)) / 2, rel=1e-5)
+    token = _dflash_loss(ours, [a[:3], b[:3]], [a[3], b[3]], embed_VD, head_VD, recipe, "token")
+    assert abs(float(token) - float(packed)) > 1e-4   # the token mean weighs the sequences by their slots instead
