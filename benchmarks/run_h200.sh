@@ -2,7 +2,10 @@
 # The GPU measurements, sized so that each stage fits one device call (10 min). Run from the repo root on the
 # H200 machine with the carried wheels in .whl/ (bash scripts/fetch_gpu_wheels.sh: zarr and its codecs, crc32c,
 # msgspec, gguf, FLA, SpecForge's extras) and, for the SmolLM2 stages, the GGUF parts of scripts/split_gguf.sh and
-# the prompt files of scripts/make_quality_assets.py in .assets/ (both git-ignored: make them in every new checkout):
+# the prompt files of scripts/make_quality_assets.py in .assets/ (both git-ignored: make them in every new checkout).
+# LIMIT=<seconds> caps every stage's own time limit: set it under the call's timeout_s (and, in a session's last
+# call, under the device time left) so the bench stops itself and what it wrote comes back through $OUT (a call
+# killed from outside returns nothing: 2026-12-04's extract --compare-compile-layers at a 530 s call limit).
 #   bash benchmarks/run_h200.sh io      # bench_cache (~4 min: 3 interleaved cold reads per variant) + bench_extract
 #       600K tokens (~7 min; together past one call's 10 minutes: `cache` alone, then `extract`)
 #   bash benchmarks/run_h200.sh cache   # bench_cache alone (issue 20's read ratios, ~4 min)
@@ -111,16 +114,20 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 LOGS=${OUT:-/tmp}
 START=$(mktemp /tmp/run_h200_start.XXXXXX)
 
-cache() { timeout 330 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --reps 3 \
+# every stage's time limit, capped by LIMIT=<seconds> when set: a call under the device time a session has left (or
+# under the call's own limit) stops the bench itself, so the results it wrote still come back through $OUT below
+capped() { local t=$1; shift; if [ -n "${LIMIT:-}" ] && [ "$LIMIT" -lt "$t" ]; then t=$LIMIT; fi
+           timeout "$t" "$@"; }
+cache() { capped 330 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --reps 3 \
             --cache-threads 32,64 --result-name h200
           rm -rf /tmp/dflash_bench_cache; }
-extract() { timeout "${1:-410}" python3 benchmarks/bench_extract.py --tokens 600000 --peer-tokens 100000 --fla-conv \
+extract() { capped "${1:-410}" python3 benchmarks/bench_extract.py --tokens 600000 --peer-tokens 100000 --fla-conv \
               "${@:2}"; }
-train() { timeout "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
-sweep() { timeout "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
-trainreal() { timeout "${1:-560}" python3 benchmarks/bench_train_real.py; }
+train() { capped "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
+sweep() { capped "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
+trainreal() { capped "${1:-560}" python3 benchmarks/bench_train_real.py; }
 quality() { local t=$1; shift
-            timeout "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --seeds 3 --workdir /tmp/bq \
+            capped "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --seeds 3 --workdir /tmp/bq \
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
 
 reference() { local t=$1; shift; local w=${REF_WORK:-/tmp/bref}; mkdir -p "$w"
@@ -130,7 +137,7 @@ reference() { local t=$1; shift; local w=${REF_WORK:-/tmp/bref}; mkdir -p "$w"
                     && -f benchmarks/results/quality_reference_h200.json ]]; then
                 cp benchmarks/results/quality_reference_h200.json "$w"/; fi
               gguf_joined || return 1
-              timeout "$t" python3 benchmarks/bench_reference.py --workdir "$w" --gguf "$GGUF" \
+              capped "$t" python3 benchmarks/bench_reference.py --workdir "$w" --gguf "$GGUF" \
                 --json "$w/quality_reference_h200.json" "$@"  # outside the synced tree: --resume reads it
               local r=$?
               # the eval responses travel back, for the next session's --eval-responses (same eval cache)
@@ -170,23 +177,23 @@ refone() { local w g r
            if [ -n "${OUT:-}" ] && [ -f "$w/quality_reference_h200.json" ]; then
              cp "$w/quality_reference_h200.json" "$OUT/quality_reference_${g}_h200.json"; fi
            return $r; }
-evaloverhead() { timeout "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
+evaloverhead() { capped "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
                    --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
 
 peer() { gguf_joined || return 1; mkdir -p /tmp/peer
          # SpecForge is stopped at 535 s, before this call's own 570 s limit, so the JSON records how far it got
          # (specforge_cut) instead of the whole bench being killed unrecorded
-         timeout 570 python3 benchmarks/bench_peer.py --gguf "$GGUF" --wheels .whl --workdir /tmp/peer/work \
+         capped 570 python3 benchmarks/bench_peer.py --gguf "$GGUF" --wheels .whl --workdir /tmp/peer/work \
            --json /tmp/peer/peer_specforge_h200.json --specforge-timeout 535 "$@"; }  # outside the synced tree: --resume reads it
 smollm2step() { gguf_joined || return 1
-                timeout 560 python3 benchmarks/bench_smollm2_step.py --gguf "$GGUF" "$@"; }
+                capped 560 python3 benchmarks/bench_smollm2_step.py --gguf "$GGUF" "$@"; }
 storage4() { local stage=$1; shift
              if [ "$stage" = tau ]; then gguf_joined || return 1; set -- --gguf "$GGUF" --workdir /tmp/bs4 "$@"; fi
-             timeout 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
-gpu_tests() { timeout "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
+             capped 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
+gpu_tests() { capped "${1:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
   tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py; }  # named files: no hypothesis there
-block_mask() { timeout "${1:-200}" python3 benchmarks/bench_block_mask.py; }
-flextiles() { timeout 560 python3 benchmarks/probe_flex_tiles.py --out "${OUT:-/tmp}/flex_tiles_h200.json" "$@"; }  # no target, no GGUF
+block_mask() { capped "${1:-200}" python3 benchmarks/bench_block_mask.py; }
+flextiles() { capped 560 python3 benchmarks/probe_flex_tiles.py --out "${OUT:-/tmp}/flex_tiles_h200.json" "$@"; }  # no target, no GGUF
 sweep_then_gpu_tests() { sweep "$1"; gpu_tests 120; }
 quality_parts() { quality "$1" "${QPARTS[@]}"; }
 # both NAME0 "CMD0 ARGS" NAME1 "CMD1 ARGS": two stages at once, GPU 0 and GPU 1, logs in $LOGS/NAME.log
