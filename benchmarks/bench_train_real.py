@@ -20,7 +20,8 @@ CacheWriter; a head-only target folder as bench_train):
 For each: (A) the trainer (dflash.train.trainer.train, as `dflash train`) reading the cache after the page
 cache is dropped; (B) the same steps from micro-batches resident on the device (bench_train.run_resident);
 loader_stall_fraction = 1 - A/B over whole-window rates (tok_s_aggregate: all tokens over all time after the
-warm-up, since real-length windows differ in cost; bench_train.window_summary). MFU = FlopModel FLOPs over the
+warm-up, since real-length windows differ in cost; bench_train.window_summary); on CUDA B's last --profile-steps
+steps run under torch.profiler (each workload's `profile`: where its step goes, outside B's rates). MFU = FlopModel FLOPs over the
 bf16 matmul peak measured here (`mfu`) and over the H200 dense bf16 spec 989 TFLOP/s (`mfu_vs_spec_989`).
 
 Writes benchmarks/results/train_real_lengths_<name>.json (name: h200 on CUDA, else cpu; tiny_ first with
@@ -126,8 +127,10 @@ def measure(kind: str, *, args, sh: dict, work: pathlib.Path, peak: float, devic
     free_device(device)
     say(f"{kind} run B: the same steps from micro-batches resident on the device")
     b = run_resident(TrainConfig(output=str(work / f"run_{kind}_b"), **kw), device, warmup=args.warmup,
-                     profile_steps=0)
+                     profile_steps=args.profile_steps)
     out["loader_stall_fraction"] = max(0.0, 1.0 - a["tok_s_aggregate"] / b["tok_s_aggregate"])
+    # where a step of this workload goes (CUDA): the last --profile-steps resident steps, outside B's rates
+    out["profile"] = b["profile"]
     out["run_b"] = {k: v for k, v in b.items() if k not in ("records", "profile")}
     out["run_b_records"] = b["records"]
     # same data, anchors and init: A and B must train alike (float rounding only)
@@ -147,6 +150,10 @@ def main() -> None:
     p.add_argument("--num-readers", type=int, default=2, help="loader reader threads")
     p.add_argument("--prefetch", type=int, default=4, help="micro-batches read ahead")
     p.add_argument("--skip-resident", action="store_true", help="skip run B (no loader-stall fraction)")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="run B's last N steps under torch.profiler (CUDA; 0 = off): GPU time by kernel kind, the top "
+                        "kernels and the host's CUDA calls per step, in each workload's 'profile'; left out of B's "
+                        "rates")
     p.add_argument("--work-dir", default="/tmp/dflash_bench_train_real", help="local-disk folder (wiped first)")
     p.add_argument("--tiny", action="store_true", help="bench_train's tiny drafter, lengths capped at 512 (CPU)")
     p.add_argument("--seed", type=int, default=0)
