@@ -62,7 +62,8 @@
 #   bash benchmarks/run_h200.sh refone fp8|bf16   # one half of refpair alone on one GPU, a session each (~20 min;
 #       see refone below): the way to fp8 vs bf16 at the reference point while only one H200 is lent
 #   bash benchmarks/run_h200.sh flextiles [ARGS]   # probe_flex_tiles: flex attention tile options on the drafter's
-#       block layout, SmolLM2 and 27B heads (~8 min for all variants; max-autotune alone takes ~4 min a shape)
+#       block layout, the SmolLM2 and 27B drafters' heads, and hd256 on request (~8 min for all variants;
+#       max-autotune alone takes ~4 min a shape). Next: flextiles --shapes 27b (the 27B drafter's 128-dim heads)
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
 #       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
 #   bash benchmarks/run_h200.sh peer [ARGS]   # bench_peer (issue 15): SpecForge's DFlash trainer and dflash side by
