@@ -503,10 +503,12 @@ def parse_args(argv=None):
                     "(training only, same cache) measure the seed-to-seed spread of tau in the same run")
     ap.add_argument("--specforge-seeds", type=int, help="GPU: SpecForge runs, seeds --seed, --seed + 1, ...: its "
                     "seed-to-seed spread in the same run (each ~5 min: --stop-after specforge ends a call after one)")
-    ap.add_argument("--dflash-loss-normalization", choices=LOSS_NORMALIZATIONS, default="sequence",
-                    help="dflash's TrainConfig.loss_normalization; default sequence: SpecForge's per-sequence mean, so "
-                    "both trainers minimise the same objective (token, dflash train's default, scored MT-Bench tau "
-                    "~0.7%% lower here: results/peer_seqnorm_probe_h200.json)")
+    ap.add_argument("--dflash-loss-normalization", choices=LOSS_NORMALIZATIONS, default="sample",
+                    help="dflash's TrainConfig.loss_normalization; default sample: every sample's mean weighed alike "
+                    "over the epoch, SpecForge's objective with its fixed --seqs-per-step (the per-step losses are "
+                    "equal: tests/unit/test_bench_peer.py; sequence divides by each token-budget step's own sample "
+                    "count, which weighs long samples more, and scored MT-Bench tau 1.103 against token's ~0.7%% "
+                    "lower: results/peer_seqnorm_probe_h200.json)")
     ap.add_argument("--dflash-time-epochs", type=int, metavar="N",
                     help="also train dflash's recipe for N epochs (more than --epochs: a longer lr schedule), from "
                          "stage f's cache, held-out tau at stage f's interval: when the same-steps run never reaches "

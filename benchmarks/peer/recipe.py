@@ -31,7 +31,8 @@ SPECFORGE_DIFFERENCES = {
     "system_prompt": "its 'qwen' template inserts 'You are a helpful assistant.' unless the data has a system turn; "
                      "the benchmark writes that system turn into both trainers' data",
     "batching": "one sequence per micro-batch, no packing; loss averaged per sequence then over accumulation steps "
-                "(dflash packs; bench_peer trains it with --loss-normalization sequence, the same average)",
+                "(dflash packs; bench_peer trains it with --loss-normalization sample: each sample's mean, weighed "
+                "alike whichever step it lands in, as SpecForge's fixed sequences per step weigh them)",
     "accumulation": "the optimizer steps when the global micro-step count is a multiple of --accumulation-steps, "
                     "while the lr schedule counts ceil(N / A) steps per epoch: with N % A != 0 the schedule never "
                     "ends and leftover gradient carries into the next epoch; the benchmark keeps N a multiple of A",

@@ -17,8 +17,8 @@ from dflash.compiled import COMPILE_SETTINGS
 from dflash.errors import ConfigError
 from dflash.train.noise import NoiseConfig
 
-LOSS_NORMALIZATIONS = ("token", "sequence")
-"""TrainConfig.loss_normalization's values (objective.per_sample_mean_weights makes the second)."""
+LOSS_NORMALIZATIONS = ("token", "sequence", "sample")
+"""TrainConfig.loss_normalization's values (objective.per_sample_mean_weights makes the last two)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +58,11 @@ class TrainConfig:
     loss_normalization: str = "token"
     """How a step's loss averages: token = the decay-weighted mean over every block token of the step (long
     samples, with more anchors, weigh more); sequence = each sample's decay-weighted mean, then the mean over
-    the step's samples (z-lab's and SpecForge's loss with one sequence per micro-batch)."""
+    the step's samples (z-lab's and SpecForge's loss with one sequence per micro-batch); sample = each sample's
+    decay-weighted mean, summed over the step and divided by the run's mean samples per step (a constant), so
+    every sample weighs the same whichever step it lands in: SpecForge's objective over an epoch, whose steps
+    hold a fixed number of sequences. (A token-budget step holds many short or few long samples, so under
+    `sequence` a long sample weighs more: 1 / its step's sample count.)"""
 
     # --- optimisation ---
     lr: float = 6e-4
@@ -180,7 +184,7 @@ class TrainConfig:
             raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: choose auto, on or off")
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ConfigError(f"loss_normalization={self.loss_normalization!r}: "
-                              f"choose {' or '.join(LOSS_NORMALIZATIONS)}")
+                              f"choose {', '.join(LOSS_NORMALIZATIONS[:-1])} or {LOSS_NORMALIZATIONS[-1]}")
         if self.loss_impl not in ("fused", "fused_eager", "checkpoint"):
             raise ConfigError(f"loss_impl={self.loss_impl!r}: choose fused, fused_eager or checkpoint")
         if self.dtype not in ("auto", "bfloat16", "float32"):

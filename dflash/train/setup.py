@@ -102,6 +102,14 @@ def count_total_steps(cfg: TrainConfig, lengths, world_size: int) -> int:
                           grad_accum=cfg.grad_accum).num_steps for e in range(cfg.epochs))
 
 
+def samples_per_step(cfg: TrainConfig, lengths, world_size: int) -> float:
+    """The mean number of samples in an optimizer step (all ranks and micro-batches) of the first epoch's plan:
+    loss_normalization=sample's constant denominator (the epochs' plans differ by a bin at most)."""
+    plan = plan_epoch(lengths, seed=cfg.data_seed, epoch=0, batch_tokens=cfg.batch_tokens, world_size=world_size,
+                      grad_accum=cfg.grad_accum)
+    return len(lengths) / max(1, plan.num_steps)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TargetSetup:
     """What every drafter trained on one cache shares: the reader, the frozen embedding and head on the device,
@@ -170,6 +178,9 @@ class DrafterSetup:
     drafter_config: "DrafterConfig"
     total_steps: int
     """Optimizer steps of the whole run."""
+    grad_denominator: float | None
+    """What each step's summed gradient is divided by when it is a constant (loss_normalization=sample: the mean
+    samples per step of the first epoch's plan); None = the step's own weight sum."""
     reasons: tuple[str, ...]
     """Automatic choices with their reasons, to log."""
 
@@ -216,7 +227,13 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
             log.warning("%s", warning)
     reasons.append(f"{total} optimizer steps ({'--steps' if cfg.steps else f'{cfg.epochs} epochs'}), "
                    f"{len(reader)} samples, world size {info.world_size}, grad_accum {cfg.grad_accum}")
-    return DrafterSetup(taps=taps, drafter=drafter, drafter_config=dc, total_steps=total, reasons=tuple(reasons))
+    denominator = None
+    if cfg.loss_normalization == "sample":
+        denominator = samples_per_step(cfg, reader.index.length, info.world_size)
+        reasons.append(f"loss_normalization sample: each step's sum of per-sample means divided by {denominator:.2f}, "
+                       "the mean samples per step of the first epoch")
+    return DrafterSetup(taps=taps, drafter=drafter, drafter_config=dc, total_steps=total,
+                        grad_denominator=denominator, reasons=tuple(reasons))
 
 
 def describe_drafter(dc: "DrafterConfig", drafter: torch.nn.Module) -> str:

@@ -9,7 +9,9 @@ each micro-batch backpropagates its unnormalised sum(CE*w); after the step, one 
 gradient buffer together with the weight sum and the metric counters, and the gradient is divided by the
 global weight sum. So W ranks x A micro-batches give the same update as 1 rank x W*A micro-batches, and
 empty padding micro-batches simply contribute nothing. With loss_normalization=sequence each sample's weights
-sum to 1, so the same sums give the mean over the step's samples of each sample's weighted mean.
+sum to 1, so the same sums give the mean over the step's samples of each sample's weighted mean; with sample
+the same per-sample weights, but the gradient is divided by a constant (the run's mean samples per step)
+instead of the step's own weight sum.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
     block_embeds_QD = embed_VD[block_ids_Q]  # frozen; embed_VD is already in the compute dtype
     hidden_QD = drafter(block_embeds_QD, ctx_TD, q_pos=layout.q_pos_Q, kv_pos=layout.kv_pos_K, mask=layout)
     weights_JB = blk.weights_JB
-    if loss_normalization == "sequence":
+    if loss_normalization in ("sequence", "sample"):
         weights_JB = per_sample_mean_weights(weights_JB, hb.blocks_per_sample)
     labels_Q, weights_Q = blk.labels_JB.reshape(-1), weights_JB.reshape(-1)
     if loss_impl in ("fused", "fused_eager"):
@@ -165,12 +167,16 @@ class GradSync:
         c[4:4 + B] += terms.correct_B.detach().float()
         c[4 + B:] += terms.count_B.detach().float()
 
-    def reduce_and_normalise(self, world_size: int) -> None:
-        """Sum gradients and counters over ranks, then divide the gradient by the global weight sum."""
+    def reduce_and_normalise(self, world_size: int, *, denominator: float | None = None) -> None:
+        """Sum gradients and counters over ranks, then divide the gradient by the global weight sum, or by
+        `denominator` when given (loss_normalization=sample: the run's mean samples per step)."""
         if world_size > 1:
             dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
-        # clamp: a step whose blocks have no supervised slot has zero gradient anyway
-        self.grads.div_(self.counters[1].clamp(min=1e-12))
+        if denominator is not None:
+            self.grads.div_(denominator)
+        else:
+            # clamp: a step whose blocks have no supervised slot has zero gradient anyway
+            self.grads.div_(self.counters[1].clamp(min=1e-12))
         self.check_views()
 
     def check_views(self) -> None:

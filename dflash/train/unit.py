@@ -89,6 +89,7 @@ class DrafterUnit:
         self.embed_VD, self.lm_head_VD = target.embed_VD, target.lm_head_VD
         self.compute_dtype = target.compute_dtype
         self.total_steps = d.total_steps
+        self.grad_denominator = d.grad_denominator
         self.anchor_rule = AnchorRule(seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=self.dc.block_size)
         self.tap_index = None if spec.tap_index is None else torch.tensor(spec.tap_index, dtype=torch.long,
                                                                           device=info.device)
@@ -183,7 +184,7 @@ class DrafterUnit:
         """All-reduce, clip, optimizer and scheduler step; log and checkpoint when due. Returns True if it logged.
         stall_s() gives the loader's wait time since its last reset (read only on log steps)."""
         cfg = self.cfg
-        self.sync.reduce_and_normalise(self.info.world_size)
+        self.sync.reduce_and_normalise(self.info.world_size, denominator=self.grad_denominator)
         norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()

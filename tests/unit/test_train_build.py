@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,10 +88,41 @@ def test_grad_sync_views_survive_backward():
     assert torch.equal(sync.grads, expect) and not math.isnan(float(sync.grads.sum()))
 
 
+def test_a_constant_denominator_replaces_the_weight_sum():
+    """loss_normalization=sample: the step's summed gradient is divided by the run's constant, whatever the
+    step's weight sum (the number of its supervised samples under per-sample weights)."""
+    lin = torch.nn.Linear(3, 1, bias=False)
+    sync = GradSync(list(lin.parameters()), block_size=4, device=torch.device("cpu"))
+    lin(torch.ones(1, 3)).sum().backward()
+    sync.counters[1] = 3.0
+    expect = sync.grads.clone() / 2.5
+    sync.reduce_and_normalise(1, denominator=2.5)
+    assert torch.equal(sync.grads, expect)
+
+
+def test_samples_per_step_is_the_first_epochs_mean():
+    """The constant of loss_normalization=sample: samples over the optimizer steps of epoch 0's plan (all ranks
+    and micro-batches of a step together)."""
+    from dflash.train.config import TrainConfig
+    from dflash.train.loader import plan_epoch
+    from dflash.train.setup import samples_per_step
+
+    lengths = np.array([100, 700, 50, 300, 900, 20, 400, 60, 500, 80], dtype=np.int64)
+    cfg = TrainConfig(cache="c", model="m", output="o", batch_tokens=1000, grad_accum=2)
+    for world in (1, 2):
+        steps = plan_epoch(lengths, seed=cfg.data_seed, epoch=0, batch_tokens=1000, world_size=world,
+                           grad_accum=2).num_steps
+        assert samples_per_step(cfg, lengths, world) == pytest.approx(10 / steps)
+    assert samples_per_step(cfg, lengths, 2) > samples_per_step(cfg, lengths, 1)
+
+
 def test_sequence_normalization_reaches_the_loss_and_nothing_else(tmp_path):
-    """Two runs that differ only in loss_normalization: step 1 has the same init, anchors and supervised slots
+    """Runs that differ only in loss_normalization: step 1 has the same init, anchors and supervised slots
     (equal accuracy and acceptance); the steps differ in how they weigh the tiny cache's samples of different
-    lengths, so the later losses differ (at init every CE is ~log V, so step 1's means nearly coincide)."""
+    lengths, so the later losses differ (at init every CE is ~log V, so step 1's means nearly coincide).
+    sample and sequence log the same per-sample mean but scale each step's gradient differently (a constant
+    against the step's sample count), so after step 1 (AdamW's first update does not see a gradient's scale)
+    their losses part too."""
     from dflash.train.metrics import read_metrics
     from dflash.train.trainer import train
     from train_helpers import tiny_cache, tiny_config, tiny_target
@@ -98,7 +130,7 @@ def test_sequence_normalization_reaches_the_loss_and_nothing_else(tmp_path):
     target = tiny_target(tmp_path / "target")
     cache = tiny_cache(tmp_path / "cache", target)
     recs = {}
-    for norm in ("token", "sequence"):
+    for norm in ("token", "sequence", "sample"):
         cfg = tiny_config(cache=str(cache), model=str(target), output=str(tmp_path / norm), steps=4,
                           loss_normalization=norm, save_every=100, log_every=1)
         train(cfg, device="cpu")
@@ -108,3 +140,6 @@ def test_sequence_normalization_reaches_the_loss_and_nothing_else(tmp_path):
     # CPU training repeats a run bit for bit (test_fused_ce: fused == fused_eager), so 1e-5 is far above noise
     # (measured: 1e-4 after 4 steps)
     assert abs(tok[-1]["loss"] - seq[-1]["loss"]) > 1e-5 * tok[-1]["loss"], (tok[-1]["loss"], seq[-1]["loss"])
+    smp = recs["sample"]
+    assert smp[0]["loss"] == seq[0]["loss"] and smp[0]["acc"] == seq[0]["acc"]
+    assert abs(smp[-1]["loss"] - seq[-1]["loss"]) > 1e-5 * seq[-1]["loss"], (smp[-1]["loss"], seq[-1]["loss"])

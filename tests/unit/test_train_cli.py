@@ -116,8 +116,8 @@ def test_loss_normalization_is_recorded_and_pinned_on_resume(runner, assets, tmp
     res = runner.invoke(cli, _args(cache, target, out, "--steps", "2", "--resume"))
     assert res.exit_code == 1 and "different 'loss_normalization'" in res.output
     res = runner.invoke(cli, _args(cache, target, tmp_path / "x", "--loss-normalization", "samples"))
-    assert res.exit_code == 2 and "'samples' is not one of 'token', 'sequence'" in res.output
+    assert res.exit_code == 2 and "'samples' is not one of 'token', 'sequence', 'sample'" in res.output
     bad = tmp_path / "bad.yaml"
     bad.write_text("loss_normalization: samples\n")
     res = runner.invoke(cli, _args(cache, target, tmp_path / "y", "--config", str(bad)))
-    assert res.exit_code == 1 and "loss_normalization='samples': choose token or sequence" in res.output
+    assert res.exit_code == 1 and "loss_normalization='samples': choose token, sequence or sample" in res.output
