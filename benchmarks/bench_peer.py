@@ -507,7 +507,7 @@ def parse_args(argv=None):
                     help="dflash's TrainConfig.loss_normalization; default sample: every sample's mean weighed alike "
                     "over the epoch, SpecForge's objective with its fixed --seqs-per-step (the per-step losses are "
                     "equal: tests/unit/test_bench_peer.py; sequence divides by each token-budget step's own sample "
-                    "count, which weighs long samples more, and scored MT-Bench tau 1.103 against token's ~0.7%% "
+                    "count, smaller in a step that holds a long sample, and scored MT-Bench tau 1.103 against token's ~0.7%% "
                     "lower: results/peer_seqnorm_probe_h200.json)")
     ap.add_argument("--dflash-time-epochs", type=int, metavar="N",
                     help="also train dflash's recipe for N epochs (more than --epochs: a longer lr schedule), from "

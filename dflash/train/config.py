@@ -61,8 +61,8 @@ class TrainConfig:
     the step's samples (z-lab's and SpecForge's loss with one sequence per micro-batch); sample = each sample's
     decay-weighted mean, summed over the step and divided by the run's mean samples per step (a constant), so
     every sample weighs the same whichever step it lands in: SpecForge's objective over an epoch, whose steps
-    hold a fixed number of sequences. (A token-budget step holds many short or few long samples, so under
-    `sequence` a long sample weighs more: 1 / its step's sample count.)"""
+    hold a fixed number of sequences. (A token-budget step that holds a long sample has room for fewer others,
+    so under `sequence`, where a sample weighs 1 / its step's sample count, a long sample weighs more.)"""
 
     # --- optimisation ---
     lr: float = 6e-4
