@@ -66,8 +66,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import (H200_SPEC_BF16, QWEN35_27B, SUSTAINED_DENOMINATOR, machine_info, matmul_peak,  # noqa: E402
-                    matmul_sustained, mfu_fields, mfu_vs_sustained, package_version, sync)
+from common import (H200_SPEC_BF16, QWEN35_27B, SUSTAINED_DENOMINATOR, error_line, machine_info,  # noqa: E402
+                    matmul_peak, matmul_sustained, mfu_fields, mfu_vs_sustained, package_version, sync)
 
 
 def sample_lengths(total_tokens: int, *, seed: int, batch_tokens: int,
@@ -220,7 +220,7 @@ def compare_compile_layers(model, layers, layers_on: bool, chains_on: bool, real
             first_s = timed_pass()
         flip_s = timed_pass()
     except Exception as e:  # noqa: BLE001  (an FLA kernel dynamo cannot trace is a finding, not the end of the run)
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+        return {"error": error_line(e),
                 "flipped_to": "eager layers" if layers_on else "compiled"}
     layers_s, chains_s = (fo_s, flip_s) if layers_on else (flip_s, fo_s)
     return {"flipped_to": "eager layers" if layers_on else "compiled", "flipped_tok_s": real / flip_s,

@@ -32,6 +32,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def error_line(e: BaseException) -> str:
+    """An exception as one line for a result JSON: its type and the first line of its message (300 chars at
+    most), for a variant or a compare that fails without ending the benchmark."""
+    msg = str(e)
+    return f"{type(e).__name__}: {msg.splitlines()[0][:300] if msg else ''}"
+
+
 def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
     """Median seconds of `repeats` synced calls of fn after one untimed call (compiles, autotuning), and the last
     call's result."""

@@ -44,7 +44,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import machine_info, timed  # noqa: E402
+from common import error_line, machine_info, timed  # noqa: E402
 
 from dflash.drafter.attention import flex_block_mask, flex_kernel_options  # noqa: E402
 from dflash.train.objective import packed_layout  # noqa: E402
@@ -124,7 +124,7 @@ def run_variant(name: str, spec: dict, q, k, v, bm, repeats: int) -> tuple[dict,
                "fwd_bwd_ms": 1e3 * timed(fwd_bwd, q.device, repeats)[0]}
         return row, out.detach()
     except Exception as e:  # noqa: BLE001  (a variant the kernel refuses is a result, not the end of the probe)
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}, None
+        return {"error": error_line(e)}, None
 
 
 def main() -> None:

@@ -159,25 +159,26 @@ REF_DATA=(--train-data benchmarks/assets/quality/sharegpt_whole-0*.jsonl.gz
 ref_gpu0() { REF_PAIR=1 REF_WORK=/tmp/bref reference "$1" "${REF_DATA[@]}" --also-storages fp8 \
                --skip all_bf16,all_noise,all_seed1,all_seqnorm --plot-dir /tmp/bref/plots; }
 ref_gpu1() { REF_PAIR=1 REF_WORK=/tmp/bref1 reference "$1" "${REF_DATA[@]}" --plot-dir /tmp/bref1/plots; }
+# a half's JSON back through $OUT under its GPU's name: ref_out gpu0 (fp8, /tmp/bref) | gpu1 (bf16, /tmp/bref1)
+ref_out() { local w=/tmp/bref; [ "$1" = gpu1 ] && w=/tmp/bref1
+            if [ -n "${OUT:-}" ] && [ -f "$w/quality_reference_h200.json" ]; then
+              cp "$w/quality_reference_h200.json" "$OUT/quality_reference_$1_h200.json"; fi; }
 refpair() { gguf_joined || return 1  # once, before the two calls would join it at the same time
             both ref_gpu0 "ref_gpu0 $1" ref_gpu1 "ref_gpu1 $1"
-            if [ -n "${OUT:-}" ]; then
-              cp /tmp/bref/quality_reference_h200.json "$OUT/quality_reference_gpu0_h200.json"
-              cp /tmp/bref1/quality_reference_h200.json "$OUT/quality_reference_gpu1_h200.json"; fi; }
+            ref_out gpu0; ref_out gpu1; }
 # one half of refpair alone on a 1-GPU machine, one session each (2026-12-04: the fp8 + bf16 group on one GPU steps
 # in 0.33-0.39 s even with compiled target layers and the drafter's 64 x 64 flex tiles, ~26 min for 4,088 steps, more
 # than a session holds; one online run alone steps in ~0.23-0.25 s: ~17 min + ~3 min of set-up). Every call of the
 # session the same command (REF_LIMIT=<seconds> for its last); the JSON comes back as quality_reference_gpu0_h200.json
 # (fp8) or _gpu1_ (bf16), merged here as for refpair
-refone() { local w g r
+refone() { local g r
            case "${2:-}" in
-             fp8) w=/tmp/bref g=gpu0; ref_gpu0 "$1"; r=$? ;;
-             bf16) w=/tmp/bref1 g=gpu1; ref_gpu1 "$1"; r=$? ;;
+             fp8) g=gpu0 ;;
+             bf16) g=gpu1 ;;
              *) echo "run_h200.sh refone fp8|bf16" >&2; return 2 ;;
            esac
-           if [ -n "${OUT:-}" ] && [ -f "$w/quality_reference_h200.json" ]; then
-             cp "$w/quality_reference_h200.json" "$OUT/quality_reference_${g}_h200.json"; fi
-           return $r; }
+           "ref_$g" "$1"; r=$?
+           ref_out "$g"; return $r; }
 evaloverhead() { capped "${1:-560}" python3 benchmarks/bench_eval_overhead.py --model /tmp/bref/smollm2-hf \
                    --train-cache /tmp/bref/cache_train_n8000 --eval-cache /tmp/bref/cache_eval --workdir /tmp/bevo; }
 

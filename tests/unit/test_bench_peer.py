@@ -42,13 +42,18 @@ def _load_by_path(name: str, path: pathlib.Path):
     return mod
 
 
+def _package(name: str, path: pathlib.Path) -> None:
+    """`name` in sys.modules as a bare package over `path`: its modules import, its __init__ does not run."""
+    pkg = types.ModuleType(name)
+    pkg.__path__ = [str(path)]
+    sys.modules[name] = pkg
+
+
 @pytest.fixture(scope="module")
 def specforge_parser(peers):
     """SpecForge's GeneralParser and its 'qwen' template: specforge/data/{parse,template}.py as a package of their
     own, without specforge/__init__ (which imports sglang, yunchang, datasets, triton)."""
-    pkg = types.ModuleType("sf_data_under_test")
-    pkg.__path__ = [str(peers["specforge"] / "specforge" / "data")]
-    sys.modules[pkg.__name__] = pkg
+    _package("sf_data_under_test", peers["specforge"] / "specforge" / "data")
     parse = importlib.import_module("sf_data_under_test.parse")
     template = importlib.import_module("sf_data_under_test.template")
     return parse.GeneralParser, template.TEMPLATE_REGISTRY.get("qwen")
@@ -406,9 +411,7 @@ def specforge_objective(peers):
     saved = {k: sys.modules.get(k) for k in ("specforge", "specforge.modeling", "specforge.modeling.draft")}
     for name, path in (("specforge", root), ("specforge.modeling", root / "modeling"),
                        ("specforge.modeling.draft", root / "modeling" / "draft")):
-        pkg = types.ModuleType(name)
-        pkg.__path__ = [str(path)]
-        sys.modules[name] = pkg
+        _package(name, path)
     try:
         draft = importlib.import_module("specforge.modeling.draft.dflash")
         core = _load_by_path("specforge_core_dflash_under_test", root / "core" / "dflash.py")
