@@ -26,8 +26,10 @@ were added): at head_dim 64, 64 x 64 forward tiles 1.88 ms against the default's
 backward ~5.6 ms whatever its tiles; max-autotune 1.61 / 6.76 ms after 259 s of autotuning; in the SmolLM2
 step, flex attention went from 59.4 to 39.7 ms (smollm2_step_tiles_h200.json). At head_dim 256 (hd256) the
 forward is fine (194 TFLOP/s), the backward takes 19.2 of the 21.8 ms and nothing beats inductor's default:
-max-autotune picks 64 x 64 / 2 stages / 4 warps at the same 22.0 ms (flex_tiles_hd256_h200.json). The 27B
-drafter's own heads (128 dims) are not measured yet: `--shapes 27b` (~5 min with max-autotune).
+max-autotune picks 64 x 64 / 2 stages / 4 warps at the same 22.0 ms (flex_tiles_hd256_h200.json). At the 27B
+drafter's own heads (128 dims) the default is the best tried: 1.60 ms forward (209 TFLOP/s), 8.28 forward +
+backward (142 TFLOP/s); max-autotune 8.28 after 137 s; bwd_32x64 14.0 and bwd_64_s1_w8 16.4
+(flex_tiles_27b_h200.json).
 """
 
 from __future__ import annotations

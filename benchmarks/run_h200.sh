@@ -63,7 +63,7 @@
 #       see refone below): the way to fp8 vs bf16 at the reference point while only one H200 is lent
 #   bash benchmarks/run_h200.sh flextiles [ARGS]   # probe_flex_tiles: flex attention tile options on the drafter's
 #       block layout, the SmolLM2 and 27B drafters' heads, and hd256 on request (~8 min for all variants;
-#       max-autotune alone takes ~4 min a shape). Next: flextiles --shapes 27b (the 27B drafter's 128-dim heads)
+#       max-autotune alone takes ~4 min a shape). --shapes 27b: the 27B drafter, 2026-12-04 (flex_tiles_27b_h200.json)
 #   bash benchmarks/run_h200.sh storage4 STAGE [ARGS]   # bench_storage4 --stage extract|train (~6 min each, no
 #       target needed) or tau (the SmolLM2 target from the stashed parts, the committed data)
 #   bash benchmarks/run_h200.sh peer [ARGS]   # bench_peer (issue 15): SpecForge's DFlash trainer and dflash side by

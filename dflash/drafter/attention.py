@@ -359,8 +359,9 @@ head_dim 64 is 128 x 128 with 4 warps; on the drafter's block layout (a SmolLM2 
 the same output, measured on the H200 (benchmarks/probe_flex_tiles.py, results/flex_tiles_h200.json); in the
 SmolLM2 training step flex attention went from 59.4 to 39.7 ms (results/smollm2_step_tiles_h200.json). At
 head_dim 256, 64 x 64 needs more shared memory than the H200 has and max-autotune picks the default's speed
-(results/flex_tiles_hd256_h200.json); the 27B drafter's 128-dim heads are unmeasured. Heads above 64 dims keep
-inductor's choice."""
+(results/flex_tiles_hd256_h200.json). At the 27B drafter's 128-dim heads inductor's default runs at 209 TFLOP/s
+forward, 142 forward + backward, max-autotune picks the same speed and the backward tiles tried are 1.7-2x slower
+(results/flex_tiles_27b_h200.json). Heads above 64 dims keep inductor's choice."""
 
 
 def flex_kernel_options(head_dim: int, device_type: str) -> dict | None:
