@@ -48,7 +48,9 @@ The committed reference (2026-12-03, results/quality_reference_h200.json): the g
 regeneration, 33,588 conversations, 33.4M tokens, --storage int4 (52.0 GB; fp8 ~99 GB does not fit), extracted in
 141 s; 2 epochs = 4,088 steps at 0.143 s (114K tok/s), one held-out evaluation of the three sets 1.22 s.
 all_seed1 finished 2026-12-04 on one GPU of a 2-GPU machine (run_h200.sh refpair, the JSONs joined by --merge);
-the online fp8 + bf16 group stepped at ~0.36 s there and was cut at step ~1,550.
+the online fp8 + bf16 group stepped at ~0.36 s there and was cut at step ~1,550. all_bf16 finished alone on one
+H200 later that day (run_h200.sh refone bf16, joined by --merge): 2.312 / 2.561 against the int4-cached reference's
+2.332 / 2.535; all_fp8 (refone fp8) is still to run.
 CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps)
 """
 
