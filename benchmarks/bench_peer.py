@@ -15,7 +15,9 @@ Stages (each timed; the result JSON is rewritten after each, --resume continues 
      every --eval-every steps (wall time stamped as each metrics record appears); --dflash-seeds more seeds, and
      (--dflash-time-epochs N, GPU default 6) the same recipe over N epochs from the same cache: its longer lr
      schedule is the run whose wall time to SpecForge's final tau is taken when the same-steps run ends below it
-     (2026-12-02 at 292 steps: 1.095 against SpecForge's 1.121, so no ratio; its lr has decayed to 0 by then)
+     (2026-12-02 at 292 steps: 1.095 against SpecForge's 1.121, so no ratio; its lr has decayed to 0 by then);
+     --dflash-variants: one run each of the recipe with other TrainConfig fields (GPU default: token normalization,
+     and SpecForge's anchor bound anchor_positions=full_blocks), to attribute a tau difference to a field
   g. SpecForge: `torchrun --standalone --nproc_per_node 1 scripts/train_dflash.py --target-model-backend hf`
      through benchmarks/peer/specforge_entry.py (import stubs, wall time, peak memory); on the GPU
      --specforge-seeds runs (default 2: its seed-to-seed spread, one run per call). Without CUDA it is first
@@ -162,11 +164,12 @@ class MetricsClock:
 
 
 def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, device: str, dtype: str,
-                 seed: int | None = None, epochs: int | None = None) -> dict:
+                 seed: int | None = None, epochs: int | None = None, variant: str | None = None) -> dict:
     """Stage f: extract + train, timed together; held-out tau on the MT-Bench cache with wall-time stamps.
-    With `seed` (another seed of the same recipe, for the seed-to-seed spread) or `epochs` (the recipe trained
-    that many epochs: --dflash-time-epochs): training alone, from stage f's cache, into its own run folder, its
-    stamps counted from the start of its training; held-out tau at the same step interval as stage f."""
+    With `seed` (another seed of the same recipe, for the seed-to-seed spread), `epochs` (the recipe trained
+    that many epochs: --dflash-time-epochs) or `variant` (a --dflash-variants name: the recipe with that variant's
+    TrainConfig fields): training alone, from stage f's cache, into its own run folder, its stamps counted from
+    the start of its training; held-out tau at the same step interval as stage f."""
     import torch
 
     from dflash.train.metrics import read_metrics
@@ -175,19 +178,21 @@ def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, dev
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    alone = seed is not None or epochs is not None
+    alone = seed is not None or epochs is not None or variant is not None
     ext = None if alone else bq.extract(model, work / "train_dflash.jsonl", work / "cache_train",
                                         storage="bf16", device=device, dtype=dtype, args=args)
     t_extract = time.perf_counter() - t0
     steps = data["steps"] if epochs is None else data["steps"] * epochs // recipe.epochs
-    run_dir = (result_dflash_drafter(work, seed) if epochs is None else result_long_drafter(work, epochs)).parent
+    run_dir = (result_variant_drafter(work, variant) if variant is not None else result_dflash_drafter(work, seed)
+               if epochs is None else result_long_drafter(work, epochs)).parent
     cfg = peer_recipe.train_config(recipe if seed is None else dataclasses.replace(recipe, seed=seed),
                                    cache=str(work / "cache_train"), model=model, output=str(run_dir),
                                    steps=steps, batch_tokens=data["dflash_batch_tokens"],
                                    log_every=max(1, min(args.log_every, steps)),
                                    loss_normalization=args.dflash_loss_normalization)
     cfg = dataclasses.replace(cfg, eval_cache=str(work / "cache_mtbench"),
-                              eval_every=max(1, data["steps"] // args.evals))
+                              eval_every=max(1, data["steps"] // args.evals),
+                              **(args.dflash_variants[variant] if variant is not None else {}))
     os.environ["DFLASH_NO_PROGRESS"] = "1"
     clock = MetricsClock(run_dir, t0)
     try:
@@ -219,6 +224,49 @@ def long_run(epochs: int) -> str:
 def result_long_drafter(work: pathlib.Path, epochs: int) -> pathlib.Path:
     """The drafter folder of the --dflash-time-epochs run."""
     return work / f"run_{long_run(epochs)}" / "drafter"
+
+
+def variant_run(name: str) -> str:
+    """The name of a --dflash-variants run (its stage f_NAME, folder run_NAME and eval entry): dflash_<name>."""
+    return f"dflash_{name}"
+
+
+def result_variant_drafter(work: pathlib.Path, name: str) -> pathlib.Path:
+    """The drafter folder of a --dflash-variants run."""
+    return work / f"run_{variant_run(name)}" / "drafter"
+
+
+def parse_variants(text: str | None) -> dict[str, dict]:
+    """--dflash-variants "NAME=FIELD:VALUE[,FIELD:VALUE];NAME=..." -> {NAME: {FIELD: VALUE}}: TrainConfig fields
+    (checked by TrainConfig itself when the run is built; an unknown one is named here), a VALUE read as JSON
+    when it parses (numbers, true/false), else as a string. "" or "none": no variants."""
+    import dataclasses as dc
+
+    from dflash.train.config import TrainConfig
+
+    fields = {f.name for f in dc.fields(TrainConfig)}
+    out: dict[str, dict] = {}
+    for part in filter(None, (x.strip() for x in (text or "").split(";"))):
+        if part == "none":
+            continue
+        name, sep, body = part.partition("=")
+        if (not sep or not re.fullmatch(r"[a-z0-9_]+", name) or name in out
+                or re.match(r"seed|epochs\d", name)):  # the names of the seed and --dflash-time-epochs runs
+            raise ValueError(f"--dflash-variants {part!r}: NAME=FIELD:VALUE[,FIELD:VALUE] with a new lower-case "
+                             "NAME (letters, digits, _; not seed... or epochsN...)")
+        overrides = {}
+        for item in filter(None, (x.strip() for x in body.split(","))):
+            field, sep, value = item.partition(":")
+            if not sep or field not in fields:
+                raise ValueError(f"--dflash-variants {name}: {item!r} is not FIELD:VALUE of a TrainConfig field")
+            try:
+                overrides[field] = json.loads(value)
+            except json.JSONDecodeError:
+                overrides[field] = value
+        if not overrides:
+            raise ValueError(f"--dflash-variants {name}: no FIELD:VALUE")
+        out[name] = overrides
+    return out
 
 
 def seeded(name: str, seed: int | None) -> str:
@@ -515,6 +563,11 @@ def parse_args(argv=None):
                          "SpecForge's final MT-Bench tau, the time ratio is taken on this run (its training + stage "
                          "f's extraction); its drafter is scored with the others (GPU default 6, the paper's epochs; "
                          "--tiny: none)")
+    ap.add_argument("--dflash-variants", metavar="SPEC", help="more dflash runs of the recipe from stage f's cache, "
+                    "each with other TrainConfig fields: \"NAME=FIELD:VALUE[,FIELD:VALUE];...\", run and eval entry "
+                    "dflash_NAME, one seed, scored with the others: what part of a tau difference a field explains "
+                    "(GPU default \"token=loss_normalization:token;fullblocks=anchor_positions:full_blocks\": the "
+                    "default normalization's effect, and SpecForge's anchor bound; \"none\": no variants)")
     ap.add_argument("--evals", type=int, help="held-out evaluations during dflash training")
     ap.add_argument("--zlab-prompts", type=int, help="prompts per eval set in z-lab's loop")
     ap.add_argument("--wheels", help="folder of wheels for SpecForge's extra packages (offline install)")
@@ -537,8 +590,13 @@ def parse_args(argv=None):
     gpu = dict(train_source="committed", train_prompts=1200, max_prompt_chars=2000, eval_prompts=None, max_new_tokens=256,
                eval_max_new_tokens=256, gen_batch_size=2048, max_length=2048, extract_batch_tokens=65536, layers=5,
                block_size=16, num_anchors=512, seqs_per_step=8, epochs=2, log_every=10, evals=10, zlab_prompts=10,
-               dflash_seeds=3, specforge_seeds=2, dflash_time_epochs=6)
+               dflash_seeds=3, specforge_seeds=2, dflash_time_epochs=6,
+               dflash_variants="token=loss_normalization:token;fullblocks=anchor_positions:full_blocks")
     bq.fill_unset(args, tiny if args.tiny else gpu)
+    try:
+        args.dflash_variants = parse_variants(args.dflash_variants)
+    except ValueError as err:
+        ap.error(str(err))
     if args.eval_responses is None and not args.tiny and args.eval_prompts is None:
         args.eval_responses = str(PEER_EVAL_RESPONSES)
     if args.eval_responses == "none":
@@ -605,6 +663,10 @@ def main(argv=None) -> dict:
             n = args.dflash_time_epochs
             result["dflash_long"] = {"epochs": n, **st.run(f"f_{long_run(n)}", lambda: dflash_side(
                 args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, epochs=n))}
+        result["dflash_variants"] = {
+            name: {"overrides": over, **st.run(f"f_{variant_run(name)}", lambda name=name: dflash_side(
+                args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, variant=name))}
+            for name, over in args.dflash_variants.items()}
         if args.stop_after == "dflash":
             return result
         sf_seeds = [None, *extra_seeds(args, args.specforge_seeds)]
@@ -634,6 +696,7 @@ def main(argv=None) -> dict:
                          for s in extra_seeds(args, args.specforge_seeds)})
         if args.dflash_time_epochs:
             drafters[long_run(args.dflash_time_epochs)] = str(result_long_drafter(work, args.dflash_time_epochs))
+        drafters.update({variant_run(n): str(result_variant_drafter(work, n)) for n in args.dflash_variants})
         drafters["untrained"] = bq.untrained_drafter(drafters["dflash"], work / "untrained", args.seed)
         result["eval"] = {}
         for who, ddir in drafters.items():
@@ -664,7 +727,7 @@ def format_table(result: dict) -> str:
     def f(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
 
-    lines = [f"{'drafter':<15} {'MT-Bench tau':>12} {'HumanEval tau':>13} {'z-lab tau':>9} {'wall s':>8} {'tok/s':>8}"]
+    lines = [f"{'drafter':<18} {'MT-Bench tau':>12} {'HumanEval tau':>13} {'z-lab tau':>9} {'wall s':>8} {'tok/s':>8}"]
     d, s = result.get("dflash", {}), result.get("specforge", {})
     walls = {"dflash": d.get("wall_s"), "specforge": s.get("run", {}).get("wall_s")}
     tps = {"dflash": d.get("tokens_per_s"), "specforge": s.get("tokens_per_s")}
@@ -675,9 +738,12 @@ def format_table(result: dict) -> str:
         longer = [long_run(long["epochs"])]
         walls[longer[0]] = (d.get("extract_wall_s") or 0.0) + long["wall_s"]   # it trains from stage f's cache
         tps[longer[0]] = long.get("tokens_per_s")
-    for who in ("dflash", *seeds["dflash"], *longer, "specforge", *seeds["specforge"], "untrained"):
+    variants = [variant_run(n) for n in result.get("dflash_variants", {})]
+    for who in variants:
+        walls[who] = result["dflash_variants"][who.removeprefix("dflash_")].get("wall_s")
+    for who in ("dflash", *seeds["dflash"], *longer, *variants, "specforge", *seeds["specforge"], "untrained"):
         ev = result.get("eval", {}).get(who, {})
-        lines.append(f"{who:<15} {f(ev.get('mtbench', {}).get('tau')):>12} {f(ev.get('humaneval', {}).get('tau')):>13} "
+        lines.append(f"{who:<18} {f(ev.get('mtbench', {}).get('tau')):>12} {f(ev.get('humaneval', {}).get('tau')):>13} "
                      f"{f(result.get(f'zlab_loop_tau_{who}')):>9} {f(walls.get(who), '{:.1f}'):>8} "
                      f"{f(tps.get(who), '{:.0f}'):>8}")
     ag = result.get("training_set", {}).get("agreement", {})

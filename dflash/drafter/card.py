@@ -28,7 +28,8 @@ from dflash.errors import ModelNotFoundError
 CARD_NAME = "README.md"
 _DATA_MARK = "<!-- dflash-card-data -->"
 RECIPE_KEYS = ("steps", "epochs", "lr", "warmup_ratio", "batch_tokens", "grad_accum", "num_anchors", "block_size",
-               "gamma", "loss_normalization", "num_layers", "seed", "dtype", "storage", "online", "noise", "eval_every")
+               "gamma", "loss_normalization", "anchor_positions", "num_layers", "seed", "dtype", "storage", "online",
+               "noise", "eval_every")
 
 
 def data_summary(manifest: Mapping) -> dict:

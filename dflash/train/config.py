@@ -19,6 +19,8 @@ from dflash.train.noise import NoiseConfig
 
 LOSS_NORMALIZATIONS = ("token", "sequence", "sample")
 """TrainConfig.loss_normalization's values (objective.per_sample_mean_weights makes the last two)."""
+ANCHOR_POSITIONS = ("response", "full_blocks")
+"""TrainConfig.anchor_positions' values (objective.sample_anchors' full_block)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +89,12 @@ class TrainConfig:
     """Micro-batches per rank per optimizer step; a step covers world_size x grad_accum micro-batches."""
     num_anchors: int = 512
     """Anchors (blocks) sampled per sequence, resampled every epoch (paper: 512)."""
+    anchor_positions: str = "response"
+    """Where anchors may fall: response = any response token whose next token is supervised (the paper's "from
+    the response"; blocks near the sequence's end are cut short, their slots past it unsupervised); full_blocks =
+    only anchors whose whole block lies inside the sequence (a <= S - block_size, SpecForge's bound), so the
+    last block_size - 2 response tokens of a sample are never anchors and its last token is predicted only from
+    the slot block_size - 1 away."""
     seed: int = 0
     """Seeds the model init, the per-epoch shuffle and the per-(epoch, sample) anchor draws."""
     shuffle_seed: int | None = None
@@ -185,6 +193,8 @@ class TrainConfig:
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ConfigError(f"loss_normalization={self.loss_normalization!r}: "
                               f"choose {', '.join(LOSS_NORMALIZATIONS[:-1])} or {LOSS_NORMALIZATIONS[-1]}")
+        if self.anchor_positions not in ANCHOR_POSITIONS:
+            raise ConfigError(f"anchor_positions={self.anchor_positions!r}: choose {' or '.join(ANCHOR_POSITIONS)}")
         if self.loss_impl not in ("fused", "fused_eager", "checkpoint"):
             raise ConfigError(f"loss_impl={self.loss_impl!r}: choose fused, fused_eager or checkpoint")
         if self.dtype not in ("auto", "bfloat16", "float32"):

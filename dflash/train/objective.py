@@ -44,18 +44,22 @@ def resolve_gamma(gamma: float | None, *, block_size: int) -> float:
     return default_gamma(block_size) if gamma is None else float(gamma)
 
 
-def sample_anchors(loss_mask_S: torch.Tensor, *, num_anchors: int = 512,
-                   generator: torch.Generator) -> torch.Tensor:
+def sample_anchors(loss_mask_S: torch.Tensor, *, num_anchors: int = 512, generator: torch.Generator,
+                   full_block: int | None = None) -> torch.Tensor:
     """Sorted anchor positions [J], J = min(num_anchors, #valid), drawn without replacement.
 
     A position a is valid when a <= S-2 and both loss_mask[a] and loss_mask[a+1] are set (the anchor token
-    is a response token and slot 1 has a supervised label). Randomness comes only from `generator`
-    (drawn on the generator's device); the result lives on loss_mask_S's device.
+    is a response token and slot 1 has a supervised label). With full_block = B, also a <= S-B: the whole block
+    a..a+B-1 lies inside the sequence (TrainConfig.anchor_positions full_blocks, SpecForge's bound), so no block
+    is cut by the sequence's end. Randomness comes only from `generator` (drawn on the generator's device); the
+    result lives on loss_mask_S's device.
     """
     if num_anchors < 1:
         raise ConfigError(f"num_anchors={num_anchors}: must be >= 1 (the paper uses 512)")
     mask_S = loss_mask_S.bool()
     valid = mask_S[:-1] & mask_S[1:]
+    if full_block is not None:
+        valid[max(mask_S.numel() - full_block + 1, 0):] = False
     candidates = valid.nonzero().flatten()
     n = min(num_anchors, candidates.numel())
     perm = torch.randperm(candidates.numel(), generator=generator, device=generator.device)[:n]

@@ -45,6 +45,8 @@ class AnchorRule:
     """Anchors per sequence (TrainConfig.num_anchors)."""
     block_size: int
     """Block size of the drafter (the supervised-slot and visible-key counts depend on it)."""
+    full_blocks: bool = False
+    """Anchors only where the whole block fits the sequence (TrainConfig.anchor_positions full_blocks)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class HostBlocks:
 
 
 def host_anchors(packed: "PackedSamples", epoch: int, *, seed: int, num_anchors: int, block_size: int,
-                 pin: bool) -> HostBlocks:
+                 pin: bool, full_blocks: bool = False) -> HostBlocks:
     """Draw each sample's anchors with a generator seeded by (seed, epoch, sample id): independent of rank,
     batch composition and resume point. Runs in a loader thread on CPU tensors."""
     loss_mask_T = np.asarray(packed.loss_mask)
@@ -66,7 +68,8 @@ def host_anchors(packed: "PackedSamples", epoch: int, *, seed: int, num_anchors:
     for sid, n in zip(np.asarray(packed.sample_ids).tolist(), np.asarray(packed.lengths).tolist()):
         mask_S = loss_mask_T[offset:offset + n]
         g = torch.Generator().manual_seed(anchor_seed(seed=seed, epoch=epoch, sample_id=int(sid)))
-        a_J = sample_anchors(torch.from_numpy(mask_S.astype(np.bool_)), num_anchors=num_anchors, generator=g)
+        a_J = sample_anchors(torch.from_numpy(mask_S.astype(np.bool_)), num_anchors=num_anchors, generator=g,
+                             full_block=block_size if full_blocks else None)
         anchors.append(a_J)
         counts.append(int(a_J.numel()))
         supervised += supervised_slots(mask_S, a_J.numpy(), block_size=block_size)
@@ -83,7 +86,8 @@ def stream_anchors(packed: "PackedSamples", epoch: int, *, rules: Sequence[Ancho
                    pin: bool) -> dict[AnchorRule, HostBlocks]:
     """The loader's host_fn: one anchor draw per distinct rule of the stream's drafters (cheap, and the same
     draws as a drafter trained alone)."""
-    return {r: host_anchors(packed, epoch, seed=r.seed, num_anchors=r.num_anchors, block_size=r.block_size, pin=pin)
+    return {r: host_anchors(packed, epoch, seed=r.seed, num_anchors=r.num_anchors, block_size=r.block_size, pin=pin,
+                            full_blocks=r.full_blocks)
             for r in rules}
 
 

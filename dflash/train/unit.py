@@ -90,7 +90,8 @@ class DrafterUnit:
         self.compute_dtype = target.compute_dtype
         self.total_steps = d.total_steps
         self.grad_denominator = d.grad_denominator
-        self.anchor_rule = AnchorRule(seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=self.dc.block_size)
+        self.anchor_rule = AnchorRule(seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=self.dc.block_size,
+                                      full_blocks=cfg.anchor_positions == "full_blocks")
         self.tap_index = None if spec.tap_index is None else torch.tensor(spec.tap_index, dtype=torch.long,
                                                                           device=info.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]

@@ -332,6 +332,28 @@ def test_time_epochs_must_exceed_the_recipe_epochs(bench):
         bench.parse_args(["--dflash-time-epochs", "2"])
 
 
+def test_dflash_variants_parse_to_train_config_fields(bench):
+    """--dflash-variants: the GPU default attributes the normalization and the anchor bound; values read as JSON
+    when they parse; a name the seed or long runs use, an unknown field or a missing value is a usage error."""
+    from dflash.train.config import TrainConfig
+
+    assert bench.parse_args([]).dflash_variants == {"token": {"loss_normalization": "token"},
+                                                   "fullblocks": {"anchor_positions": "full_blocks"}}
+    assert bench.parse_args(["--tiny"]).dflash_variants == {}
+    assert bench.parse_args(["--dflash-variants", "none"]).dflash_variants == {}
+    got = bench.parse_variants("a=lr:0.001,anchor_positions:full_blocks; b_2=grad_clip:0")
+    assert got == {"a": {"lr": 0.001, "anchor_positions": "full_blocks"}, "b_2": {"grad_clip": 0}}
+    TrainConfig(cache="c", model="m", output="o", **got["a"])   # the fields build a config
+    for bad in ("seed1=lr:0.1", "epochs6=lr:0.1", "x=learning_rate:0.1", "x=lr", "x=", "X=lr:1", "a=lr:1;a=lr:2"):
+        with pytest.raises(ValueError, match="--dflash-variants"):
+            bench.parse_variants(bad)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dflash-variants", "x=nope:1"])
+    assert bench.variant_run("fullblocks") == "dflash_fullblocks"
+    assert bench.seed_runs(["dflash", "dflash_seed1", "dflash_fullblocks", "dflash_epochs6"], "dflash") == [
+        "dflash", "dflash_seed1"]
+
+
 def test_zlab_loop_tau_next_to_the_eval_on_the_same_prompts(bench):
     """The loop ran the first 2 prompts: the eval's tau over sample ids 0 and 1 (in whatever order the cache holds
     them) is what it compares with; a set without them (a 1-token response, a result from before per-sequence taus

@@ -196,6 +196,11 @@ def test_host_supervised_count_equals_the_block_weights():
         total += int((blk.weights_JB > 0).sum())
         off += n
     assert total == hb.supervised_tokens > 0
+    # full blocks: every anchor's block inside its sample, and the host count follows the smaller draw
+    fb = host_anchors(p, 0, seed=1, num_anchors=8, block_size=6, pin=False, full_blocks=True)
+    for n, a in zip(p.lengths.tolist(), torch.split(fb.anchors_J, fb.blocks_per_sample)):
+        assert all(x + 6 <= n for x in a.tolist())
+    assert 0 < fb.supervised_tokens
 
 
 def test_training_runs_give_the_same_losses_with_both_impls(tmp_path):

@@ -57,6 +57,25 @@ def test_anchors_reach_the_end_of_the_sequence():
     assert 38 in hits and 37 in hits
 
 
+def test_full_block_anchors_keep_every_block_inside_the_sequence():
+    # response 3..39 of a 40-token sequence, B = 16: a <= S - B = 24, else as without the bound
+    mask = torch.zeros(40, dtype=torch.bool)
+    mask[3:] = True
+    a = sample_anchors(mask, num_anchors=512, generator=gen(), full_block=16)
+    assert a.tolist() == list(range(3, 25))
+    # a hole excludes its own position and the one before it, as without the bound; the count is capped alike
+    mask[10] = False
+    a = sample_anchors(mask, num_anchors=512, generator=gen(), full_block=16)
+    assert a.tolist() == [3, 4, 5, 6, 7, 8, *range(11, 25)]   # 9: a + 1 unsupervised; 10 itself
+    capped = sample_anchors(mask, num_anchors=5, generator=gen(3), full_block=16)
+    assert capped.numel() == 5 and set(capped.tolist()) <= set(a.tolist())
+    # B = 2 adds nothing to a <= S - 2; a sequence shorter than a block has no anchor
+    assert torch.equal(sample_anchors(mask, num_anchors=512, generator=gen(), full_block=2),
+                       sample_anchors(mask, num_anchors=512, generator=gen()))
+    assert sample_anchors(torch.ones(10, dtype=torch.bool), generator=gen(), full_block=16).numel() == 0
+    assert sample_anchors(torch.ones(16, dtype=torch.bool), generator=gen(), full_block=16).tolist() == [0]
+
+
 def test_anchors_none_valid_and_single_token():
     assert sample_anchors(torch.tensor([1, 0, 1, 0]), generator=gen()).numel() == 0
     assert sample_anchors(torch.tensor([1]), generator=gen()).numel() == 0

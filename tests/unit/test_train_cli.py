@@ -35,7 +35,7 @@ def test_help(runner, cmd):
     if cmd == "train":
         for opt in ("--cache", "--model", "--output", "--config", "--steps", "--epochs", "--taps", "--gpus",
                     "--resume", "--lr", "--batch-tokens", "--grad-accum", "--seed", "--num-anchors", "--layers",
-                    "--save-every", "--log-every", "--loss-normalization"):
+                    "--save-every", "--log-every", "--loss-normalization", "--anchor-positions"):
             assert opt in res.output
 
 
@@ -121,3 +121,25 @@ def test_loss_normalization_is_recorded_and_pinned_on_resume(runner, assets, tmp
     bad.write_text("loss_normalization: samples\n")
     res = runner.invoke(cli, _args(cache, target, tmp_path / "y", "--config", str(bad)))
     assert res.exit_code == 1 and "loss_normalization='samples': choose token, sequence or sample" in res.output
+
+
+def test_anchor_positions_reach_the_draw_and_are_pinned_on_resume(runner, assets, tmp_path):
+    """--anchor-positions full_blocks trains on other anchors than the default (the step-1 loss differs, same
+    init), lands in config.json and the card; a resume with the default is refused; a bad value is refused."""
+    from dflash.train.metrics import read_metrics
+
+    target, _, cache = assets
+    losses = {}
+    for rule in ("response", "full_blocks"):
+        out = tmp_path / rule
+        res = runner.invoke(cli, _args(cache, target, out, "--steps", "1", "--log-every", "1",
+                                       "--anchor-positions", rule))
+        assert res.exit_code == 0, res.output
+        assert json.loads((out / "config.json").read_text())["train"]["anchor_positions"] == rule
+        losses[rule] = read_metrics(out)[0]["loss"]
+    assert losses["response"] != losses["full_blocks"]
+    assert "anchor_positions" in (tmp_path / "full_blocks" / "drafter" / "README.md").read_text()
+    res = runner.invoke(cli, _args(cache, target, tmp_path / "full_blocks", "--steps", "2", "--resume"))
+    assert res.exit_code == 1 and "different 'anchor_positions'" in res.output
+    res = runner.invoke(cli, _args(cache, target, tmp_path / "x", "--anchor-positions", "all"))
+    assert res.exit_code == 2 and "'all' is not one of 'response', 'full_blocks'" in res.output
