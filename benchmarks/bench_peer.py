@@ -183,8 +183,13 @@ def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, dev
                                         storage="bf16", device=device, dtype=dtype, args=args)
     t_extract = time.perf_counter() - t0
     steps = data["steps"] if epochs is None else data["steps"] * epochs // recipe.epochs
-    run_dir = (result_variant_drafter(work, variant) if variant is not None else result_dflash_drafter(work, seed)
-               if epochs is None else result_long_drafter(work, epochs)).parent
+    if variant is not None:
+        drafter = result_variant_drafter(work, variant)
+    elif epochs is not None:
+        drafter = result_long_drafter(work, epochs)
+    else:
+        drafter = result_dflash_drafter(work, seed)
+    run_dir = drafter.parent
     cfg = peer_recipe.train_config(recipe if seed is None else dataclasses.replace(recipe, seed=seed),
                                    cache=str(work / "cache_train"), model=model, output=str(run_dir),
                                    steps=steps, batch_tokens=data["dflash_batch_tokens"],
