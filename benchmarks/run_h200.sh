@@ -45,9 +45,9 @@
 #         0.36-0.40 s (2026-12-04; 0.33-0.39 s later that day with compiled target layers and the drafter's 64 x 64
 #         flex tiles), ~26 min for the pair, more than a session's 30 device-minutes with the set-up; on
 #         nvidia-h200-x2 each alone on its own GPU (refpair) when that kind is lent, else one per session on one
-#         GPU (refone fp8, refone bf16). all_bf16 finished 2026-12-04 (refone bf16: two calls, ~2 min of set-up, then
-#         0.19-0.27 s a step; ~18 min of device time with the five asset calls): refone fp8 is what is left. The group
-#         on one GPU, as tried:
+#         GPU (refone fp8, refone bf16). all_bf16 finished 2026-12-04 (refone bf16: two calls, ~2 min of set-up,
+#         then 0.19-0.27 s a step; ~23 min of device time with the machine start and the asset calls): refone fp8
+#         is what is left. The group on one GPU, as tried:
 #           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm
 #             --parallel-runs 2 --resume
 #       The session's last call: REF_LIMIT=<seconds> under the device time left, so the bench is stopped (its runs'
