@@ -46,18 +46,21 @@ def _quiet(monkeypatch):
 
 
 def test_two_runs_equal_runs_alone_and_report(assets, tmp_path):
-    """Runs with different seed, lr, layers, taps and step counts, each == the same run trained alone."""
+    """Runs with different seed, lr, layers, taps, step counts and anchor bound, each == the same run trained
+    alone (c differs from a only in anchor_positions: its own draws in the shared stream)."""
     from dflash.sweep.runner import run_sweep
     from dflash.train.trainer import train
 
     root, model, cache = assets
     spec = _spec({"base": BASE, "runs": [
         {"name": "a", "seed": 0, "steps": 6},
-        {"name": "b", "seed": 1, "lr": 1e-3, "num_layers": 2, "taps": [2, 0], "steps": 4, "block_size": 3}]},
+        {"name": "b", "seed": 1, "lr": 1e-3, "num_layers": 2, "taps": [2, 0], "steps": 4, "block_size": 3},
+        {"name": "c", "seed": 0, "steps": 6, "anchor_positions": "full_blocks"}]},
         cache, model, tmp_path / "sw")
     res = run_sweep(spec, output=tmp_path / "sw", device="cpu")
     for name, kw in [("a", dict(seed=0, steps=6)),
-                     ("b", dict(seed=1, lr=1e-3, num_layers=2, taps=(2, 0), steps=4, block_size=3))]:
+                     ("b", dict(seed=1, lr=1e-3, num_layers=2, taps=(2, 0), steps=4, block_size=3)),
+                     ("c", dict(seed=0, steps=6, anchor_positions="full_blocks"))]:
         alone = train(tiny_config(cache=cache, model=model, output=str(tmp_path / f"alone_{name}"), shuffle_seed=0,
                                   **kw), device="cpu")
         assert alone.finished
@@ -71,7 +74,8 @@ def test_two_runs_equal_runs_alone_and_report(assets, tmp_path):
     csv_head = (out / "results.csv").read_text().splitlines()[0].split(",")
     assert csv_head[:1] == ["name"] and {"seed", "lr", "num_layers", "taps", "steps", "final_loss",
                                          "acc_1", "acc_3", "tau"} <= set(csv_head)
-    assert res.best in ("a", "b") and f"Best run: {res.best}" in (out / "results.md").read_text()
+    assert res.best in ("a", "b", "c") and f"Best run: {res.best}" in (out / "results.md").read_text()
+    assert _losses(out / "runs" / "a") != _losses(out / "runs" / "c")
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
