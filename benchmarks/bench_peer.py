@@ -16,8 +16,8 @@ Stages (each timed; the result JSON is rewritten after each, --resume continues 
      (--dflash-time-epochs N, GPU default 6) the same recipe over N epochs from the same cache: its longer lr
      schedule is the run whose wall time to SpecForge's final tau is taken when the same-steps run ends below it
      (2026-12-02 at 292 steps: 1.095 against SpecForge's 1.121, so no ratio; its lr has decayed to 0 by then);
-     --dflash-variants: one run each of the recipe with other TrainConfig fields (GPU default: token normalization,
-     and SpecForge's anchor bound anchor_positions=full_blocks), to attribute a tau difference to a field
+     --dflash-variants: one run each of the recipe with other TrainConfig fields (GPU default: token and sequence
+     normalization, and SpecForge's anchor bound anchor_positions=full_blocks), to attribute a tau difference
   g. SpecForge: `torchrun --standalone --nproc_per_node 1 scripts/train_dflash.py --target-model-backend hf`
      through benchmarks/peer/specforge_entry.py (import stubs, wall time, peak memory); on the GPU
      --specforge-seeds runs (default 2: its seed-to-seed spread, one run per call). Without CUDA it is first
@@ -229,6 +229,12 @@ def long_run(epochs: int) -> str:
 def result_long_drafter(work: pathlib.Path, epochs: int) -> pathlib.Path:
     """The drafter folder of the --dflash-time-epochs run."""
     return work / f"run_{long_run(epochs)}" / "drafter"
+
+
+DEFAULT_VARIANTS = ("token=loss_normalization:token;sequence=loss_normalization:sequence;"
+                    "fullblocks=anchor_positions:full_blocks")
+"""--dflash-variants on the GPU: the main run's normalization (sample) against the other two, and SpecForge's
+anchor bound (anchor_positions full_blocks), one run each, ~30 s: what part of the MT-Bench gap each explains."""
 
 
 def variant_run(name: str) -> str:
@@ -571,8 +577,8 @@ def parse_args(argv=None):
     ap.add_argument("--dflash-variants", metavar="SPEC", help="more dflash runs of the recipe from stage f's cache, "
                     "each with other TrainConfig fields: \"NAME=FIELD:VALUE[,FIELD:VALUE];...\", run and eval entry "
                     "dflash_NAME, one seed, scored with the others: what part of a tau difference a field explains "
-                    "(GPU default \"token=loss_normalization:token;fullblocks=anchor_positions:full_blocks\": the "
-                    "default normalization's effect, and SpecForge's anchor bound; \"none\": no variants)")
+                    f"(GPU default \"{DEFAULT_VARIANTS}\": the other two normalizations and SpecForge's anchor "
+                    "bound; \"none\": no variants)")
     ap.add_argument("--evals", type=int, help="held-out evaluations during dflash training")
     ap.add_argument("--zlab-prompts", type=int, help="prompts per eval set in z-lab's loop")
     ap.add_argument("--wheels", help="folder of wheels for SpecForge's extra packages (offline install)")
@@ -596,7 +602,7 @@ def parse_args(argv=None):
                eval_max_new_tokens=256, gen_batch_size=2048, max_length=2048, extract_batch_tokens=65536, layers=5,
                block_size=16, num_anchors=512, seqs_per_step=8, epochs=2, log_every=10, evals=10, zlab_prompts=10,
                dflash_seeds=3, specforge_seeds=2, dflash_time_epochs=6,
-               dflash_variants="token=loss_normalization:token;fullblocks=anchor_positions:full_blocks")
+               dflash_variants=DEFAULT_VARIANTS)
     bq.fill_unset(args, tiny if args.tiny else gpu)
     try:
         args.dflash_variants = parse_variants(args.dflash_variants)

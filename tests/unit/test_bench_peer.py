@@ -338,6 +338,7 @@ def test_dflash_variants_parse_to_train_config_fields(bench):
     from dflash.train.config import TrainConfig
 
     assert bench.parse_args([]).dflash_variants == {"token": {"loss_normalization": "token"},
+                                                   "sequence": {"loss_normalization": "sequence"},
                                                    "fullblocks": {"anchor_positions": "full_blocks"}}
     assert bench.parse_args(["--tiny"]).dflash_variants == {}
     assert bench.parse_args(["--dflash-variants", "none"]).dflash_variants == {}
