@@ -218,6 +218,9 @@ def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, dev
             "heldout": [{"wall_s": round(t, 2), "step": r["step"], "tau": r["heldout_tau"]}
                         for t, r in stamps if r.get("heldout_tau") is not None],
             "loss_curve": [(r["step"], round(r["loss"], 4)) for r in recs],
+            # the mean pre-clip gradient norm of each log window: above the clip (1.0) every step's update is
+            # rescaled to one size, whatever its number of samples (a step-composition effect `sample` cannot undo)
+            "grad_norm_curve": [(r["step"], round(r["grad_norm"], 4)) for r in recs if r.get("grad_norm") is not None],
             "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
 
 
