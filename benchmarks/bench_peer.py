@@ -17,7 +17,8 @@ Stages (each timed; the result JSON is rewritten after each, --resume continues 
      schedule is the run whose wall time to SpecForge's final tau is taken when the same-steps run ends below it
      (2026-12-02 at 292 steps: 1.095 against SpecForge's 1.121, so no ratio; its lr has decayed to 0 by then);
      --dflash-variants: one run each of the recipe with other TrainConfig fields (GPU default: token and sequence
-     normalization, and SpecForge's anchor bound anchor_positions=full_blocks), to attribute a tau difference
+     normalization, SpecForge's anchor bound anchor_positions=full_blocks and its steps of 8 sequences,
+     step_samples=8), to attribute a tau difference
   g. SpecForge: `torchrun --standalone --nproc_per_node 1 scripts/train_dflash.py --target-model-backend hf`
      through benchmarks/peer/specforge_entry.py (import stubs, wall time, peak memory); on the GPU
      --specforge-seeds runs (default 2: its seed-to-seed spread, one run per call). Without CUDA it is first
@@ -235,9 +236,12 @@ def result_long_drafter(work: pathlib.Path, epochs: int) -> pathlib.Path:
 
 
 DEFAULT_VARIANTS = ("token=loss_normalization:token;sequence=loss_normalization:sequence;"
-                    "fullblocks=anchor_positions:full_blocks")
-"""--dflash-variants on the GPU: the main run's normalization (sample) against the other two, and SpecForge's
-anchor bound (anchor_positions full_blocks), one run each, ~30 s: what part of the MT-Bench gap each explains."""
+                    "fullblocks=anchor_positions:full_blocks;steps8=step_samples:8,batch_tokens:16384")
+"""--dflash-variants on the GPU: the main run's normalization (sample) against the other two, SpecForge's anchor
+bound (anchor_positions full_blocks) and its step composition (8 sequences a step, one micro-batch of up to 8 x
+2,048 tokens: the same 146 steps an epoch), one run each, ~30 s: what part of the MT-Bench gap each explains. The
+clip is active on every step of the SmolLM2 reference run (mean pre-clip norm 1.3-111), so each step's update has
+one size and token-budget steps weigh a sample by 1 / its step's sample count, whatever the normalization."""
 
 
 def variant_run(name: str) -> str:
@@ -580,8 +584,8 @@ def parse_args(argv=None):
     ap.add_argument("--dflash-variants", metavar="SPEC", help="more dflash runs of the recipe from stage f's cache, "
                     "each with other TrainConfig fields: \"NAME=FIELD:VALUE[,FIELD:VALUE];...\", run and eval entry "
                     "dflash_NAME, one seed, scored with the others: what part of a tau difference a field explains "
-                    f"(GPU default \"{DEFAULT_VARIANTS}\": the other two normalizations and SpecForge's anchor "
-                    "bound; \"none\": no variants)")
+                    f"(GPU default \"{DEFAULT_VARIANTS}\": the other two normalizations, SpecForge's anchor "
+                    "bound and its 8-sequence steps; \"none\": no variants)")
     ap.add_argument("--evals", type=int, help="held-out evaluations during dflash training")
     ap.add_argument("--zlab-prompts", type=int, help="prompts per eval set in z-lab's loop")
     ap.add_argument("--wheels", help="folder of wheels for SpecForge's extra packages (offline install)")

@@ -20,7 +20,7 @@ FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr
          "log_every": "--log-every", "online": "--online", "online_storage": "--online-storage",
          "eval_cache": "--eval-cache",
          "eval_every": "--eval-every", "eval_limit": "--eval-limit", "loss_normalization": "--loss-normalization",
-         "anchor_positions": "--anchor-positions"}
+         "anchor_positions": "--anchor-positions", "step_samples": "--step-samples"}
 """TrainConfig fields offered as flags (the rest: --config YAML), and their flag names."""
 CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS}
 """String fields whose flag takes one of a fixed set of values."""

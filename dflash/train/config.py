@@ -87,6 +87,13 @@ class TrainConfig:
     """Token budget of one micro-batch per rank (context tokens of the packed samples)."""
     grad_accum: int = 1
     """Micro-batches per rank per optimizer step; a step covers world_size x grad_accum micro-batches."""
+    step_samples: int | None = None
+    """Samples per optimizer step (all ranks): each step takes the next step_samples of the epoch's shuffled
+    samples, packed into its world_size x grad_accum micro-batches of batch_tokens (a step that needs more is a
+    ConfigError: raise grad_accum or batch_tokens), as trainers that batch by sequence count do (SpecForge).
+    None = token-budget steps: as many samples as world_size x grad_accum full micro-batches hold. With the
+    gradient clip active (every step of the SmolLM2 reference run), a sample weighs 1 / its step's sample count,
+    so fixed-count steps weigh all samples alike and token-budget steps weigh long ones up."""
     num_anchors: int = 512
     """Anchors (blocks) sampled per sequence, resampled every epoch (paper: 512)."""
     anchor_positions: str = "response"
@@ -175,6 +182,9 @@ class TrainConfig:
         _positive(self, "num_layers", "block_size", "epochs", "batch_tokens", "grad_accum", "num_anchors",
                   "num_readers", "prefetch", "log_every", "save_every", "keep_checkpoints", "loss_chunk_blocks",
                   "eval_every")
+        if self.step_samples is not None and (not isinstance(self.step_samples, int) or self.step_samples < 1):
+            raise ConfigError(f"step_samples={self.step_samples!r}: must be a positive integer (or unset for "
+                              "token-budget steps)")
         if self.eval_limit is not None and self.eval_limit < 1:
             raise ConfigError(f"eval_limit={self.eval_limit}: must be >= 1 (or unset for the whole eval cache)")
         if self.block_size < 2:

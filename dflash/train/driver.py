@@ -28,7 +28,7 @@ from dflash.errors import ConfigError
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import TrainConfig, check_resume_compatible
 from dflash.train.distributed import DistInfo
-from dflash.train.loader import EpochPlan, HostFn, LoaderStats, MicroBatch, StreamingLoader, plan_costs, plan_epoch
+from dflash.train.loader import EpochPlan, HostFn, LoaderStats, MicroBatch, StreamingLoader, config_plan, plan_costs
 from dflash.train.setup import TargetSetup, setup_drafter
 from dflash.train.step import stream_anchors
 from dflash.train.unit import DrafterUnit, UnitSpec
@@ -181,8 +181,7 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
     steps, stop = 0, False
     pin = info.device.type == "cuda"
     while pos is not None and not stop and any(not u.finished for u in units):
-        plan = plan_epoch(lengths, seed=cfg.data_seed, epoch=pos.epoch, batch_tokens=cfg.batch_tokens,
-                          world_size=info.world_size, grad_accum=cfg.grad_accum, costs=costs)
+        plan = config_plan(cfg, lengths, epoch=pos.epoch, world_size=info.world_size, costs=costs)
         if pos.step_in_epoch >= plan.num_steps:
             pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
             continue

@@ -21,6 +21,9 @@ On the ShareGPT length asset at 4K-token micro-batches this raises the compute-b
 efficiency from 0.69 to 0.95 (benchmarks/bench_step_balance.py). Steps then group micro-batches of similar
 cost (like length-grouped sampling), still every sample once per epoch and in a seeded random step order.
 The costs must not depend on drafter settings (sample_costs): the runs of a sweep share one plan.
+
+Fixed-count steps (TrainConfig.step_samples = K): step s is samples K*s .. K*s+K-1 of the permutation, packed
+into its own micro-batches (fixed_count_steps); no cost balancing.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from dflash.errors import ConfigError
 from dflash.train.objective import expected_blocks
 
 if TYPE_CHECKING:
@@ -157,13 +161,18 @@ class EpochPlan:
 
 
 def plan_epoch(lengths: np.ndarray, *, seed: int, epoch: int, batch_tokens: int, world_size: int,
-               grad_accum: int, costs: np.ndarray | None = None) -> EpochPlan:
+               grad_accum: int, costs: np.ndarray | None = None, step_samples: int | None = None) -> EpochPlan:
     """Shuffle, pack and partition one epoch (see the module docstring). `lengths`: int64 [N] tokens per sample;
-    `costs`: float [N] (sample_costs) to balance steps of several micro-batches; None keeps the packing order."""
+    `costs`: float [N] (sample_costs) to balance steps of several micro-batches; None keeps the packing order.
+    step_samples: steps of that many samples instead (fixed_count_steps; costs unused)."""
     assert world_size >= 1 and grad_accum >= 1
     order = epoch_permutation(len(lengths), seed=seed, epoch=epoch)
-    micro = pack_micro_batches(order, lengths, batch_tokens=batch_tokens)
     per_step = world_size * grad_accum
+    if step_samples is not None:
+        steps = fixed_count_steps(order, lengths, step_samples=step_samples, batch_tokens=batch_tokens,
+                                  per_step=per_step)
+        return EpochPlan(epoch=epoch, world_size=world_size, grad_accum=grad_accum, steps=steps)
+    micro = pack_micro_batches(order, lengths, batch_tokens=batch_tokens)
     if costs is not None and per_step > 1 and micro:
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 0xBA1A])))
         micro_costs = np.array([costs[mb].sum() for mb in micro], dtype=np.float64)
@@ -173,6 +182,33 @@ def plan_epoch(lengths: np.ndarray, *, seed: int, epoch: int, batch_tokens: int,
     micro += [EMPTY] * (num_steps * per_step - len(micro))
     steps = tuple(tuple(micro[s * per_step:(s + 1) * per_step]) for s in range(num_steps))
     return EpochPlan(epoch=epoch, world_size=world_size, grad_accum=grad_accum, steps=steps)
+
+
+def fixed_count_steps(order: np.ndarray, lengths: np.ndarray, *, step_samples: int, batch_tokens: int,
+                      per_step: int) -> tuple[tuple[np.ndarray, ...], ...]:
+    """Optimizer steps of `step_samples` consecutive samples of `order` each (the last one the rest), each packed
+    into micro-batches of at most batch_tokens and padded with empty ones to `per_step` (world_size x grad_accum),
+    as trainers that batch by sequence count step (SpecForge: --batch-size 1 x --accumulation-steps). Why: the
+    gradient clip rescales every step whose gradient norm exceeds it (all of the SmolLM2 reference run's steps),
+    so under token-budget steps a sample's weight is 1 / its step's sample count, larger for long samples
+    (fewer fit a budget); here every sample's is 1 / step_samples. ConfigError when a step needs more than
+    `per_step` micro-batches."""
+    steps = []
+    for start in range(0, len(order), step_samples):
+        micro = pack_micro_batches(order[start:start + step_samples], lengths, batch_tokens=batch_tokens)
+        if len(micro) > per_step:
+            raise ConfigError(f"step_samples={step_samples}: a step's samples need {len(micro)} micro-batches of "
+                              f"batch_tokens {batch_tokens}, more than world_size x grad_accum = {per_step}; raise "
+                              "grad_accum or batch_tokens")
+        steps.append(tuple(micro) + (EMPTY,) * (per_step - len(micro)))
+    return tuple(steps)
+
+
+def config_plan(cfg, lengths: np.ndarray, *, epoch: int, world_size: int,
+                costs: np.ndarray | None = None) -> EpochPlan:
+    """plan_epoch with a TrainConfig's data settings (data_seed, batch_tokens, grad_accum, step_samples)."""
+    return plan_epoch(lengths, seed=cfg.data_seed, epoch=epoch, batch_tokens=cfg.batch_tokens,
+                      world_size=world_size, grad_accum=cfg.grad_accum, costs=costs, step_samples=cfg.step_samples)
 
 
 def anchor_seed(*, seed: int, epoch: int, sample_id: int) -> int:

@@ -22,7 +22,7 @@ from dflash.train.build import (build_drafter_config, check_target_matches, reso
                                 select_taps)
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo
-from dflash.train.loader import plan_epoch
+from dflash.train.loader import config_plan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -95,18 +95,22 @@ def compute_dtype_of(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtyp
 
 
 def count_total_steps(cfg: TrainConfig, lengths, world_size: int) -> int:
-    """cfg.steps, or the sum of the epochs' step counts (packing can differ by a bin between epochs)."""
+    """cfg.steps, or the sum of the epochs' step counts (packing can differ by a bin between epochs). With
+    step_samples, every epoch the run reaches is planned here, so a step whose samples overflow its micro-batches
+    is a ConfigError before training rather than at that epoch's start."""
     if cfg.steps is not None:
+        if cfg.step_samples is not None:
+            per_epoch = -(-len(lengths) // cfg.step_samples)
+            for e in range(-(-cfg.steps // per_epoch)):
+                config_plan(cfg, lengths, epoch=e, world_size=world_size)
         return cfg.steps
-    return sum(plan_epoch(lengths, seed=cfg.data_seed, epoch=e, batch_tokens=cfg.batch_tokens, world_size=world_size,
-                          grad_accum=cfg.grad_accum).num_steps for e in range(cfg.epochs))
+    return sum(config_plan(cfg, lengths, epoch=e, world_size=world_size).num_steps for e in range(cfg.epochs))
 
 
 def samples_per_step(cfg: TrainConfig, lengths, world_size: int) -> float:
     """The mean number of samples in an optimizer step (all ranks and micro-batches) of the first epoch's plan:
     loss_normalization=sample's constant denominator (the epochs' plans differ by a bin at most)."""
-    plan = plan_epoch(lengths, seed=cfg.data_seed, epoch=0, batch_tokens=cfg.batch_tokens, world_size=world_size,
-                      grad_accum=cfg.grad_accum)
+    plan = config_plan(cfg, lengths, epoch=0, world_size=world_size)
     return len(lengths) / max(1, plan.num_steps)
 
 
@@ -218,8 +222,7 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
     reasons.append(describe_drafter(dc, drafter))
     total = count_total_steps(cfg, reader.index.length, info.world_size)
     if info.device.type == "cpu" and info.is_main and cfg.num_anchors * dc.block_size >= GPU_SIZED_BLOCK_TOKENS:
-        per_epoch = plan_epoch(reader.index.length, seed=cfg.data_seed, epoch=0, batch_tokens=cfg.batch_tokens,
-                               world_size=info.world_size, grad_accum=cfg.grad_accum).num_steps
+        per_epoch = config_plan(cfg, reader.index.length, epoch=0, world_size=info.world_size).num_steps
         warning = cpu_time_warning(cfg=cfg, dc=dc, lengths=reader.index.length,
                                    loss_tokens=reader.index.num_loss_tokens, total_steps=total,
                                    steps_per_epoch=per_epoch, flops_per_s=cpu_matmul_flops())

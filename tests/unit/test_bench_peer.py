@@ -339,7 +339,8 @@ def test_dflash_variants_parse_to_train_config_fields(bench):
 
     assert bench.parse_args([]).dflash_variants == {"token": {"loss_normalization": "token"},
                                                    "sequence": {"loss_normalization": "sequence"},
-                                                   "fullblocks": {"anchor_positions": "full_blocks"}}
+                                                   "fullblocks": {"anchor_positions": "full_blocks"},
+                                                   "steps8": {"step_samples": 8, "batch_tokens": 16384}}
     assert bench.parse_args(["--tiny"]).dflash_variants == {}
     assert bench.parse_args(["--dflash-variants", "none"]).dflash_variants == {}
     got = bench.parse_variants("a=lr:0.001,anchor_positions:full_blocks; b_2=grad_clip:0")

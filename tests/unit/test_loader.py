@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dflash.errors import ConfigError
 from dflash.train.loader import (anchor_seed, balance_steps, epoch_permutation, pack_micro_batches, plan_epoch,
                                  sample_costs)
 
@@ -157,3 +158,29 @@ def test_balanced_plan_is_deterministic_and_shuffled_per_epoch():
     # steps are not in cost order: the window's steps are shuffled
     step_cost = [costs[np.concatenate(s)].sum() for s in a.steps[:16]]
     assert step_cost != sorted(step_cost) and step_cost != sorted(step_cost, reverse=True)
+
+
+@pytest.mark.parametrize("world_size,grad_accum", [(1, 3), (2, 2)])
+def test_fixed_count_steps_take_consecutive_samples_of_the_permutation(world_size, grad_accum):
+    """step_samples: step s holds samples order[s*K:(s+1)*K] (the last the rest), packed within the budget,
+    padded with empty micro-batches to world_size x grad_accum; every sample once; costs do not reorder it."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(10, 200, size=53)
+    order = epoch_permutation(53, seed=4, epoch=1)
+    plan = plan_epoch(lengths, seed=4, epoch=1, batch_tokens=400, world_size=world_size, grad_accum=grad_accum,
+                      step_samples=8, costs=rng.random(53))
+    assert plan.num_steps == 7
+    for s, step in enumerate(plan.steps):
+        assert len(step) == world_size * grad_accum
+        assert sorted(np.concatenate(step).tolist()) == sorted(order[8 * s:8 * s + 8].tolist())
+        assert all(lengths[mb].sum() <= 400 for mb in step)
+    assert sum(len(mb) for step in plan.steps for mb in step) == 53
+
+
+def test_fixed_count_steps_that_need_more_micro_batches_are_a_config_error():
+    lengths = np.full(16, 300)
+    with pytest.raises(ConfigError, match="step_samples=8: a step's samples need 8 micro-batches of batch_tokens "
+                                          "400, more than world_size x grad_accum = 2; raise grad_accum"):
+        plan_epoch(lengths, seed=0, epoch=0, batch_tokens=400, world_size=1, grad_accum=2, step_samples=8)
+    assert plan_epoch(lengths, seed=0, epoch=0, batch_tokens=2400, world_size=1, grad_accum=1,
+                      step_samples=8).num_steps == 2

@@ -1,5 +1,6 @@
 """Run resolution: taps, mask token, drafter shape, the target hash mirror, schedule and FLOP math."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -114,6 +115,33 @@ def test_samples_per_step_is_the_first_epochs_mean():
                            grad_accum=2).num_steps
         assert samples_per_step(cfg, lengths, world) == pytest.approx(10 / steps)
     assert samples_per_step(cfg, lengths, 2) > samples_per_step(cfg, lengths, 1)
+    fixed = TrainConfig(cache="c", model="m", output="o", batch_tokens=1000, grad_accum=3, step_samples=4)
+    assert samples_per_step(fixed, lengths, 1) == pytest.approx(10 / 3)   # steps of 4, 4, 2
+
+
+def test_fixed_count_steps_train_every_sample_once_per_epoch(tmp_path):
+    """step_samples=5 on the 24-sample tiny cache: 5 steps an epoch (the last of 4 samples), whatever the
+    token budget, and a budget too small for a step's samples is a one-line ConfigError before training."""
+    from dflash.errors import ConfigError
+    from dflash.train.metrics import read_metrics
+    from dflash.train.trainer import train
+    from train_helpers import tiny_cache, tiny_config, tiny_target
+
+    target = tiny_target(tmp_path / "target")
+    cache = tiny_cache(tmp_path / "cache", target)
+    cfg = tiny_config(cache=str(cache), model=str(target), output=str(tmp_path / "fixed"), epochs=2,
+                      step_samples=5, grad_accum=3, save_every=100, log_every=1)
+    res = train(cfg, device="cpu")
+    assert res.finished and res.global_step == 10
+    assert [r["epoch"] for r in read_metrics(cfg.output)] == [0] * 5 + [1] * 5
+    small = tiny_config(cache=str(cache), model=str(target), output=str(tmp_path / "small"), step_samples=5,
+                        batch_tokens=100)
+    with pytest.raises(ConfigError, match="step_samples=5: a step's samples need"):
+        train(small, device="cpu")
+    assert not (tmp_path / "small" / "checkpoints").exists()
+    # with --steps too: every epoch the steps reach is checked up front (here 3 epochs of 5 steps)
+    with pytest.raises(ConfigError, match="step_samples=5: a step's samples need"):
+        train(dataclasses.replace(small, steps=12), device="cpu")
 
 
 def test_sequence_normalization_reaches_the_loss_and_nothing_else(tmp_path):

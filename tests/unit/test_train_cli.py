@@ -35,7 +35,7 @@ def test_help(runner, cmd):
     if cmd == "train":
         for opt in ("--cache", "--model", "--output", "--config", "--steps", "--epochs", "--taps", "--gpus",
                     "--resume", "--lr", "--batch-tokens", "--grad-accum", "--seed", "--num-anchors", "--layers",
-                    "--save-every", "--log-every", "--loss-normalization", "--anchor-positions"):
+                    "--save-every", "--log-every", "--loss-normalization", "--anchor-positions", "--step-samples"):
             assert opt in res.output
 
 
