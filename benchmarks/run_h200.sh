@@ -75,9 +75,9 @@
 #       `shared`; only the checkout's own shared/ travels, not ../shared). After the three GGUF parts are stashed
 #       (a call carrying .whl, then parts a-d one per call), four calls on one warm machine (2026-12-02: a-f ~6 min with
 #       3 dflash seeds, ~4.5 now that the eval responses are committed, ~6.5 expected with the 6-epoch dflash run
-#       of --dflash-time-epochs (876 steps at ~0.1 s: the time ratio's run), ~8 with the three --dflash-variants
-#       runs (token, sequence normalization; SpecForge's anchor bound, full_blocks: ~30 s each; a call cut at its
-#       limit: --resume --stop-after dflash again); a SpecForge
+#       of --dflash-time-epochs (876 steps at ~0.1 s: the time ratio's run), ~8.5 with the four --dflash-variants
+#       runs (token, sequence normalization; SpecForge's anchor bound, full_blocks; its 8-sequence steps,
+#       step_samples: ~30 s each; a call cut at its limit: --resume --stop-after dflash again); a SpecForge
 #       run of 2 epochs of --train-prompts 1200 took 301 s, so one per call (--specforge-seeds 2 by default); h-i ~5.5 min):
 #         peer --stop-after dflash (carrying part-e and shared);  peer --resume --stop-after specforge (twice);
 #         peer --resume

@@ -64,7 +64,9 @@ class TrainConfig:
     decay-weighted mean, summed over the step and divided by the run's mean samples per step (a constant), so
     every sample weighs the same whichever step it lands in: SpecForge's objective over an epoch, whose steps
     hold a fixed number of sequences. (A token-budget step that holds a long sample has room for fewer others,
-    so under `sequence`, where a sample weighs 1 / its step's sample count, a long sample weighs more.)"""
+    so under `sequence`, where a sample weighs 1 / its step's sample count, a long sample weighs more.) Where the
+    gradient clip is active (every step of the SmolLM2 reference run) a step's scale is clipped away, so sample and
+    sequence give the same updates; step_samples is what evens the samples' weights then."""
 
     # --- optimisation ---
     lr: float = 6e-4
