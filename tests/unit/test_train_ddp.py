@@ -21,12 +21,15 @@ def assets(tmp_path_factory):
     return target, tiny_cache(d / "cache", target, num_samples=30)
 
 
-def test_two_processes_match_one_process(assets, tmp_path, monkeypatch):
+@pytest.mark.parametrize("accum_one,accum_two,step_samples", [(2, 1, None), (4, 2, 4)])
+def test_two_processes_match_one_process(assets, tmp_path, monkeypatch, accum_one, accum_two, step_samples):
+    """Token-budget steps, and steps of 4 samples (step_samples: the same micro-batches dealt to 2 ranks)."""
     monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
     target, cache = assets
-    common = dict(cache=str(cache), model=str(target), steps=5, batch_tokens=150, save_every=100)
-    one = tiny_config(output=str(tmp_path / "one"), grad_accum=2, **common)
-    two = tiny_config(output=str(tmp_path / "two"), grad_accum=1, **common)
+    common = dict(cache=str(cache), model=str(target), steps=5, batch_tokens=150, save_every=100,
+                  step_samples=step_samples)
+    one = tiny_config(output=str(tmp_path / "one"), grad_accum=accum_one, **common)
+    two = tiny_config(output=str(tmp_path / "two"), grad_accum=accum_two, **common)
     r1 = launch(one, resume=False, device="cpu", gpus=1)
     assert r1 is not None and r1.finished
     assert launch(two, resume=False, device="cpu", gpus=2) is None  # ran in 2 spawned processes
