@@ -201,3 +201,23 @@ def test_benchmark_drives_the_same_loop_with_patched_io(assets, tmp_path):
         target.reader.close()
     assert unit.finished
     assert _steps_and_losses(tmp_path / "resident") == _steps_and_losses(tmp_path / "train")
+
+
+def test_fixed_count_steps_resume_exactly_across_an_epoch(assets, tmp_path):
+    """step_samples: a run cut mid-epoch and resumed takes the same steps as an uninterrupted one (its plan is a
+    pure function of seed and epoch), into the next epoch; step_samples cannot change on resume."""
+    from dflash.train.config import check_resume_compatible
+
+    model, cache = assets
+    kw = dict(cache=cache, model=model, steps=8, save_every=2, step_samples=5, grad_accum=3)
+    train(tiny_config(output=str(tmp_path / "ref"), **kw), device="cpu")
+    ref = _steps_and_losses(tmp_path / "ref")[1]
+    assert len(ref) == 8
+    run = tmp_path / "run"
+    # 12 samples: 3 steps an epoch (5, 5, 2 samples); cut at step 4 (save_every 2: resumes from step 4, in epoch 1)
+    train(tiny_config(output=str(run), stop_after_steps=4, **kw), device="cpu")
+    train(tiny_config(output=str(run), **kw), resume=True, device="cpu")
+    assert _steps_and_losses(run)[1] == ref
+    cfg = tiny_config(output=str(run), **kw)
+    with pytest.raises(ConfigError, match="different 'step_samples'"):
+        check_resume_compatible(cfg.to_json(), dataclasses.replace(cfg, step_samples=4))
