@@ -504,6 +504,25 @@ def summarise(result: dict) -> None:
     if z:
         checks["both_load_in_zlab_cleanly"] = all(z[w]["loads_cleanly"] for w in z)
     result["checks"] = checks
+    result["variant_effects"] = variant_effects(result)
+
+
+def variant_effects(result: dict) -> dict:
+    """Per --dflash-variants run and eval set: its tau relative to the main dflash run and to SpecForge's
+    ((variant - other) / other), the attribution of the gap each field explains (one seed each: read against
+    dflash_seed_spread)."""
+    ev = result.get("eval", {})
+    out: dict = {}
+    for name in result.get("dflash_variants", {}):
+        mine = ev.get(variant_run(name), {})
+        for ds in ("mtbench", "humaneval"):
+            if ds not in mine:
+                continue
+            row = out.setdefault(name, {}).setdefault(ds, {"tau": mine[ds]["tau"]})
+            for other in ("dflash", "specforge"):
+                if ds in ev.get(other, {}):
+                    row[f"vs_{other}"] = (mine[ds]["tau"] - ev[other][ds]["tau"]) / ev[other][ds]["tau"]
+    return out
 
 
 def zlab_vs_eval(ev: dict, z: dict) -> dict:

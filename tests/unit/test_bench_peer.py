@@ -356,6 +356,18 @@ def test_dflash_variants_parse_to_train_config_fields(bench):
         "dflash", "dflash_seed1"]
 
 
+def test_variant_effects_relative_to_the_main_run_and_specforge(bench):
+    r = {"eval": {"dflash": {"mtbench": {"tau": 1.10}, "humaneval": {"tau": 1.15}},
+                  "specforge": {"mtbench": {"tau": 1.12}, "humaneval": {"tau": 1.15}},
+                  "dflash_steps8": {"mtbench": {"tau": 1.121}}},
+         "dflash_variants": {"steps8": {"overrides": {"step_samples": 8}}, "fullblocks": {}}}
+    bench.summarise(r)
+    eff = r["variant_effects"]
+    assert set(eff) == {"steps8"} and set(eff["steps8"]) == {"mtbench"}   # fullblocks not scored yet
+    assert eff["steps8"]["mtbench"]["vs_dflash"] == pytest.approx(0.021 / 1.10)
+    assert eff["steps8"]["mtbench"]["vs_specforge"] == pytest.approx(0.001 / 1.12)
+
+
 def test_zlab_loop_tau_next_to_the_eval_on_the_same_prompts(bench):
     """The loop ran the first 2 prompts: the eval's tau over sample ids 0 and 1 (in whatever order the cache holds
     them) is what it compares with; a set without them (a 1-token response, a result from before per-sequence taus
