@@ -240,8 +240,9 @@ DEFAULT_VARIANTS = ("token=loss_normalization:token;sequence=loss_normalization:
 """--dflash-variants on the GPU: the main run's normalization (sample) against the other two, SpecForge's anchor
 bound (anchor_positions full_blocks) and its step composition (8 sequences a step, one micro-batch of up to 8 x
 2,048 tokens: the same 146 steps an epoch), one run each, ~30 s: what part of the MT-Bench gap each explains. The
-clip is active on every step of the SmolLM2 reference run (mean pre-clip norm 1.3-111), so each step's update has
-one size and token-budget steps weigh a sample by 1 / its step's sample count, whatever the normalization."""
+clip is active in every log window of the SmolLM2 reference run (mean pre-clip norm 1.3-111), so each step's
+update has one size and token-budget steps weigh a sample by 1 / its step's sample count, whatever the
+normalization."""
 
 
 def variant_run(name: str) -> str:

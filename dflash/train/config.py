@@ -65,8 +65,8 @@ class TrainConfig:
     every sample weighs the same whichever step it lands in: SpecForge's objective over an epoch, whose steps
     hold a fixed number of sequences. (A token-budget step that holds a long sample has room for fewer others,
     so under `sequence`, where a sample weighs 1 / its step's sample count, a long sample weighs more.) Where the
-    gradient clip is active (every step of the SmolLM2 reference run) a step's scale is clipped away, so sample and
-    sequence give the same updates; step_samples is what evens the samples' weights then."""
+    gradient clip is active (in every log window of the SmolLM2 reference run) a step's scale is clipped away,
+    so sample and sequence give the same updates; step_samples is what evens the samples' weights then."""
 
     # --- optimisation ---
     lr: float = 6e-4
@@ -94,8 +94,8 @@ class TrainConfig:
     samples, packed into its world_size x grad_accum micro-batches of batch_tokens (a step that needs more is a
     ConfigError: raise grad_accum or batch_tokens), as trainers that batch by sequence count do (SpecForge).
     None = token-budget steps: as many samples as world_size x grad_accum full micro-batches hold. With the
-    gradient clip active (every step of the SmolLM2 reference run), a sample weighs 1 / its step's sample count,
-    so fixed-count steps weigh all samples alike and token-budget steps weigh long ones up."""
+    gradient clip active (in every log window of the SmolLM2 reference run), a sample weighs 1 / its step's
+    sample count, so fixed-count steps weigh all samples alike and token-budget steps weigh long ones up."""
     num_anchors: int = 512
     """Anchors (blocks) sampled per sequence, resampled every epoch (paper: 512)."""
     anchor_positions: str = "response"

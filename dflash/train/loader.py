@@ -189,10 +189,10 @@ def fixed_count_steps(order: np.ndarray, lengths: np.ndarray, *, step_samples: i
     """Optimizer steps of `step_samples` consecutive samples of `order` each (the last one the rest), each packed
     into micro-batches of at most batch_tokens and padded with empty ones to `per_step` (world_size x grad_accum),
     as trainers that batch by sequence count step (SpecForge: --batch-size 1 x --accumulation-steps). Why: the
-    gradient clip rescales every step whose gradient norm exceeds it (all of the SmolLM2 reference run's steps),
-    so under token-budget steps a sample's weight is 1 / its step's sample count, larger for long samples
-    (fewer fit a budget); here every sample's is 1 / step_samples. ConfigError when a step needs more than
-    `per_step` micro-batches."""
+    gradient clip rescales every step whose gradient norm exceeds it (the mean of every log window of the SmolLM2
+    reference run does), so under token-budget steps a sample's weight is 1 / its step's sample count, larger for
+    long samples (fewer fit a budget); here every sample's is 1 / step_samples. ConfigError when a step needs more
+    than `per_step` micro-batches."""
     steps = []
     for start in range(0, len(order), step_samples):
         micro = pack_micro_batches(order[start:start + step_samples], lengths, batch_tokens=batch_tokens)
