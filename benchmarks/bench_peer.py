@@ -259,11 +259,9 @@ def parse_variants(text: str | None) -> dict[str, dict]:
     """--dflash-variants "NAME=FIELD:VALUE[,FIELD:VALUE];NAME=..." -> {NAME: {FIELD: VALUE}}: TrainConfig fields
     (checked by TrainConfig itself when the run is built; an unknown one is named here), a VALUE read as JSON
     when it parses (numbers, true/false), else as a string. "" or "none": no variants."""
-    import dataclasses as dc
-
     from dflash.train.config import TrainConfig
 
-    fields = {f.name for f in dc.fields(TrainConfig)}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     out: dict[str, dict] = {}
     for part in filter(None, (x.strip() for x in (text or "").split(";"))):
         if part == "none":
@@ -776,9 +774,10 @@ def format_table(result: dict) -> str:
         longer = [long_run(long["epochs"])]
         walls[longer[0]] = (d.get("extract_wall_s") or 0.0) + long["wall_s"]   # it trains from stage f's cache
         tps[longer[0]] = long.get("tokens_per_s")
-    variants = [variant_run(n) for n in result.get("dflash_variants", {})]
-    for who in variants:
-        walls[who] = result["dflash_variants"][who.removeprefix("dflash_")].get("wall_s")
+    variants = []
+    for name, run in result.get("dflash_variants", {}).items():
+        variants.append(variant_run(name))
+        walls[variants[-1]] = run.get("wall_s")
     for who in ("dflash", *seeds["dflash"], *longer, *variants, "specforge", *seeds["specforge"], "untrained"):
         ev = result.get("eval", {}).get(who, {})
         lines.append(f"{who:<18} {f(ev.get('mtbench', {}).get('tau')):>12} {f(ev.get('humaneval', {}).get('tau')):>13} "

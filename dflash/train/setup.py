@@ -7,10 +7,11 @@ setup_drafter (one run's drafter); the driver (train.driver.build_unit) composes
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from dflash.train.build import (build_drafter_config, check_target_matches, reso
                                 select_taps)
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo
-from dflash.train.loader import config_plan
+from dflash.train.loader import EpochPlan, config_plan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -94,24 +95,24 @@ def compute_dtype_of(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtyp
     return torch.float32, f"compute dtype float32 ({device.type}: bf16 matmuls are slow and inexact on CPU)"
 
 
-def count_total_steps(cfg: TrainConfig, lengths, world_size: int) -> int:
-    """cfg.steps, or the sum of the epochs' step counts (packing can differ by a bin between epochs). With
-    step_samples, every epoch the run reaches is planned here, so a step whose samples overflow its micro-batches
-    is a ConfigError before training rather than at that epoch's start."""
-    if cfg.steps is not None:
-        if cfg.step_samples is not None:
-            per_epoch = -(-len(lengths) // cfg.step_samples)
-            for e in range(-(-cfg.steps // per_epoch)):
-                config_plan(cfg, lengths, epoch=e, world_size=world_size)
-        return cfg.steps
-    return sum(config_plan(cfg, lengths, epoch=e, world_size=world_size).num_steps for e in range(cfg.epochs))
+def count_total_steps(cfg: TrainConfig, plan_of: Callable[[int], EpochPlan]) -> int:
+    """cfg.steps, or the sum of the epochs' step counts (packing can differ by a bin between epochs); plan_of(e):
+    epoch e's plan. With step_samples, every epoch the run reaches is planned here, so a step whose samples
+    overflow its micro-batches is a ConfigError before training rather than at that epoch's start."""
+    if cfg.steps is None:
+        return sum(plan_of(e).num_steps for e in range(cfg.epochs))
+    if cfg.step_samples is not None:
+        planned, epoch = 0, 0
+        while planned < cfg.steps:
+            planned += plan_of(epoch).num_steps
+            epoch += 1
+    return cfg.steps
 
 
-def samples_per_step(cfg: TrainConfig, lengths, world_size: int) -> float:
+def samples_per_step(first_plan: EpochPlan, num_samples: int) -> float:
     """The mean number of samples in an optimizer step (all ranks and micro-batches) of the first epoch's plan:
     loss_normalization=sample's constant denominator (the epochs' plans differ by a bin at most)."""
-    plan = config_plan(cfg, lengths, epoch=0, world_size=world_size)
-    return len(lengths) / max(1, plan.num_steps)
+    return num_samples / max(1, first_plan.num_steps)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,9 +221,11 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
         reasons.append(f"norms, RoPE, SiLU-gating and the fused CE's elementwise work: torch.compile'd "
                        f"(compile_elementwise={cfg.compile_elementwise})")
     reasons.append(describe_drafter(dc, drafter))
-    total = count_total_steps(cfg, reader.index.length, info.world_size)
+    # each epoch planned once for the step count, the CPU estimate and the sample denominator
+    plan_of = functools.cache(lambda e: config_plan(cfg, reader.index.length, epoch=e, world_size=info.world_size))
+    total = count_total_steps(cfg, plan_of)
     if info.device.type == "cpu" and info.is_main and cfg.num_anchors * dc.block_size >= GPU_SIZED_BLOCK_TOKENS:
-        per_epoch = config_plan(cfg, reader.index.length, epoch=0, world_size=info.world_size).num_steps
+        per_epoch = plan_of(0).num_steps
         warning = cpu_time_warning(cfg=cfg, dc=dc, lengths=reader.index.length,
                                    loss_tokens=reader.index.num_loss_tokens, total_steps=total,
                                    steps_per_epoch=per_epoch, flops_per_s=cpu_matmul_flops())
@@ -232,7 +235,7 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
                    f"{len(reader)} samples, world size {info.world_size}, grad_accum {cfg.grad_accum}")
     denominator = None
     if cfg.loss_normalization == "sample":
-        denominator = samples_per_step(cfg, reader.index.length, info.world_size)
+        denominator = samples_per_step(plan_of(0), len(reader.index.length))
         reasons.append(f"loss_normalization sample: each step's sum of per-sample means divided by {denominator:.2f}, "
                        "the mean samples per step of the first epoch")
     return DrafterSetup(taps=taps, drafter=drafter, drafter_config=dc, total_steps=total,

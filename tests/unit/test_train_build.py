@@ -105,18 +105,22 @@ def test_samples_per_step_is_the_first_epochs_mean():
     """The constant of loss_normalization=sample: samples over the optimizer steps of epoch 0's plan (all ranks
     and micro-batches of a step together)."""
     from dflash.train.config import TrainConfig
-    from dflash.train.loader import plan_epoch
+    from dflash.train.loader import config_plan, plan_epoch
     from dflash.train.setup import samples_per_step
 
     lengths = np.array([100, 700, 50, 300, 900, 20, 400, 60, 500, 80], dtype=np.int64)
     cfg = TrainConfig(cache="c", model="m", output="o", batch_tokens=1000, grad_accum=2)
+
+    def per_step(c, world):
+        return samples_per_step(config_plan(c, lengths, epoch=0, world_size=world), len(lengths))
+
     for world in (1, 2):
         steps = plan_epoch(lengths, seed=cfg.data_seed, epoch=0, batch_tokens=1000, world_size=world,
                            grad_accum=2).num_steps
-        assert samples_per_step(cfg, lengths, world) == pytest.approx(10 / steps)
-    assert samples_per_step(cfg, lengths, 2) > samples_per_step(cfg, lengths, 1)
+        assert per_step(cfg, world) == pytest.approx(10 / steps)
+    assert per_step(cfg, 2) > per_step(cfg, 1)
     fixed = TrainConfig(cache="c", model="m", output="o", batch_tokens=1000, grad_accum=3, step_samples=4)
-    assert samples_per_step(fixed, lengths, 1) == pytest.approx(10 / 3)   # steps of 4, 4, 2
+    assert per_step(fixed, 1) == pytest.approx(10 / 3)   # steps of 4, 4, 2
 
 
 def test_fixed_count_steps_train_every_sample_once_per_epoch(tmp_path):

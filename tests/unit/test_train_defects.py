@@ -39,6 +39,23 @@ def _steps_and_losses(run):
     return steps, [x for r in recs for x in r["step_losses"]]
 
 
+def _cut_and_resume_losses(run, kw, *, cut):
+    """The step losses of a run stopped after `cut` steps and resumed to the end."""
+    train(tiny_config(output=str(run), stop_after_steps=cut, **kw), device="cpu")
+    train(tiny_config(output=str(run), **kw), resume=True, device="cpu")
+    return _steps_and_losses(run)[1]
+
+
+def _refuses_on_resume(kw, **changed):
+    """A resume whose config differs from the run's in `changed` is refused, naming the field."""
+    from dflash.train.config import check_resume_compatible
+
+    cfg = tiny_config(output="unused", **kw)
+    (name,) = changed
+    with pytest.raises(ConfigError, match=f"different '{name}'"):
+        check_resume_compatible(cfg.to_json(), dataclasses.replace(cfg, **changed))
+
+
 def test_sweep_runs_online_when_the_spec_says_so(assets, tmp_path):
     """`online: true` in a sweep spec: the group's features come from the live target (no hidden bytes read),
     and each run equals the same run trained alone with --online."""
@@ -58,13 +75,9 @@ def test_sweep_runs_online_when_the_spec_says_so(assets, tmp_path):
     assert _steps_and_losses(out / "runs" / "seed1")[1] == _steps_and_losses(tmp_path / "alone")[1]
 
 
-def test_online_cannot_change_on_resume(assets, tmp_path):
-    from dflash.train.config import check_resume_compatible
-
+def test_online_cannot_change_on_resume(assets):
     model, cache = assets
-    cfg = tiny_config(cache=cache, model=model, output=str(tmp_path / "r"))
-    with pytest.raises(ConfigError, match="different 'online'"):
-        check_resume_compatible(cfg.to_json(), dataclasses.replace(cfg, online=True))
+    _refuses_on_resume(dict(cache=cache, model=model), online=True)
 
 
 def test_every_step_logged_once_across_cut_and_resume(assets, tmp_path):
@@ -160,21 +173,14 @@ def test_train_logs_the_drafter_shape(assets, tmp_path, caplog):
 def test_feature_noise_is_applied_and_resumes_exactly(assets, tmp_path):
     """noise_start > 0 (train/noise.py) changes the losses; a cut + resume draws the same noise as an
     uninterrupted run (per-(seed, step, rank, micro-batch) generators); the schedule cannot change on resume."""
-    from dflash.train.config import check_resume_compatible
-
     model, cache = assets
     kw = dict(cache=cache, model=model, steps=6, save_every=2, noise_start=0.5, noise_end=0.1, noise_warmup_ratio=0.3)
     train(tiny_config(output=str(tmp_path / "clean"), **{**kw, "noise_start": 0.0, "noise_end": 0.0}), device="cpu")
     train(tiny_config(output=str(tmp_path / "ref"), **kw), device="cpu")
     clean, noisy = _steps_and_losses(tmp_path / "clean")[1], _steps_and_losses(tmp_path / "ref")[1]
     assert clean != noisy and len(noisy) == 6
-    run = tmp_path / "run"
-    train(tiny_config(output=str(run), stop_after_steps=3, **kw), device="cpu")
-    train(tiny_config(output=str(run), **kw), resume=True, device="cpu")
-    assert _steps_and_losses(run)[1] == noisy
-    cfg = tiny_config(output=str(run), **kw)
-    with pytest.raises(ConfigError, match="different 'noise_start'"):
-        check_resume_compatible(cfg.to_json(), dataclasses.replace(cfg, noise_start=0.2))
+    assert _cut_and_resume_losses(tmp_path / "run", kw, cut=3) == noisy
+    _refuses_on_resume(kw, noise_start=0.2)
 
 
 def test_benchmark_drives_the_same_loop_with_patched_io(assets, tmp_path):
@@ -206,18 +212,11 @@ def test_benchmark_drives_the_same_loop_with_patched_io(assets, tmp_path):
 def test_fixed_count_steps_resume_exactly_across_an_epoch(assets, tmp_path):
     """step_samples: a run cut mid-epoch and resumed takes the same steps as an uninterrupted one (its plan is a
     pure function of seed and epoch), into the next epoch; step_samples cannot change on resume."""
-    from dflash.train.config import check_resume_compatible
-
     model, cache = assets
     kw = dict(cache=cache, model=model, steps=8, save_every=2, step_samples=5, grad_accum=3)
     train(tiny_config(output=str(tmp_path / "ref"), **kw), device="cpu")
     ref = _steps_and_losses(tmp_path / "ref")[1]
     assert len(ref) == 8
-    run = tmp_path / "run"
     # 12 samples: 3 steps an epoch (5, 5, 2 samples); cut at step 4 (save_every 2: resumes from step 4, in epoch 1)
-    train(tiny_config(output=str(run), stop_after_steps=4, **kw), device="cpu")
-    train(tiny_config(output=str(run), **kw), resume=True, device="cpu")
-    assert _steps_and_losses(run)[1] == ref
-    cfg = tiny_config(output=str(run), **kw)
-    with pytest.raises(ConfigError, match="different 'step_samples'"):
-        check_resume_compatible(cfg.to_json(), dataclasses.replace(cfg, step_samples=4))
+    assert _cut_and_resume_losses(tmp_path / "run", kw, cut=4) == ref
+    _refuses_on_resume(kw, step_samples=4)
