@@ -16,6 +16,8 @@
 #   bash benchmarks/run_h200.sh train   # bench_train, compiled vs eager elementwise + kernel profile (~5 min)
 #   bash benchmarks/run_h200.sh trainreal  # bench_train_real: real ShareGPT lengths and equal 2,048-token
 #       sequences from a disk cache, 27B drafter shape (issue 20's train_real_lengths_h200.json, ~6-7 min)
+#   bash benchmarks/run_h200.sh steptail  # bench_step_tail: normalise + clip + AdamW on the 27B drafter's 1.73B
+#       parameters, three passes over the gradients vs one divisor folded into the fused AdamW (~1 min)
 #   bash benchmarks/run_h200.sh sweep   # bench_sweep --synthetic (27B features, 4 drafters)
 #   bash benchmarks/run_h200.sh check   # the gpu-marked tests + bench_block_mask (~3 min)
 #   bash benchmarks/run_h200.sh quality GGUF_PART... [--resume]   # bench_quality, 2000 prompts, 400 steps, 3 seeds
@@ -50,7 +52,7 @@
 #         is what is left. The group on one GPU, as tried:
 #           reference ... --compare-online --also-storages fp8 --skip all_noise,all_seed1,all_seqnorm
 #             --parallel-runs 2 --resume
-#       The session's last call: REF_LIMIT=<seconds> under the device time left, so the bench is stopped (its runs'
+#       The session's last call: LIMIT=<seconds> under the device time left, so the bench is stopped (its runs'
 #       curves so far kept in the JSON as partial_curves) and the JSON copied out before the machine is taken.
 #       A call cut at its limit resumes each run from its last checkpoint (--save-every 100), but only on the same
 #       warm machine: the device goes back ~30 s after a call, so chain the calls without a pause.
@@ -58,7 +60,7 @@
 #       not continued: the data changed (the training files' sha256 is a run's identity).
 #   bash benchmarks/run_h200.sh refpair   # on nvidia-h200-x2: fp8 vs bf16 at the reference point, each online
 #       alone on its own GPU from the committed JSON (~3.5 min of set-up, then 4,088 steps at ~0.27 s: ~22 min);
-#       every call the same command (REF_LIMIT=<seconds> for the session's last), the two JSONs merged here with
+#       every call the same command (LIMIT=<seconds> for the session's last), the two JSONs merged here with
 #       bench_reference.py --merge (see refpair below). 2026-12-04 its first form (the fp8 + bf16 group on GPU 0,
 #       seed 1 then noise on GPU 1) finished all_seed1 before the machine was taken back
 #   bash benchmarks/run_h200.sh refone fp8|bf16   # one half of refpair alone on one GPU, a session each (~20 min;
@@ -131,6 +133,7 @@ extract() { capped "${1:-410}" python3 benchmarks/bench_extract.py --tokens 6000
 train() { capped "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
 sweep() { capped "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
 trainreal() { capped "${1:-560}" python3 benchmarks/bench_train_real.py; }
+steptail() { capped "${1:-240}" python3 benchmarks/bench_step_tail.py; }
 quality() { local t=$1; shift
             capped "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --seeds 3 --workdir /tmp/bq \
               --json /tmp/bq/quality_smollm2.json --gguf-parts "$@"; }  # outside the synced tree: --resume reads it
@@ -173,7 +176,7 @@ refpair() { gguf_joined || return 1  # once, before the two calls would join it 
 # one half of refpair alone on a 1-GPU machine, one session each (2026-12-04: the fp8 + bf16 group on one GPU steps
 # in 0.33-0.39 s even with compiled target layers and the drafter's 64 x 64 flex tiles, ~26 min for 4,088 steps, more
 # than a session holds; one online run alone steps in ~0.23-0.25 s: ~17 min + ~3 min of set-up). Every call of the
-# session the same command (REF_LIMIT=<seconds> for its last); the JSON comes back as quality_reference_gpu0_h200.json
+# session the same command (LIMIT=<seconds> for its last); the JSON comes back as quality_reference_gpu0_h200.json
 # (fp8) or _gpu1_ (bf16), merged here as for refpair
 refone() { local g r
            case "${2:-}" in
@@ -220,12 +223,13 @@ case "$stage" in
   extract) extract 560 "$@" || rc=$? ;;
   train) train || rc=$? ;;
   trainreal) trainreal || rc=$? ;;
+  steptail) steptail || rc=$? ;;
   sweep) sweep || rc=$? ;;
   check) gpu_tests || rc=$?; block_mask || rc=$? ;;
   quality) quality 560 "$@" || rc=$? ;;
-  reference) reference "${REF_LIMIT:-570}" "$@" || rc=$? ;;  # REF_LIMIT: under what a session has left
-  refpair) refpair "${REF_LIMIT:-570}" ;;
-  refone) refone "${REF_LIMIT:-570}" "$@" || rc=$? ;;
+  reference) reference "${LIMIT:-570}" "$@" || rc=$? ;;  # LIMIT: under what a session has left
+  refpair) refpair "${LIMIT:-570}" ;;
+  refone) refone "${LIMIT:-570}" "$@" || rc=$? ;;
   evaloverhead) evaloverhead || rc=$? ;;
   storage4) storage4 "$@" || rc=$? ;;
   smollm2step) smollm2step "$@" || rc=$? ;;
@@ -235,7 +239,7 @@ case "$stage" in
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|flextiles ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|flextiles ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

@@ -7,7 +7,8 @@ D = hidden size, V = vocab, P = trainable parameters (flattened).
 Loss: the decay-weighted mean over every block token of the global step (all micro-batches of all ranks):
 each micro-batch backpropagates its unnormalised sum(CE*w); after the step, one all-reduce sums the flat
 gradient buffer together with the weight sum and the metric counters, and the gradient is divided by the
-global weight sum. So W ranks x A micro-batches give the same update as 1 rank x W*A micro-batches, and
+global weight sum and scaled by the clip coefficient in one division (apply_divisor; on CUDA inside the fused
+AdamW's kernel). So W ranks x A micro-batches give the same update as 1 rank x W*A micro-batches, and
 empty padding micro-batches simply contribute nothing. With loss_normalization=sequence each sample's weights
 sum to 1, so the same sums give the mean over the step's samples of each sample's weighted mean; with sample
 the same per-sample weights, but the gradient is divided by a constant (the run's mean samples per step)
@@ -171,17 +172,25 @@ class GradSync:
         c[4:4 + B] += terms.correct_B.detach().float()
         c[4 + B:] += terms.count_B.detach().float()
 
-    def reduce_and_normalise(self, world_size: int, *, denominator: float | None = None) -> None:
-        """Sum gradients and counters over ranks, then divide the gradient by the global weight sum, or by
-        `denominator` when given (loss_normalization=sample: the run's mean samples per step)."""
+    def reduce(self, world_size: int) -> None:
+        """Sum gradients and counters over ranks (one all-reduce of the flat buffer)."""
         if world_size > 1:
             dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
+        self.check_views()
+
+    def norm_and_divisor(self, *, max_norm: float,
+                         denominator: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm, divisor) of the reduced step, both 0-dim device tensors (no host sync): the global L2 norm of the
+        normalised gradient (what clip_grad_norm_ reports) and the one number the summed gradient is divided by
+        to become the update's gradient: the normaliser (the global weight sum, or `denominator` when given:
+        loss_normalization=sample's run constant) over the clip coefficient. apply_divisor applies it."""
         if denominator is not None:
-            self.grads.div_(denominator)
+            normaliser = torch.tensor(float(denominator), dtype=torch.float32, device=self.flat.device)
         else:
             # clamp: a step whose blocks have no supervised slot has zero gradient anyway
-            self.grads.div_(self.counters[1].clamp(min=1e-12))
-        self.check_views()
+            normaliser = self.counters[1].clamp(min=1e-12)
+        norm = torch.linalg.vector_norm(self.grads) / normaliser
+        return norm, normaliser / clip_coefficient(norm, max_norm=max_norm)
 
     def check_views(self) -> None:
         """Assert that every .grad is still the view of the flat buffer at its own offset: autograd replacing a
@@ -198,6 +207,25 @@ class GradSync:
 
     def step_counters(self) -> torch.Tensor:
         return self.counters.detach().clone()
+
+
+def clip_coefficient(norm: torch.Tensor, *, max_norm: float) -> torch.Tensor:
+    """The factor torch.nn.utils.clip_grad_norm_ scales gradients of global norm `norm` by: max_norm / (norm +
+    1e-6), at most 1; 1 when max_norm is 0 (the clip off)."""
+    if max_norm <= 0:
+        return torch.ones_like(norm)
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def apply_divisor(optimizer: torch.optim.Optimizer, grads: torch.Tensor, divisor: torch.Tensor) -> None:
+    """Make the next optimizer.step() use grads / divisor. A fused AdamW takes it as its grad_scale: the kernel
+    divides each gradient as it reads it (and writes the quotient back), which saves two full passes over the
+    fp32 gradients (1.7B on the 27B drafter: ~14 GB each) against dividing by the normaliser and then scaling by
+    the clip coefficient, as clip_grad_norm_ after a division did. Other optimizers: one in-place division."""
+    if optimizer.defaults.get("fused"):
+        optimizer.grad_scale = divisor  # type: ignore[attr-defined]  # read by Adam(W).step, as GradScaler sets it
+    else:
+        grads.div_(divisor)
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:

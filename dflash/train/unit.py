@@ -28,7 +28,8 @@ from dflash.train.loader import MicroBatch
 from dflash.train.metrics import H200_PEAK_BF16, FlopModel, MetricSink, Stopwatch
 from dflash.train.noise import add_feature_noise, noise_std
 from dflash.train.objective import resolve_gamma
-from dflash.train.step import AnchorRule, GradSync, autocast, lr_factor, micro_batch_loss, summarize_counters
+from dflash.train.step import (AnchorRule, GradSync, apply_divisor, autocast, lr_factor, micro_batch_loss,
+                              summarize_counters)
 
 if TYPE_CHECKING:
     from dflash.eval.heldout import HeldoutEvaluator
@@ -185,8 +186,9 @@ class DrafterUnit:
         """All-reduce, clip, optimizer and scheduler step; log and checkpoint when due. Returns True if it logged.
         stall_s() gives the loader's wait time since its last reset (read only on log steps)."""
         cfg = self.cfg
-        self.sync.reduce_and_normalise(self.info.world_size, denominator=self.grad_denominator)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        self.sync.reduce(self.info.world_size)
+        norm, divisor = self.sync.norm_and_divisor(max_norm=cfg.grad_clip, denominator=self.grad_denominator)
+        apply_divisor(self.optimizer, self.sync.grads, divisor)
         self.optimizer.step()
         self.scheduler.step()
         self.pos = pos

@@ -11,7 +11,7 @@ from dflash.errors import ConfigError
 from dflash.train.build import default_heads, resolve_mask_token_id, select_taps
 from dflash.train.config import TrainConfig, check_resume_compatible, load_train_config
 from dflash.train.metrics import FlopModel
-from dflash.train.step import GradSync, lr_factor
+from dflash.train.step import GradSync, apply_divisor, clip_coefficient, lr_factor
 
 
 def test_select_taps():
@@ -84,9 +84,11 @@ def test_grad_sync_views_survive_backward():
     assert sync.grads.abs().sum() > 0
     assert lin.weight.grad.data_ptr() == sync.flat.data_ptr()
     sync.counters[1] = 2.0
-    expect = sync.grads.clone() / 2
-    sync.reduce_and_normalise(1)
-    assert torch.equal(sync.grads, expect) and not math.isnan(float(sync.grads.sum()))
+    summed = sync.grads.clone()
+    sync.reduce(1)
+    norm, divisor = sync.norm_and_divisor(max_norm=0.0)  # clip off: the divisor is the weight sum
+    assert torch.equal(sync.grads, summed) and float(divisor) == 2.0
+    assert math.isclose(float(norm), float(summed.norm() / 2), rel_tol=1e-6)
 
 
 def test_a_constant_denominator_replaces_the_weight_sum():
@@ -96,9 +98,56 @@ def test_a_constant_denominator_replaces_the_weight_sum():
     sync = GradSync(list(lin.parameters()), block_size=4, device=torch.device("cpu"))
     lin(torch.ones(1, 3)).sum().backward()
     sync.counters[1] = 3.0
-    expect = sync.grads.clone() / 2.5
-    sync.reduce_and_normalise(1, denominator=2.5)
-    assert torch.equal(sync.grads, expect)
+    sync.reduce(1)
+    norm, divisor = sync.norm_and_divisor(max_norm=0.0, denominator=2.5)
+    assert float(divisor) == 2.5 and math.isclose(float(norm), float(sync.grads.norm() / 2.5), rel_tol=1e-6)
+
+
+def test_clip_coefficient_is_clip_grad_norms():
+    """The factor clip_grad_norm_ scales by: below max_norm nothing, above it max_norm / (norm + 1e-6), and
+    max_norm 0 turns the clip off."""
+    for scale in (0.1, 1.0, 37.0):
+        g = torch.randn(50, generator=torch.Generator().manual_seed(1)) * scale
+        p = torch.nn.Parameter(torch.zeros(50))
+        p.grad = g.clone()
+        norm = torch.nn.utils.clip_grad_norm_([p], 1.0)
+        got = clip_coefficient(norm, max_norm=1.0)
+        assert torch.allclose(g * got, p.grad, rtol=1e-6, atol=0), scale
+        assert (float(got) == 1.0) == (float(norm) <= 1.0)
+    assert float(clip_coefficient(torch.tensor(1e6), max_norm=0.0)) == 1.0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_divisor_equals_normalise_then_clip(fused):
+    """norm_and_divisor + apply_divisor give the update that dividing by the weight sum, clip_grad_norm_ and
+    AdamW gave (the fused kernel takes the divisor as its grad_scale), step after step, with the clip active
+    and not; and the norm it reports is clip_grad_norm_'s."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 7)]
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    new = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01)
+    new_opt = torch.optim.AdamW(new, lr=1e-2, weight_decay=0.01, fused=True if fused else None)
+    sync = GradSync(new, block_size=2, device=torch.device("cpu"))
+    for step, (scale, weight_sum) in enumerate([(0.01, 3.0), (50.0, 7.0), (0.2, 1.0), (80.0, 2.5)]):
+        grads = [torch.randn(s, generator=gen) * scale for s in shapes]
+        for p, g in zip(ref, grads):
+            p.grad = g / weight_sum
+        want_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+        sync.zero()
+        for p, g in zip(new, grads):
+            p.grad.add_(g)
+        sync.counters[1] = weight_sum
+        sync.reduce(1)
+        norm, divisor = sync.norm_and_divisor(max_norm=1.0)
+        apply_divisor(new_opt, sync.grads, divisor)
+        new_opt.step()
+        assert math.isclose(float(norm), float(want_norm), rel_tol=1e-5), step
+        for a, b in zip(ref, new):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7)  # the fused kernel writes it back
+            torch.testing.assert_close(b.data, a.data, rtol=1e-5, atol=1e-6)
 
 
 def test_samples_per_step_is_the_first_epochs_mean():

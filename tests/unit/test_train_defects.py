@@ -139,7 +139,7 @@ def test_grad_sync_view_check_catches_a_misplaced_view():
     # a view into the buffer, but at another parameter's offset: its gradient would be mixed into the wrong slot
     lin.bias.grad = sync.flat[0:2]
     with pytest.raises(AssertionError, match="not the flat buffer's view"):
-        sync.reduce_and_normalise(1)
+        sync.reduce(1)
     lin.bias.grad = torch.zeros(2)  # a fresh tensor, as autograd might have put there
     with pytest.raises(AssertionError):
         sync.check_views()
