@@ -3,14 +3,15 @@ clip and the normaliser were folded into one divisor (dflash.train.step.apply_di
 
     python benchmarks/bench_step_tail.py            # CUDA: all 5 layers (1.73B fp32 parameters, ~28 GB)
     python benchmarks/bench_step_tail.py --layers 1 # CPU: one layer (0.45B parameters, ~7 GB)
+    python benchmarks/bench_step_tail.py --tiny     # a smoke run of the script (hidden 256)
 
 Both forms run on the same parameters, flat fp32 gradient buffer (train.step.GradSync) and optimizer
-(train.unit.build_optimizer: the fused AdamW on CUDA, torch's default on CPU), alternating, after one
+(train.unit.build_optimizer: the fused AdamW, on CUDA and CPU), alternating, after one
 untimed step each. Before each timed step the gradient is refilled (outside the clock) with a norm above the
 clip, as in every log window of the SmolLM2 reference run:
 - before: grads.div_(weight sum); torch.nn.utils.clip_grad_norm_(params, 1.0); optimizer.step()
-- after:  GradSync.norm_and_divisor; apply_divisor (the fused kernel's grad_scale on CUDA, one division
-          elsewhere); optimizer.step()
+- after:  GradSync.norm_and_divisor; apply_divisor (the divisor as the fused kernel's grad_scale);
+          optimizer.step()
 Reports the median seconds of each (device-synchronised), the difference, and on CUDA that difference as a
 fraction of bench_train_real's step (train_real_lengths_h200.json run_a.step_time_s). The parameter count
 scales every term, so --layers 1 gives the same per-parameter costs. Writes

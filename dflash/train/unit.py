@@ -45,11 +45,12 @@ def memory_gb(device: torch.device) -> float:
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the fp32 master weights. On CUDA the fused kernel: one launch for all parameters instead of
-    a foreach chain of ~10 kernels per step over 1.7B parameters (27B drafter shape); the CPU keeps the default
-    implementation (checkpoints written there resume bit-exactly)."""
+    """AdamW over the fp32 master weights, the fused kernel on CUDA and CPU: on CUDA one launch for all
+    parameters instead of a foreach chain of ~10 kernels per step over 1.7B parameters (27B drafter shape); on
+    CPU 11 vs 42 ms a step for the SmolLM2 drafter's 20M parameters. Both take the step's normaliser and clip as
+    their grad_scale (train.step.apply_divisor)."""
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                             fused=True if device.type == "cuda" else None)
+                             fused=device.type in ("cuda", "cpu"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,4 +18,4 @@ def test_step_tail_tiny_run_writes_its_json(tmp_path):
     got = json.loads((tmp_path / "t.json").read_text())
     assert got["num_params"] == out["num_params"] > 0 and got["tiny"] and got["layers"] == 1
     assert len(got["seconds_all_reps"]["before"]) == len(got["seconds_all_reps"]["after"]) == 2
-    assert got["ms_before"] > 0 and got["ms_after"] > 0 and not got["fused"]
+    assert got["ms_before"] > 0 and got["ms_after"] > 0 and got["fused"]  # build_optimizer: fused on CPU too
