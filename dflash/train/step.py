@@ -185,7 +185,8 @@ class GradSync:
         to become the update's gradient: the normaliser (the global weight sum, or `denominator` when given:
         loss_normalization=sample's run constant) over the clip coefficient. apply_divisor applies it."""
         if denominator is not None:
-            normaliser = torch.tensor(float(denominator), dtype=torch.float32, device=self.flat.device)
+            # a fill on the device: torch.tensor(x, device=cuda) copies from pageable memory, which waits for the GPU
+            normaliser = torch.full((), float(denominator), dtype=torch.float32, device=self.flat.device)
         else:
             # clamp: a step whose blocks have no supervised slot has zero gradient anyway
             normaliser = self.counters[1].clamp(min=1e-12)
@@ -220,8 +221,8 @@ def clip_coefficient(norm: torch.Tensor, *, max_norm: float) -> torch.Tensor:
 def apply_divisor(optimizer: torch.optim.Optimizer, grads: torch.Tensor, divisor: torch.Tensor) -> None:
     """Make the next optimizer.step() use grads / divisor. A fused AdamW takes it as its grad_scale: the kernel
     divides each gradient as it reads it (and writes the quotient back), which saves two full passes over the
-    fp32 gradients (1.7B on the 27B drafter: ~14 GB each) against dividing by the normaliser and then scaling by
-    the clip coefficient, as clip_grad_norm_ after a division did. Other optimizers: one in-place division."""
+    fp32 gradients (1.7B on the 27B drafter: ~14 GB each) against a division by the normaliser followed by
+    clip_grad_norm_'s scaling. Other optimizers: one in-place division."""
     if optimizer.defaults.get("fused"):
         optimizer.grad_scale = divisor  # type: ignore[attr-defined]  # read by Adam(W).step, as GradScaler sets it
     else:
