@@ -33,8 +33,10 @@ read at 0.56-0.62 of plain GET against 0.74-0.75 with the 5 MiB default, and S3 
 Nor did the server's own settings, tried with --weed-arg (2026-12-02): weed's S3 chunk cache
 (-s3.cacheCapacityMB=1024) read at 0.67 against 0.70 without it (50K tokens, 3 rounds, one run each), and a
 smaller split size (-filer.maxMB=2, default 4) at 0.748 / 0.817 against 0.757 / 0.757 for the default (100K tokens,
-5 rounds, two runs each, alternated; the 0.817 run shared the 2 cores with a test run): no gain that stands out
-of the run-to-run spread.
+5 rounds, two runs each, alternated; the 0.817 run shared the 2 cores with a test run), and 1 MiB chunks
+(-filer.maxMB=1, 2026-12-04, 100K tokens, 3 rounds, two runs each, alternated) at 0.773 / 0.728 against 0.685 /
+0.762 for the default: the direct read took about as long (3.4-3.9 s a round), the plain GET slower. No gain that
+stands out of the run-to-run spread.
 Write: publish_cache (objects, a commit record per shard, the manifest last) vs a plain parallel PUT of the same
 files (no records, no manifest), same client and threads, on a smaller cache (--write-tokens, one default-size
 shard) so a round stays under a minute. Subset: the bytes the direct reader fetches for 2 of 5 taps over all.
