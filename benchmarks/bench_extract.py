@@ -46,7 +46,9 @@ B as a compile-time constant); a real run meets each of its batch sizes once (17
 plan of the 8.7M-token ShareGPT length asset, dflash.data.batching) and amortizes that, while this slice would
 charge all of it to whichever storage dtype ran first (bf16 measured 0.74 of forward-only cold vs fp8 0.94 right
 after it, 2026-11-30).
-Writes benchmarks/results/extract_<name>.json; the last stdout line is that JSON.
+Writes benchmarks/results/extract_<name>.json; the last stdout line is that JSON. The file is written first right
+after the extractions and the forward-only pass ("complete": false), then again at the end: a call cut in the
+compares (a first compile of 64 layers per batch size can take minutes) still brings the extraction figures back.
 """
 
 from __future__ import annotations
@@ -428,7 +430,32 @@ def main() -> None:
     timeline.take()
     fo_s, real, padded, batch_sizes = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
     fo_timeline = timeline.take()
-    compiled_cmp = None
+    num_layers_run = max(taps) + 1
+    flops = target_flops(model.config, num_layers_run=num_layers_run)
+    total_flops = flops.forward_flops(lengths)
+    floor_tok_s = peak * real / total_flops
+    compiled_cmp, layers_cmp, peer, sustained = None, None, {}, None
+
+    def publish(*, complete: bool) -> dict:
+        """The result JSON from what is measured so far (see below); the table and the JSON line once complete."""
+        return write_result(args, device, complete=complete, results=results, peer=peer, compiled_cmp=compiled_cmp,
+                            layers_cmp=layers_cmp, real=real, padded=padded, total_flops=total_flops, peak=peak,
+                            sustained=sustained, fo_s=fo_s, fo_timeline=fo_timeline, floor_tok_s=floor_tok_s,
+                            extra={"model": "tiny Qwen3.5" if args.tiny else "Qwen3.5-27B shape, random weights",
+                                   "kernels": str(getattr(model, "dflash_kernels", "")),
+                                   "compile_elementwise": args.compile_elementwise,
+                                   "compiled_elementwise_modules": fused_modules, "peer_style_elementwise": "eager",
+                                   "taps": list(taps), "layers_run": num_layers_run, "samples": len(lengths),
+                                   "padding_fraction_full_dataset_plan": full_padding,
+                                   "model_build_s": build_s, "load_seconds_stand_in": load_s,
+                                   "warm_forward_pass_s": warm_s, "distinct_batch_sizes": batch_sizes,
+                                   # the warm-up pass met batch sizes (and kernel compiles) the warm-up extraction
+                                   # had not
+                                   "first_pass_compile_s": warm_s - fo_s,
+                                   "compile_layers": args.compile_layers})
+
+    # The extraction figures first, so a call cut in the compares or the peer run below still brings them back.
+    publish(complete=False)
     if args.compare_compile:  # the same batches once more with the setting flipped, then back
         if compiled:
             restore_elementwise(model)
@@ -448,18 +475,22 @@ def main() -> None:
                                         ) if args.compare_compile_layers else None
     restore_decoder_layers(layers)
     restore_elementwise(model)  # the peer-style run below is HF's eager forward, as the peers run it
-    num_layers_run = max(taps) + 1
-    flops = target_flops(model.config, num_layers_run=num_layers_run)
-    total_flops = flops.forward_flops(lengths)
-    floor_tok_s = peak * real / total_flops
-    fo_tok_s = real / fo_s
     sustained = matmul_sustained(device)  # after the timed passes: the GPU as warm as they left it
-    peer = {}
     if args.peer_tokens:
         peer = peer_style(model, data, work / "peer", taps, device, batch_size=args.peer_batch_size,
                           max_tokens=args.peer_tokens, io_threads=args.peer_io_threads, seed=args.seed)
         shutil.rmtree(work / "peer")
+    publish(complete=True)
 
+
+def write_result(args, device, *, complete: bool, results: dict, peer: dict, compiled_cmp: dict | None,
+                 layers_cmp: dict | None, real: int, padded: int, total_flops: float, peak: float,
+                 sustained: float | None, fo_s: float, fo_timeline: dict | None, floor_tok_s: float,
+                 extra: dict) -> dict:
+    """Write benchmarks/results/extract_<name>.json from the runs so far; `complete` once every requested part
+    ran (then the table and the JSON line are printed too). main writes it first right after the extractions and
+    the forward-only pass, without the compares, the peer-style run and the sustained-rate probe."""
+    fo_tok_s = real / fo_s
     rows = [("forward only (same batches)", fo_tok_s, "")]
     summary = {}
     for storage, r in results.items():
@@ -468,7 +499,8 @@ def main() -> None:
             "tok_s": r["tok_s"], "tok_s_end_to_end": r["tok_s_end_to_end"],
             "ratio_end_to_end_vs_forward_only": r["tok_s_end_to_end"] / fo_tok_s,
             "forward_only_tok_s": fo_tok_s, "floor_tok_s": floor_tok_s,
-            **mfu_fields(mfu, peak=peak), "mfu_vs_sustained": mfu_vs_sustained(mfu, peak=peak, sustained=sustained),
+            **mfu_fields(mfu, peak=peak),
+            "mfu_vs_sustained": None if sustained is None else mfu_vs_sustained(mfu, peak=peak, sustained=sustained),
             "ratio_vs_forward_only": r["tok_s"] / fo_tok_s,
             "tok_s_steady": r["tok_s_steady"], "loop_seconds": r["loop_seconds"],
             "setup_seconds": r["setup_seconds"], "drain_seconds": r["drain_seconds"], "drain_parts": r["drain_parts"],
@@ -517,9 +549,6 @@ def main() -> None:
     rows.append(("FLOP floor", floor_tok_s, f"{total_flops / real / 1e9:.1f} GFLOP/tok, measured peak "
                  f"{peak / 1e12:.3g} TFLOP/s"))
     rows.append(("FLOP floor at the 989T spec", H200_SPEC_BF16 * real / total_flops, "H200 dense bf16 spec"))
-    print(f"\n{'what':40s} {'tok/s':>10s}  notes")
-    for name, rate, note in rows:
-        print(f"{name:40s} {rate:10,.0f}  {note}")
 
     name = args.result_name or ("h200" if device.type == "cuda" else "cpu")
     out = {
@@ -529,27 +558,25 @@ def main() -> None:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__,
                      "fla": package_version("fla-core"), "zarr": package_version("zarr")},
-        "model": "tiny Qwen3.5" if args.tiny else "Qwen3.5-27B shape, random weights",
-        "kernels": str(getattr(model, "dflash_kernels", "")), "compile_elementwise": args.compile_elementwise,
-        "compiled_elementwise_modules": fused_modules, "peer_style_elementwise": "eager",
-        "taps": list(taps), "layers_run": num_layers_run, "samples": len(lengths), "real_tokens": real,
-        "padded_tokens": padded, "padding_fraction_full_dataset_plan": full_padding, "batch_tokens": args.batch_tokens, "matmul_peak_flops": peak,
-        "matmul_sustained_flops": sustained,
-        "mfu_vs_sustained_denominator": SUSTAINED_DENOMINATOR,
-        "forward_flops_per_token": total_flops / real, "model_build_s": build_s, "load_seconds_stand_in": load_s,
-        "warm_forward_pass_s": warm_s, "distinct_batch_sizes": batch_sizes,
-        # the warm-up pass met batch sizes (and so kernel compiles) the small warm-up extraction had not
-        "first_pass_compile_s": warm_s - fo_s,
+        "complete": complete,
+        **({} if complete else {"incomplete": "written before the compares, the peer-style run and the sustained "
+                                              "matmul probe: a call cut after the extractions keeps their figures"}),
+        **extra, "real_tokens": real, "padded_tokens": padded, "batch_tokens": args.batch_tokens,
+        "matmul_peak_flops": peak, "matmul_sustained_flops": sustained,
+        "mfu_vs_sustained_denominator": SUSTAINED_DENOMINATOR, "forward_flops_per_token": total_flops / real,
         "forward_only_tok_s": fo_tok_s, "forward_only_timeline": fo_timeline, "floor_tok_s": floor_tok_s,
         "floor_tok_s_at_spec_989": H200_SPEC_BF16 * real / total_flops, "peer_min_tokens_for_ratio": PEER_MIN_TOKENS,
-        "peer_style": peer, "compile_compare": compiled_cmp, "compile_layers": args.compile_layers,
-        "compile_layers_compare": layers_cmp, **summary,
+        "peer_style": peer, "compile_compare": compiled_cmp, "compile_layers_compare": layers_cmp, **summary,
     }
     res_dir = pathlib.Path(args.results_dir)
     res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"extract_{name}.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out))
-
+    if complete:
+        print(f"\n{'what':40s} {'tok/s':>10s}  notes")
+        for row_name, rate, note in rows:
+            print(f"{row_name:40s} {rate:10,.0f}  {note}")
+        print(json.dumps(out))
+    return out
 
 if __name__ == "__main__":
     main()
