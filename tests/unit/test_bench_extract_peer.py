@@ -45,3 +45,20 @@ def test_the_ratio_needs_a_warm_run_of_enough_tokens():
     assert peer_ratio(9000.0, {}) is None
     assert peer_ratio(9000.0, {"tokens": PEER_MIN_TOKENS - 1, "tok_s": 100.0}) is None
     assert peer_ratio(9000.0, {"tokens": PEER_MIN_TOKENS, "tok_s": 100.0}) == pytest.approx(90.0)
+
+
+def test_tiny_run_writes_a_complete_result(tmp_path):
+    """The whole script on CPU (tiny Qwen3.5, fp8): the result JSON ends complete, with the extraction figures
+    that its first, early write holds too (what a device call cut in the compares brings back)."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_extract.py"), "--tiny", "--tokens", "4000",
+                           "--storage", "fp8", "--peer-tokens", "0", "--work-dir", str(tmp_path / "w"),
+                           "--results-dir", str(tmp_path / "r")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads((tmp_path / "r" / "extract_cpu.json").read_text())
+    assert got["complete"] and "incomplete" not in got
+    assert got["fp8"]["tok_s"] > 0 and got["fp8"]["tokens"] == got["real_tokens"] > 0
+    assert 0 < got["fp8"]["ratio_vs_forward_only"] and got["matmul_sustained_flops"] > 0
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["fp8"]["tok_s"] == got["fp8"]["tok_s"]
