@@ -7,7 +7,7 @@ D = hidden size, V = vocab, P = trainable parameters (flattened).
 Loss: the decay-weighted mean over every block token of the global step (all micro-batches of all ranks):
 each micro-batch backpropagates its unnormalised sum(CE*w); after the step, one all-reduce sums the flat
 gradient buffer together with the weight sum and the metric counters, and the gradient is divided by the
-global weight sum and scaled by the clip coefficient in one division (apply_divisor; on CUDA inside the fused
+global weight sum and scaled by the clip coefficient in one division (apply_divisor: inside the fused
 AdamW's kernel). So W ranks x A micro-batches give the same update as 1 rank x W*A micro-batches, and
 empty padding micro-batches simply contribute nothing. With loss_normalization=sequence each sample's weights
 sum to 1, so the same sums give the mean over the step's samples of each sample's weighted mean; with sample
