@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         sync(device)
 
     def before() -> None:
+        opt.grad_scale = None  # after() leaves its divisor there; the optimizer reads it on every step
         gs.grads.div_(gs.counters[1].clamp(min=1e-12))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
