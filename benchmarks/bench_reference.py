@@ -1048,7 +1048,9 @@ def merged_results(base: dict, other: dict) -> dict:
     runs, curves = out.setdefault("runs", {}), out.setdefault("curves", {})
     for rname, rec in other.get("runs", {}).items():
         if rname not in runs:
-            runs[rname], curves[rname] = rec, other["curves"][rname]
+            # the card each run trained on: a merged run may come from another machine than base's
+            runs[rname] = {**rec, "device": rec.get("device") or other.get("versions", {}).get("device")}
+            curves[rname] = other["curves"][rname]
     for key in ("stage_out", "stage_seconds"):
         out[key] = {**other.get(key, {}), **out.get(key, {})}
     cut: dict = {}
