@@ -4,7 +4,7 @@ Shapes: T = packed tokens, K = taps, D = hidden size (even), C = D/2 code bytes,
 R = rotation block (channels).
 
 Why: fp8 is 25,625 B/token on the 27B shape (5 taps x 5120); 4 bits plus a scale per 32-128 channels is
-12,800 + 200..1,600 B/token, under the issue-16 bound of 14,340. A per-group scale (not fp8's per-row one)
+12,800 + 200..1,600 B/token, under the bound of 14,340 B/token (0.28x bf16) a 4-bit format has to meet to be worth its error. A per-group scale (not fp8's per-row one)
 keeps one massive-activation channel from crushing the precision of the whole 5120-vector; the optional
 block Hadamard rotation spreads such an outlier over its block before the grouping sees it.
 
@@ -51,7 +51,7 @@ conversations, error against the bf16 features): the median per-token relative L
 4-bit format within 14,340 B/token is int4-g32-e4m3-h32 (13,625 B/token on the 27B shape, 0.266x bf16; 0.082,
 mean cosine 0.9967). The rotation halves int4's error (0.169 without) and helps e2m1 less (0.120 -> 0.106), so
 rotated int4 beats e2m1; power-of-two (e8m0) scales cost ~40% more error than e4m3/bf16 at equal bytes.
-Whether 0.08 holds held-out tau within 1% of bf16 is for the GPU to show (issue 16).
+A format is accepted only by its held-out tau against bf16 on the GPU (docs/storage.md).
 """
 
 from __future__ import annotations
