@@ -57,7 +57,7 @@ class Preflight:
 def target_greedy_of(paths: list[str], *, target_config_hashes: Collection[str],
                      target_dtype: str | None = None) -> tuple[bool, str]:
     """True when every record of every source carries {"dflash_generate": {"greedy": true, ...}} (the
-    marker `dflash generate` writes, docs/INTERFACES.md) naming one of this target's config hashes
+    marker `dflash generate` writes, docs/generate.md "Output records") naming one of this target's config hashes
     (identity.target_config_hashes) when it names one, and this extraction's dtype when it names one (a bf16 target's greedy tokens are not an fp32 target's).
     Stops at the first record without it, so ordinary data costs one record per source."""
     from dflash.data.readers import iter_raw

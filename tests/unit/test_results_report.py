@@ -49,3 +49,28 @@ def test_commands_name_no_machine_paths(report):
                                          "--model $DFLASH_HOME/smollm2 --peer .peer/sf")
     text = (ROOT / "docs" / "results.md").read_text()
     assert "/root/" not in text and "/work/" not in text
+
+
+def _figure_values(results: str) -> dict[str, str]:
+    """Figure id -> its value and baseline cells, from docs/results.md."""
+    out = {}
+    for block in results.split('<a id="')[1:]:
+        fid, rest = block.split('"', 1)
+        cells = [line for line in rest.splitlines() if line.startswith(("| value |", "| baseline |", "| note |"))]
+        out[fid] = " ".join(cells)
+    return out
+
+
+def test_readme_results_come_from_the_results_page():
+    import re
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Results\n(.*?)(?=^## )", readme, flags=re.M | re.S).group(1)
+    figures = _figure_values((ROOT / "docs" / "results.md").read_text())
+    rows = [line for line in section.splitlines() if "docs/results.md#" in line]
+    assert len(rows) >= 5, "the README's Results table links no figures"
+    for row in rows:
+        fid = re.search(r"docs/results\.md#([\w-]+)", row).group(1)
+        assert fid in figures, f"README links docs/results.md#{fid}, which the page does not have"
+        cells = row.split("|")[2:]  # the figure and baseline cells (the first cell names the row)
+        for number in re.findall(r"\d[\d,]*\.?\d*", " ".join(cells)):
+            assert number.rstrip(".") in figures[fid], f"README's {number} is not in docs/results.md#{fid}"
