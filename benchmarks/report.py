@@ -92,7 +92,7 @@ def render(template: str, data) -> str:
     return _Formatter(data).format(template)
 
 
-_MACHINE_PATH = re.compile(r"(?:~|/(?:work|root|opt|home|tmp/s3fs_pkgs))/[^\s'\",;)]*")
+_MACHINE_PATH = re.compile(r"(?<![\w./$])(?:~|/(?:work|root|opt|home|tmp/s3fs_pkgs))/[^\s'\",;)]*")
 
 
 def _short_path(m: re.Match) -> str:
@@ -111,9 +111,16 @@ def _short_path(m: re.Match) -> str:
     return "$ASSETS/" + base
 
 
+_RENAMED = {"probe_flex_tiles.py": "bench_flex_tiles.py", "probe_slots.py": "bench_slots.py",
+            "probe_sampling_diversity.py": "bench_sampling_diversity.py"}
+"""Scripts renamed since their runs (same code): a recorded command names the script that reproduces it now."""
+
+
 def clean_command(cmd) -> str:
     if isinstance(cmd, list):
         cmd = " ; ".join(map(str, cmd))
+    for old, new in _RENAMED.items():
+        cmd = cmd.replace(old, new)
     cmd = re.sub(r"PYTHONPATH=\S+\s+", "", str(cmd))
     return _MACHINE_PATH.sub(_short_path, cmd).strip()
 

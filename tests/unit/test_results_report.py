@@ -47,8 +47,11 @@ def test_commands_name_no_machine_paths(report):
            "--out /root/out/x.json --model /root/.cache/dflash/smollm2 --peer /work/main/.peer/sf")
     assert report.clean_command(cmd) == ("python3 benchmarks/bench_x.py --gguf $ASSETS/smollm2.gguf --out $OUT/x.json "
                                          "--model $DFLASH_HOME/smollm2 --peer .peer/sf")
-    text = (ROOT / "docs" / "results.md").read_text()
-    assert "/root/" not in text and "/work/" not in text
+    import re
+    for page in ["README.md", "CONTRIBUTING.md", *(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]:
+        text = (ROOT / page).read_text()
+        found = re.findall(r"(?<![\w.$])(?:/work/|/root/|\.\./shared)\S*", text)
+        assert not found, f"{page} names machine paths: {found[:3]}"
 
 
 def _figure_values(results: str) -> dict[str, str]:
