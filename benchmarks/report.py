@@ -213,10 +213,16 @@ section("Drafter quality (held-out tau)", "SmolLM2-135M-Instruct target, tau = t
         "cut at step 1,500", file="quality_reference_h200.json",
         value="{partial_at_reference_steps.all_fp8.tau_mtbench:.3f} / {partial_at_reference_steps.all_fp8.tau_humaneval:.3f} / "
               "{partial_at_reference_steps.all_fp8.tau_sharegpt:.3f}",
-        baseline="bf16: {partial_at_reference_steps.all_fp8.reference_tau_mtbench:.3f} / "
-                 "{partial_at_reference_steps.all_fp8.reference_tau_humaneval:.3f} / "
-                 "{partial_at_reference_steps.all_fp8.reference_tau_sharegpt:.3f}",
-        target="within 1% at the final point (still to run)", note="plot quality_reference_cut_runs.png"),
+        baseline="bf16-rounded, trained alone (a separate run: all_bf16 at step {curves.all_bf16.step[2]:,}): "
+                 "{curves.all_bf16[mtbench_greedy.jsonl][2]:.3f} / {curves.all_bf16[humaneval_greedy.jsonl][2]:.3f} / "
+                 "{curves.all_bf16[sharegpt_greedy.jsonl][2]:.3f}",
+        target="within 1% at the final point (still to run)",
+        note="fp8 vs bf16 {=100*(j('partial_at_reference_steps.all_fp8.tau_mtbench')/j('curves.all_bf16[mtbench_greedy.jsonl][2]')-1):+.2f}% / "
+             "{=100*(j('partial_at_reference_steps.all_fp8.tau_humaneval')/j('curves.all_bf16[humaneval_greedy.jsonl][2]')-1):+.2f}% / "
+             "{=100*(j('partial_at_reference_steps.all_fp8.tau_sharegpt')/j('curves.all_bf16[sharegpt_greedy.jsonl][2]')-1):+.1f}%; "
+             "the int4-cached reference at that step: {partial_at_reference_steps.all_fp8.reference_tau_mtbench:.3f} / "
+             "{partial_at_reference_steps.all_fp8.reference_tau_humaneval:.3f} / "
+             "{partial_at_reference_steps.all_fp8.reference_tau_sharegpt:.3f}; plot quality_reference_cut_runs.png"),
     Fig(id="tau-noise-partial", what="feature noise (noise_start 0.1) at step 2,500", file="quality_reference_h200.json",
         value="{partial_at_reference_steps.all_noise.tau_mtbench:.3f} / {partial_at_reference_steps.all_noise.tau_humaneval:.3f}",
         baseline="no noise: {partial_at_reference_steps.all_noise.reference_tau_mtbench:.3f} / "
