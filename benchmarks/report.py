@@ -343,7 +343,8 @@ section("Extraction", "The 27B target shape (Qwen3.5-27B, random weights) on one
     Fig(id="extract-bf16", what="extraction, 27B shape, bf16 storage, eager norm/gate chains", file="extract_h200_eager_chains.json",
         value="{bf16.tok_s:,.0f} tok/s = {bf16.ratio_vs_forward_only:.3f} of forward-only ({bf16.disk_write_MB_s:.0f} MB/s to disk)",
         baseline="forward-only {forward_only_tok_s:,.0f} tok/s",
-        note="fp8 in the same run: {fp8.ratio_vs_forward_only:.3f}; the first pass over its {distinct_batch_sizes} batch "
+        note="fp8 in the same run: {fp8.ratio_vs_forward_only:.3f}, the GPU busy with forwards for all but "
+             "{fp8.forward_timeline.between_forwards_s:.2f} s of its loop; the first pass over its {distinct_batch_sizes} batch "
              "sizes compiled for {first_pass_compile_s:.1f} s; its peer-style baseline timed only a few cold samples"),
     Fig(id="extract-vs-peer-style", what="extraction vs the peers' way: full-depth HF forward, padded batches of 4, "
         "one torch.save file per sample by 8 saver threads, 100K tokens after a warm pass", file="extract_h200.json",
