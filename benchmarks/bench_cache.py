@@ -37,7 +37,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import drop_page_cache  # noqa: E402
+from common import drop_page_cache, shape_fingerprint  # noqa: E402
 from dflash.cache import CacheReader, CacheWriter, Fingerprint, PackedBuffers  # noqa: E402
 from dflash.cache.format import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES  # noqa: E402
 
@@ -82,9 +82,7 @@ def sample_lengths(rng: np.random.Generator, total: int) -> np.ndarray:
 
 
 def fingerprint(args, storage: str) -> Fingerprint:
-    return Fingerprint(target="bench", target_config_hash="-", num_target_layers=64, hidden_size=args.hidden,
-                       target_dtype="bfloat16", tokenizer_hash="-", chat_template_hash="-",
-                       tap_layer_ids=tuple(range(1, 2 * args.taps, 2)), storage=storage)
+    return shape_fingerprint(storage, hidden=args.hidden, taps=tuple(range(1, 2 * args.taps, 2)), target="bench")
 
 
 def all_files(*dirs: str) -> list[str]:

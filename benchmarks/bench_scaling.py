@@ -75,7 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_extract import build_random_model, sample_lengths, write_pretokenized  # noqa: E402
 from bench_train import patch_out_saving, shapes, tail_metrics, window_summary  # noqa: E402
-from common import (drop_page_cache, machine_info, make_head_only_target, make_random_fp8_cache,  # noqa: E402
+from common import (say_as, drop_page_cache, machine_info, make_head_only_target, make_random_fp8_cache,  # noqa: E402
                     mfu_fields, package_version)
 
 from dflash.train.metrics import H200_PEAK_BF16  # noqa: E402
@@ -87,8 +87,7 @@ EST = dict(proc_start_s=20, model_build_s=6, autotune_s=20, extract_tok_s_per_gp
 WAIT_LIMIT, SYNC_LIMIT = 0.05, 0.10  # disk-limited thresholds (fractions of the loop / sustained time)
 
 
-def say(msg: str) -> None:
-    print(f"[bench_scaling {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+say = say_as("bench_scaling")
 
 
 # ------------------------------------------------------------------------------------------------ workload

@@ -65,7 +65,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import machine_info, package_version  # noqa: E402
+from common import say_as, shape_fingerprint, machine_info, package_version  # noqa: E402
 
 ISSUE_BOUND = 14_340  # issue 16: <= 0.28 x bf16's 51,200 hidden bytes per token, all in
 BF16_HIDDEN_27B = 5 * 5120 * 2
@@ -78,16 +78,11 @@ TAU_STEPS = 600
 TAU_TINY_STEPS = 2
 
 
-def say(msg: str) -> None:
-    print(f"[bench_storage4 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+say = say_as("bench_storage4")
 
 
 def fingerprint(storage: str, *, hidden: int, taps: tuple[int, ...]):
-    from dflash.cache import Fingerprint
-
-    return Fingerprint(target="random-27b-shape", target_config_hash="-", num_target_layers=64, hidden_size=hidden,
-                       target_dtype="bfloat16", tokenizer_hash="-", chat_template_hash="-", tap_layer_ids=taps,
-                       storage=storage, max_length=4096)
+    return shape_fingerprint(storage, hidden=hidden, taps=taps, target="random-27b-shape", max_length=4096)
 
 
 def random_features(T: int, K: int, D: int, *, generator: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -41,12 +41,11 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import (drop_page_cache, make_head_only_target, make_random_fp8_cache,  # noqa: E402
+from common import (say_as, drop_page_cache, make_head_only_target, make_random_fp8_cache,  # noqa: E402
                     package_version)
 
 
-def say(msg: str) -> None:
-    print(f"[bench_sweep {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+say = say_as("bench_sweep")
 
 
 def shapes(tiny: bool) -> dict:

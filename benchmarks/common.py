@@ -27,6 +27,24 @@ QWEN35_27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=6
                   linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
 
 
+def say_as(name: str):
+    """A progress printer for script `name`: "[name HH:MM:SS] msg", flushed (a device call's log keeps order)."""
+    def say(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    return say
+
+
+def shape_fingerprint(storage: str, *, hidden: int, taps: tuple[int, ...], target: str, max_length: int | None = None):
+    """The Fingerprint of a cache of random features at the 27B target's depth (64 layers): what a benchmark's
+    writer needs when no real target exists (hashes "-")."""
+    from dflash.cache import Fingerprint
+
+    extra = {} if max_length is None else {"max_length": max_length}
+    return Fingerprint(target=target, target_config_hash="-", num_target_layers=64, hidden_size=hidden,
+                       target_dtype="bfloat16", tokenizer_hash="-", chat_template_hash="-", tap_layer_ids=tuple(taps),
+                       storage=storage, **extra)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -10,7 +10,7 @@
 #               user turn of every ShareGPT conversation regenerated (--turns first)
 #   bench       (carry the last GGUF part + data) the SmolLM2 folder, bench_generate, whole-conversation regeneration
 #   regen       continue the whole-conversation regeneration
-#   whole       (carry the last GGUF part + data) the SmolLM2 folder, probe_slots' decode forms -> slot_probe_h200.json, then
+#   whole       (carry the last GGUF part + data) the SmolLM2 folder, bench_slots' decode forms -> slot_probe_h200.json, then
 #               the whole-conversation regeneration on the continuous backend (WHOLE) with the fastest form
 #               (2026-12-01: eager sdpa, 8-9.5K tok/s; 2026-12-02: bmm replayed as CUDA graphs, 12.6-13.0K tok/s,
 #               after the fp32 GPU test of the captured step passed; the compiled step did not compile within a call)
@@ -19,7 +19,7 @@
 #               fallback when slot_probe_h200.json shows the slot decoder slow)
 #   sampled SEED [TEMP]  (carry the last GGUF part + data, or on a machine that ran a stage above) the same whole
 #               conversations sampled at temperature TEMP (0.8) with seed SEED on the slot decoder (its bmm graphs;
-#               the GPU test of the sampled graph step first, then probe_sampling_diversity.py on the 244 held-out
+#               the GPU test of the sampled graph step first, then bench_sampling_diversity.py on the 244 held-out
 #               prompts): more of the target's text from the same prompts (issue 14). Rerun the same command to
 #               continue. Output sharegpt_sampled_t<TEMP>_s<SEED>.
 # Regenerated conversations come back packed as text (benchmarks/pack_regen.py), results as JSON, both in $OUT.
@@ -90,7 +90,7 @@ case "$stage" in
       || rc=$? ;;
   regen) generate "$(left 585)" "$REGEN" --turns all --max-new-tokens 256 --max-length 2048 \
            --chunk-conversations 512 || rc=$? ;;
-  whole)  # the slot decoder: probe its decode forms (benchmarks/probe_slots.py), then regenerate on the fastest
+  whole)  # the slot decoder: probe its decode forms (benchmarks/bench_slots.py), then regenerate on the fastest
     model || exit 1
     cp -n .assets/sharegpt_users.jsonl.gz "$ASSETS/" 2>/dev/null
     # the graph-captured step may serve only if it reproduces HF generate (fp32, tests/gpu): a wrong capture would
@@ -99,7 +99,7 @@ case "$stage" in
       -k graphs 2>&1 | tail -n 3
     export SLOT_GRAPHS_OK=$([ "${PIPESTATUS[0]}" = 0 ] && echo 1 || echo 0)
     # 110 s: the eager and graph forms finish in ~30 s; a compiled form only counts if it compiles in time
-    timeout 110 python3 benchmarks/probe_slots.py --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
+    timeout 110 python3 benchmarks/bench_slots.py --model "$MODEL" --data "$ASSETS/sharegpt_users.jsonl.gz" \
       --parts decode --out "$LOGS/slot_probe_h200.json" 2>&1 | grep -v "Loading weights" | tail -n 1 | cut -c1-300
     python3 - "$LOGS/slot_probe_h200.json" > "$ASSETS/slot_choice" <<'PY' || echo "sdpa eager" > "$ASSETS/slot_choice"
 import json, os, sys
@@ -113,7 +113,7 @@ PY
     whole || rc=$? ;;
   wholemore) model || exit 1
     whole || rc=$? ;;
-  wholestatic) model || exit 1  # the fallback if probe_slots shows the slot decoder slow: round-by-round
+  wholestatic) model || exit 1  # the fallback if bench_slots shows the slot decoder slow: round-by-round
     # static batches; large chunks keep each round's batches full (944 tok/s at 256 conversations per chunk)
     generate "$(left 585)" "$ASSETS/regen/sharegpt_whole_static.jsonl.gz" --backend static --turns all \
       --max-new-tokens 256 --max-length 2048 --chunk-conversations 2048 || rc=$? ;;
@@ -126,7 +126,7 @@ PY
     fi
     step=$([ -f "$ASSETS/sampled_graphs_ok" ] && echo graphs || echo eager)
     if [ ! -f "$ASSETS/sampling_diversity_done" ]; then  # how much new text a sampled pass adds (~1 min)
-      DFLASH_SLOT_STEP=$step timeout 150 python3 benchmarks/probe_sampling_diversity.py --model "$MODEL" \
+      DFLASH_SLOT_STEP=$step timeout 150 python3 benchmarks/bench_sampling_diversity.py --model "$MODEL" \
         --limit 244 --max-new-tokens 256 --temperature "$temp" --batch-size 256 2>&1 | grep -v "^{" | tail -n 9 \
         && cp benchmarks/results/sampling_diversity_h200.json "$LOGS/" && touch "$ASSETS/sampling_diversity_done"
     fi

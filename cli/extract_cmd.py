@@ -85,7 +85,7 @@ def command(model, data, output, taps, storage, max_length, num_procs, batch_tok
         from dflash.store.url import is_store_url
 
         if is_store_url(output):  # s3://...: through a local staging folder, published as shards commit
-            from dflash.store.resolve import extract_to_store
+            from dflash.extract.to_store import extract_to_store
             extract_to_store(cfg, num_procs=num_procs, echo=click.echo)
         else:
             launch(cfg, num_procs=num_procs, echo=click.echo)

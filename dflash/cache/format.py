@@ -7,7 +7,7 @@ Storage dtypes. `bf16` stores the bf16 bits as uint16 so plain zarr (which has n
 D-vector (0.08% at D=5120) buys a per-row range, so outlier tokens do not crush the precision of the rest.
 4-bit formats (dflash.cache.quant4, docs/CACHE_FORMAT_4BIT.md) store two codes per byte in `hidden`
 [T, K, D/2], per-group scales in `group_scales` [T, K, G] and, for e4m3 group scales, a float32 row scale per
-token and tap in `scales` [T, K]. `--storage int4` names DEFAULT_QUANT4, the format bench_quant_probe chose
+token and tap in `scales` [T, K]. `--storage int4` names DEFAULT_QUANT4, the format the 4-bit probe chose
 (13,625 B/token on the 27B shape, 0.266x bf16); the manifest and fingerprint record the full format name.
 StoredLayout is the one description of a storage dtype's arrays that writer, reader, verify and space use.
 """
@@ -32,7 +32,8 @@ STORAGE_DTYPES = ("bf16", "fp8", "int4")
 """The names `--storage` lists; "int4" is DEFAULT_QUANT4, and every quant4 format name is accepted too."""
 DEFAULT_QUANT4 = "int4-g32-e4m3-h32"
 """The 4-bit layout of `--storage int4`: int4 codes, groups of 32 channels, e4m3 group scales x a float32 row
-scale, block Hadamard over 32 channels (bench_quant_probe: median relative L2 0.082 vs fp8's 0.022)."""
+scale, block Hadamard over 32 channels (benchmarks/results/quant_probe_cpu.json: median relative L2 0.082 vs
+fp8's 0.022)."""
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # numpy dtype of the stored hidden bits per storage dtype (4-bit: StoredLayout)
 STORED_NUMPY_DTYPE = {"bf16": "uint16", "fp8": "uint8"}

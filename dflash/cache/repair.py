@@ -2,7 +2,7 @@
 removal of bad shards (their commit lines first, then their files) so the samples in them are extracted again.
 
 A commit line says "these samples are done"; a resume that trusts it blindly skips samples whose shard was
-deleted or corrupted afterwards and reports success (issue 19). The quick check (`check_committed(deep=False)`)
+deleted or corrupted afterwards and reports success. The quick check (`check_committed(deep=False)`)
 costs a stat per file and one read of each shard's small `samples` array, so every resume runs it; the deep
 check reads every chunk (as `dflash cache verify` does) and is what `dflash extract --repair` runs.
 """
@@ -15,12 +15,12 @@ import shutil
 from dataclasses import dataclass
 
 from dflash.cache import commit as cm
-from dflash.cache.format import Fingerprint, stored_layout
+from dflash.cache.format import Fingerprint
 from dflash.cache.shardfile import ArrayFile
+from dflash.cache.verify import (REPAIR_HINT, VerifyReport, array_names,  # noqa: F401  (REPAIR_HINT: re-exported)
+                                 check_group_json, shard_bytes_on_disk, verify_shard)
 from dflash.durable import fsync_dir
 from dflash.errors import CacheFormatError
-
-REPAIR_HINT = "rerun the dflash extract command that wrote this cache with --repair to re-extract their samples"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,27 +33,6 @@ class ShardFault:
     """The ids its commit line claims (they are extracted again on repair)."""
     problem: str
     """The first thing found wrong, naming the shard."""
-
-
-def array_names(storage: str, hidden_size: int) -> list[str]:
-    """The arrays of one shard for a storage dtype (format.StoredLayout.array_names)."""
-    return stored_layout(storage, hidden_size).array_names
-
-
-def shard_bytes_on_disk(shard_dir: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(shard_dir) for f in fs)
-
-
-def check_group_json(shard_dir: str, shard: str) -> str | None:
-    """The shard's group zarr.json must parse as a zarr v3 group (zarr-python cannot open it otherwise)."""
-    try:
-        with open(os.path.join(shard_dir, "zarr.json"), "rb") as f:
-            meta = json.loads(f.read())
-    except (OSError, ValueError) as e:
-        return f"shard {shard}: group zarr.json unreadable ({e})"
-    if not isinstance(meta, dict) or meta.get("node_type") != "group" or meta.get("zarr_format") != 3:
-        return f"shard {shard}: group zarr.json is not a zarr v3 group"
-    return None
 
 
 def quick_problem(path: str, r: cm.CommitRecord, fp: Fingerprint) -> str | None:
@@ -85,8 +64,6 @@ def quick_problem(path: str, r: cm.CommitRecord, fp: Fingerprint) -> str | None:
 def check_committed(path, *, deep: bool = False) -> list[ShardFault]:
     """Every committed shard that fails the quick check (deep: also any verify_cache problem of the shard, e.g.
     a chunk crc), plus any shard committing a sample id an earlier shard already holds."""
-    from dflash.cache.verify import VerifyReport, verify_shard
-
     path = os.fspath(path)
     fp = Fingerprint.from_json(cm.read_manifest(path)["fingerprint"])
     faults: list[ShardFault] = []

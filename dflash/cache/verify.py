@@ -6,6 +6,7 @@ manifest, the logs and directory sizes.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -13,9 +14,31 @@ import numpy as np
 
 from dflash.cache import commit as cm
 from dflash.cache.format import Fingerprint, storage_description, stored_layout
-from dflash.cache.repair import REPAIR_HINT, array_names, check_group_json, shard_bytes_on_disk
 from dflash.cache.shardfile import ArrayFile
 from dflash.errors import CacheFormatError
+
+REPAIR_HINT = "rerun the dflash extract command that wrote this cache with --repair to re-extract their samples"
+
+
+def array_names(storage: str, hidden_size: int) -> list[str]:
+    """The arrays of one shard for a storage dtype (format.StoredLayout.array_names)."""
+    return stored_layout(storage, hidden_size).array_names
+
+
+def shard_bytes_on_disk(shard_dir: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(shard_dir) for f in fs)
+
+
+def check_group_json(shard_dir: str, shard: str) -> str | None:
+    """The shard's group zarr.json must parse as a zarr v3 group (zarr-python cannot open it otherwise)."""
+    try:
+        with open(os.path.join(shard_dir, "zarr.json"), "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        return f"shard {shard}: group zarr.json unreadable ({e})"
+    if not isinstance(meta, dict) or meta.get("node_type") != "group" or meta.get("zarr_format") != 3:
+        return f"shard {shard}: group zarr.json is not a zarr v3 group"
+    return None
 
 
 @dataclass

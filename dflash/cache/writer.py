@@ -152,7 +152,7 @@ class CacheWriter:
         self.block_tokens = min(self.block_tokens, -(-shard_tokens // self.chunk_tokens) * self.chunk_tokens)
         self.stats = WriteStats()
         os.makedirs(self.path, exist_ok=True)
-        # Two writers of one rank would interleave shard seqs and commit the same samples twice (issue 19).
+        # Two writers of one rank would interleave shard seqs and commit the same samples twice.
         self._rank_lock = FolderLock(self.path, name=cm.writer_lock_name(rank), purpose=f"cache writer rank {rank}")
         self._rank_lock.acquire()
         try:

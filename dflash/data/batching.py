@@ -10,7 +10,7 @@ with their own seeded generator.
 With `round_sizes=True` (extraction) a batch holds a "round" number of samples: 1-8, then four steps per
 doubling (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...), at most 20% under what the budget allows. Why: FLA's
 Gated-DeltaNet kernels compile and autotune once per batch size (the cumsum kernel takes B as a compile-time
-constant; ~2 s each on the H200: 17 s more for a forward pass meeting 9 new sizes, 2026-11-30), and a plan of
+constant; ~2 s each on the H200: 17 s more for a forward pass meeting 9 new sizes), and a plan of
 sorted lengths meets nearly every size: 56 in the 274 batches of the 8.7M-token ShareGPT length asset at 32K
 tokens, 17 when rounded, for 6% more batches and the same padding (0.62% vs 0.70%). Every rank of a multi-GPU
 run pays that per size, on its share of the tokens.

@@ -102,7 +102,7 @@ def bound_messages(messages: list[dict], *, max_chars: int) -> tuple[list[dict],
     """Cut the message texts once their running length passes max_chars (later texts become ""); returns the
     messages and whether anything was cut. Every token covers at most max_token_chars characters, so the first
     max_length tokens lie well before the cut and tokenize exactly as without it, while a 20 MB line costs a
-    few hundred KB of template and tokenizer work instead of minutes and GBs (issue 19). Roles and turns stay,
+    few hundred KB of template and tokenizer work instead of minutes and GBs. Roles and turns stay,
     so the template sees the same structure."""
     left, cut, out = max_chars, False, []
     for m in messages:

@@ -356,7 +356,7 @@ SMALL_HEAD_FORWARD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64}
 """Flex attention's forward tiles for heads of <= 64 dims on CUDA. Inductor's H100/H200 default for bf16 at
 head_dim 64 is 128 x 128 with 4 warps; on the drafter's block layout (a SmolLM2 step: 104K block queries over
 119K keys) 64 x 64 ran the forward 2.9x faster (5.48 -> 1.88 ms a layer, forward + backward 11.1 -> 7.5 ms) with
-the same output, measured on the H200 (benchmarks/probe_flex_tiles.py, results/flex_tiles_h200.json); in the
+the same output, measured on the H200 (benchmarks/bench_flex_tiles.py, results/flex_tiles_h200.json); in the
 SmolLM2 training step flex attention went from 59.4 to 39.7 ms (results/smollm2_step_tiles_h200.json). At
 head_dim 256, 64 x 64 needs more shared memory than the H200 has and max-autotune picks the default's speed
 (results/flex_tiles_hd256_h200.json). At the 27B drafter's 128-dim heads inductor's default runs at 209 TFLOP/s

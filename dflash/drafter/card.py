@@ -75,7 +75,7 @@ def heldout_table(heldout: Sequence[Mapping]) -> list[str]:
 
 
 def serving_lines(*, target: str, drafter: str, block_size: int) -> list[str]:
-    """How to serve the drafter next to its target: vLLM and SGLang (z-lab dflash README, 2026)."""
+    """How to serve the drafter next to its target: vLLM and SGLang (as the z-lab dflash README gives them)."""
     spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1})
     return ["```bash", f"vllm serve {target} \\", f"  --speculative-config '{spec}'", "```", "", "```bash",
             "python -m sglang.launch_server \\", f"    --model-path {target} \\",

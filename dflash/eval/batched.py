@@ -35,7 +35,7 @@ import torch
 
 from dflash.drafter.attention import BlockLayout
 from dflash.drafter.blocks import block_input_ids
-from dflash.eval.tau import draft_argmax, leading_matches
+from dflash.eval.draft import draft_argmax, leading_matches
 
 DEFAULT_CHUNK_ANCHORS = 4096
 """Blocks per drafter forward: 64K query rows at B = 16 (the 27B drafter's MLP activations ~4.5 GB bf16)."""

@@ -8,7 +8,7 @@ Exactness: re-tokenizing the decoded text does not always give back the generate
 prompt/response boundary, special tokens, whitespace). So every record also carries the ids themselves in
 dflash.data's pre-tokenized form, `input_ids` = prompt ids + generated ids (the stop token included when the
 row stopped on it) and `loss_mask` = 1 exactly on the generated ids; dflash.data prefers that form over
-`messages`, so the cache holds exactly the target's greedy sequence (docs/INTERFACES.md).
+`messages`, so the cache holds exactly the target's greedy sequence (docs/generate.md, "Output records").
 Tradeoff: batching with left padding changes the matmul shapes, so in bf16 a row can differ from unbatched
 greedy decoding after a near-tie; in fp32 this is rare. The response is still a greedy path of the target.
 """
@@ -90,7 +90,7 @@ def generate_greedy(model, tokenizer, prompts: Sequence[Prompt], *, cfg: Generat
 
 def generation_record(g: Generation, *, target: str, config_hash: str | None, cfg: GenerateConfig,
                       dtype: str | None = None) -> dict:
-    """One output line (docs/INTERFACES.md, "dflash generate records"): the conversation for people and
+    """One output line (docs/generate.md, "Output records"): the conversation for people and
     chat-template readers, the exact ids as the pre-tokenized `input_ids`/`loss_mask` form that
     dflash.data prefers over `messages`, and the `dflash_generate` marker that makes the cache target_greedy."""
     rec: dict = {

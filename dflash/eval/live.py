@@ -35,7 +35,7 @@ import torch
 
 from dflash.drafter.blocks import block_input_ids
 from dflash.errors import ConfigError
-from dflash.eval.tau import draft_argmax, leading_matches
+from dflash.eval.draft import draft_argmax, leading_matches
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from dflash.eval.draft import draft_argmax, leading_matches  # noqa: F401  (re-exported)
 
 
 def walk_accept_chain(accept_len_by_pos: Sequence[int] | np.ndarray, start: int, end: int) -> list[int]:
@@ -65,24 +66,6 @@ def response_spans(loss_mask_T: np.ndarray, *, lengths: np.ndarray) -> np.ndarra
     offs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     return np.array([response_span(loss_mask_T[offs[i]: offs[i + 1]]) for i in range(len(lengths))],
                     dtype=np.int64).reshape(len(lengths), 2)
-
-
-def leading_matches(draft_JW: torch.Tensor, ref_JW: torch.Tensor) -> torch.Tensor:
-    """Per row: how many leading entries agree (int64 [J]); ref entries < 0 never match (past the end)."""
-    return (draft_JW == ref_JW).long().cumprod(dim=1).sum(dim=1)
-
-
-def draft_argmax(out_ND: torch.Tensor, lm_head_VD: torch.Tensor, *, rows_per_chunk: int = 1024) -> torch.Tensor:
-    """argmax of the frozen LM head over final-normed drafter outputs, chunked over rows ([N] int64).
-
-    The matmul runs in the drafter's dtype and the argmax over its logits as they are: a float32 copy first
-    (as before) picks the same index, since the bf16 -> fp32 cast is exact and argmax takes the first maximum
-    either way, but costs 3x the memory traffic of the argmax. live.py uses this same function so the offline
-    and live drafts are the same computation. Chunking bounds the logits at rows_per_chunk x V."""
-    head = lm_head_VD.to(device=out_ND.device, dtype=out_ND.dtype)
-    parts = [(out_ND[i:i + rows_per_chunk] @ head.T).argmax(dim=-1)
-             for i in range(0, out_ND.shape[0], rows_per_chunk)]
-    return torch.cat(parts) if parts else out_ND.new_zeros((0,), dtype=torch.long)
 
 
 def accept_lengths(drafter, *, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor, input_ids_T: torch.Tensor,

@@ -79,7 +79,7 @@ class ExtractConfig:
     dry_run: bool = False
     """Print the plan (samples, tokens, bytes, ETA) and stop."""
     store_rate: StoreRate | None = None
-    """Set by dflash.store.resolve.extract_to_store for `--output URL`: the store's probed write rate; the plan
+    """Set by dflash.extract.to_store.extract_to_store for `--output URL`: the store's probed write rate; the plan
     then prints the throughput line (dflash.store.throughput) against the ETA's tokens/s."""
     max_held_shards: int | None = None
     """Set by extract_to_store for `--output URL`: each rank's writer waits while it holds more committed shard

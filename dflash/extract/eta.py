@@ -83,8 +83,8 @@ def calibrate(run_batch, *, batch_flops: list[float], timer=time.perf_counter) -
     init, and on CUDA FLA's compile per batch size), and fit a line through the two points.
 
     Why not the matmul guess: a square matmul on CPU says little about a model forward (bf16 matmuls without
-    AMX are slow, a forward is also attention, norms and copies): the demo printed ETA ~10m29s for a 1m15s run
-    (issue 19). Costs 2 median and 2 small batches of work; the caller skips it for small plans."""
+    AMX are slow, a forward is also attention, norms and copies): the demo printed ETA ~10m29s for a 1m15s run.
+    Costs 2 median and 2 small batches of work; the caller skips it for small plans."""
     order = np.argsort(batch_flops, kind="stable")
     mid, small = int(order[len(order) // 2]), int(order[0])
     for i in dict.fromkeys((mid, small)):  # warm-up

@@ -9,7 +9,7 @@ Pinning all of them (6 x 0.85-1.7 GB at the 27B shape) takes seconds, so it is k
 `prefill=True` a background thread pins them one after another while the target loads (a 54 GB checkpoint
 takes minutes); while the thread runs, acquire() waits for its buffers, and once it is done (or failed) acquire()
 pins one itself when none is free and fewer than `count` exist (measured on
-the H200: pinning on demand in the loop cost 1.1 s of a 60 s fp8 run, extract_h200.json of 2026-11-29 13:45).
+the H200: pinning on demand in the loop cost 1.1 s of a 60 s fp8 run of benchmarks/bench_extract.py).
 """
 
 from __future__ import annotations

@@ -8,16 +8,15 @@ the ranks and stored in CACHE/_tokenized (dflash.extract.tokenized), so a rerun 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from dflash.cache.format import Fingerprint, hidden_chunk_tokens
+from dflash.data.hashes import sha256_file, sha256_source  # noqa: F401  (sha256_file: re-exported)
 from dflash.errors import CacheFormatError, ConfigError, DataError
 from dflash.extract.plan import ExtractPlan, extraction_batches, make_plan
 from dflash.extract.space import CacheBytes, estimate_cache_bytes
@@ -55,29 +54,10 @@ class Preflight:
     """A line for the report about what the existing cache's fingerprint cannot check ("" if nothing)."""
 
 
-def sha256_file(path: Path, *, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_source(path: str) -> str:
-    """A file's sha256, or for a folder the sha256 over (relative path, file sha256) of its files in order."""
-    p = Path(path)
-    if p.is_file():
-        return sha256_file(p)
-    h = hashlib.sha256()
-    for f in sorted(q for q in p.rglob("*") if q.is_file()):
-        h.update(f"{f.relative_to(p).as_posix()}\0{sha256_file(f)}\n".encode())
-    return h.hexdigest()
-
-
 def target_greedy_of(paths: list[str], *, target_config_hashes: Collection[str],
                      target_dtype: str | None = None) -> tuple[bool, str]:
     """True when every record of every source carries {"dflash_generate": {"greedy": true, ...}} (the
-    marker `dflash generate` writes, docs/INTERFACES.md) naming one of this target's config hashes
+    marker `dflash generate` writes, docs/generate.md "Output records") naming one of this target's config hashes
     (identity.target_config_hashes) when it names one, and this extraction's dtype when it names one (a bf16 target's greedy tokens are not an fp32 target's).
     Stops at the first record without it, so ordinary data costs one record per source."""
     from dflash.data.readers import iter_raw

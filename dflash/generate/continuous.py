@@ -50,8 +50,8 @@ class ContinuousConfig:
     """transformers' use_cuda_graph (None: its own choice); False also keeps the slot decoder's step eager."""
     slot_attention: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_ATTENTION", "bmm"))
     """The slot decoder's decode attention: "bmm" (scores as one batched matmul) or "sdpa" (with a mask);
-    benchmarks/probe_slots.py times both (the environment variable is that probe's switch). H200, 512 slots,
-    kv 2048, graph-captured step: bmm 14.0 ms, sdpa 15.3 ms (results/slot_probe_h200.json, 2026-12-02)."""
+    benchmarks/bench_slots.py times both (the environment variable is its switch). H200, 512 slots,
+    kv 2048, graph-captured step: bmm 14.0 ms, sdpa 15.3 ms (benchmarks/results/slot_probe_h200.json)."""
     slot_step: str = field(default_factory=lambda: os.environ.get("DFLASH_SLOT_STEP", "graphs"))
     """How the slot decoder runs its decode step on CUDA (env DFLASH_SLOT_STEP): "graphs" (captured as a CUDA
     graph per kv bucket; eager if a capture fails), "eager", or "compiled" (torch.compile reduce-overhead).

@@ -2,7 +2,7 @@
 
 Two backends run the same HF `generate(do_sample=False)` loop over left-padded batches:
 - "eager": the default dynamic cache, no compilation. On the H200 this is dispatch-bound (~85 ms per decode
-  step at batch 80; SmolLM2 shape at batch 512: 7,008 tok/s, measured 2026-12-01).
+  step at batch 80; SmolLM2 shape at batch 512: 7,008 tok/s).
 - "static": a preallocated StaticCache whose decode step transformers compiles (torch.compile, mode
   reduce-overhead = CUDA graphs); same model, 38,062 tok/s at batch 512 after a 33 s compile. A compiled graph
   is specialised to its shapes (batch rows, cache length), so prompts are padded to a few bucketed widths and

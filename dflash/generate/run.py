@@ -172,7 +172,7 @@ def job_of(cfg, *, model: dict, extra: dict) -> dict:
     """The job fingerprint of a RegenerateConfig or EndpointConfig: the model, the inputs with their hashes,
     and every option that changes the records (extra: the backend's own, e.g. batch size and dtype). Paths
     are not part of it (file names and hashes are), so a parts folder carried to another machine resumes."""
-    from dflash.extract.preflight import sha256_source
+    from dflash.data.hashes import sha256_source
 
     inputs = list(cfg.data) if cfg.data else [cfg.prompts]
     return {"model": model,

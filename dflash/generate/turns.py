@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 GENERATE_FIELD = "dflash_generate"
-"""Per-record field that marks a conversation as produced by `dflash generate` (docs/INTERFACES.md)."""
+"""Per-record field that marks a conversation as produced by `dflash generate` (docs/generate.md, "Output records")."""
 
 
 def render_prompt_ids(tokenizer, messages: Sequence[dict], template_kwargs: dict) -> list[int]:
@@ -78,7 +78,7 @@ class TurnState:
 
 
 def conversation_record(state: TurnState, *, meta: dict, location: str, record_id: str | None) -> dict:
-    """One output line (docs/INTERFACES.md, "dflash generate records"): messages for people and chat-template
+    """One output line (docs/generate.md, "Output records"): messages for people and chat-template
     readers, the exact ids as the pre-tokenized input_ids/loss_mask form that dflash.data prefers, and the
     dflash_generate marker. The first turn's num_prompt_tokens / response_ids / stop_reason stay top-level in
     the marker (single-turn readers); `turns` has every turn's span."""

@@ -3,8 +3,8 @@
 Client: obstore (Rust object_store; one wheel, no Python deps, releases the GIL, parallel ranged GETs;
 zarr v3's `zarr.storage.ObjectStore` wraps the same object, so plain zarr-python reads a cache on a store).
 s3fs would pull aiobotocore/botocore/aiohttp and is slower here: benchmarks/bench_store_clients.py, 48 x 4 MB
-objects on SeaweedFS, 16-way: GET 431 vs 111 MB/s, PUT 54 vs 38 MB/s (2026-12-01; a second run 386/163,
-63/45: this box is loaded). Credentials come only from the
+objects on SeaweedFS, 16-way: GET 431 vs 111 MB/s, PUT 54 vs 38 MB/s (a second run on
+a loaded machine: 386/163, 63/45). Credentials come only from the
 client's standard environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION,
 AWS_ENDPOINT_URL, AWS_ALLOW_HTTP for http endpoints; GOOGLE_*/AZURE_* likewise): never from the command
 line, and never written to the manifest, logs or messages (messages name the URL only).

@@ -48,7 +48,7 @@ def parse_store_url(url: str) -> StoreURL:
 def mirror_folder(url: str, *, root: str | None = None) -> str:
     """The default local folder of a URL's mirror (fetch) or staging copy (publish): under $DFLASH_HOME
     (or ~/.cache/dflash)/store/, named by the URL's hash, so two URLs never share one and reruns find theirs."""
-    from dflash.target.assets import dflash_home
+    from dflash.home import dflash_home
     base = root or os.path.join(dflash_home(), "store")
     tag = hashlib.sha256(parse_store_url(url).url.encode()).hexdigest()[:16]
     return os.path.join(base, tag)

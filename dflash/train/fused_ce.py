@@ -25,7 +25,7 @@ head matmul (fp32 cast, argmax, log-softmax, exp, one-hot, weight, cast) is one 
 chunk_terms, instead of the eager path's ~8 passes with fp32 [n, V] temporaries: by count ~6-10 instead of ~36
 bytes of memory traffic per logit (inductor's CPU code for it is one kernel whose only [n, V] buffer is the bf16
 gradient, seen with TORCH_LOGS=output_code). At the 27B drafter shape (~15K supervised rows x V = 248,320 per
-step, 3.7e9 logits) that is ~100 GB less traffic per step; the H200 profile of 2026-12-01 put this CE
+step, 3.7e9 logits) that is ~100 GB less traffic per step; an H200 profile put this CE
 elementwise work at ~46 ms of a ~480 ms step. On the H200 (results/fused_ce_h200.json, that shape, 13,789 supervised
 rows of 16,384): compiled 0.114 s, eager 0.138 s, the checkpointed path 0.256 s, equal losses. Same math in the
 log-sum-exp form (CE = lse - logit[label], grad = (exp(logit - lse) - onehot) * w), equal to the eager path up

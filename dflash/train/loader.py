@@ -43,9 +43,11 @@ from dflash.train.objective import expected_blocks
 
 if TYPE_CHECKING:
     from dflash.cache.reader import CacheReader, PackedBuffers, PackedSamples
-    from dflash.train.step import AnchorRule, HostBlocks
 
-HostFn = Callable[["PackedSamples", int], "Mapping[AnchorRule, HostBlocks]"]
+HostBlocksByRule = Mapping[Any, Any]
+"""What the host function returns, carried through unread: the loader sits below the step, so it knows the
+anchor draws only by this shape (step.stream_anchors: AnchorRule -> HostBlocks)."""
+HostFn = Callable[["PackedSamples", int], HostBlocksByRule]
 """Runs in a reader thread on each packed micro-batch and its epoch: the anchors of the stream's drafters."""
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -229,7 +231,7 @@ class MicroBatch:
     input_ids_T: torch.Tensor    # int64 [T]
     loss_mask_T: torch.Tensor    # bool [T]
     hidden_TKD: torch.Tensor     # compute dtype [T,K,D]; [T,0,D] from a loader with read_hidden=False (online)
-    blocks: "Mapping[AnchorRule, HostBlocks]" = field(default_factory=dict)
+    blocks: HostBlocksByRule = field(default_factory=dict)
     """Anchors drawn by the loader's host_fn in the reader thread, per anchor rule of the stream's drafters."""
 
     @property
@@ -244,7 +246,7 @@ class MicroBatch:
 @dataclass
 class _HostBatch:
     packed: "PackedSamples | None"   # None: an empty (padding) micro-batch
-    blocks: "Mapping[AnchorRule, HostBlocks]"
+    blocks: HostBlocksByRule
     buffers: "PackedBuffers | None"  # pinned buffers to give back after the H2D copy
 
 

@@ -7,7 +7,7 @@ the paper's "noise" is the all-MASK block, method doc 2): during training the dr
     h' = h + std(step) * rms(h[t, k, :]) * N(0, I)        per token t and tap k
 with std(step) rising linearly from 0 to `noise_start` over the first `warmup_ratio` of the steps, then
 decaying (cosine or linear) to `noise_end` at the last step. Off by default (noise_start = 0) until held-out tau
-says it helps (issue 14 point 3; bench_quality --noise measures it).
+says it helps (bench_quality --noise measures it).
 
 Why relative to each token's and tap's own scale, not absolute: target hidden-state norms differ by orders of
 magnitude between taps (deeper layers grow) and between tokens (massive activations at the first token and at

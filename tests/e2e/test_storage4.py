@@ -1,7 +1,8 @@
 """Issue 16 end to end: `dflash extract --storage int4` of a real (tiny, random) Qwen3.5 target and of the real
 SmolLM2-135M -> `dflash cache info` / `verify` -> `dflash train` a few steps -> `dflash eval`, all through the CLI.
 The 4-bit cache must hold the same samples as a bf16 extraction of the same data, within the format's error
-(median per-token relative L2 ~0.08 on real SmolLM2 features: bench_quant_probe), at ~0.3x its hidden bytes."""
+(median per-token relative L2 ~0.08 on real SmolLM2 features: benchmarks/results/quant_probe_cpu.json), at ~0.3x
+its hidden bytes."""
 
 import json
 import re

@@ -188,7 +188,7 @@ def test_a_run_whose_lease_is_taken_stops_and_the_staging_folder_stays_bounded(s
     the same staging folder (whose published shards were deleted) to the reference content. Throughout, the
     staging folder holds only shards in flight while the store ends with all of them."""
     from dflash.store.lease import Lease
-    from dflash.store.resolve import STAGED_SHARDS
+    from dflash.extract.to_store import STAGED_SHARDS
 
     model, data, ref = setup
     url = s3_server.create_bucket("dflash-steal") + "/cache"

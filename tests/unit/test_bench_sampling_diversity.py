@@ -1,4 +1,4 @@
-"""benchmarks/probe_sampling_diversity.py's measures: 8-gram overlap between two response sets to the same
+"""benchmarks/bench_sampling_diversity.py's measures: 8-gram overlap between two response sets to the same
 prompts, and the responses read back from dflash generate records."""
 
 import json
@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def test_overlap_counts_shared_8grams_per_prompt():
-    from probe_sampling_diversity import overlap
+    from bench_sampling_diversity import overlap
 
     a = {"p": list(range(20)), "q": list(range(100, 110))}     # 13 + 3 eight-grams
     assert overlap(a, a) == 1.0
@@ -20,7 +20,7 @@ def test_overlap_counts_shared_8grams_per_prompt():
 
 
 def test_responses_are_the_first_loss_masked_span(tmp_path):
-    from probe_sampling_diversity import responses
+    from bench_sampling_diversity import responses
 
     p = tmp_path / "r.jsonl"
     p.write_text(json.dumps({"id": "a", "input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 1, 1, 0, 1]}) + "\n"

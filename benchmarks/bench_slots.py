@@ -4,7 +4,7 @@ The first H200 run of whole-conversation regeneration on the slot engine reached
 conversations, 512 slots, 2,048-token slots), far under the static decoder's first-turn rate: this probe times
 each part on the real SmolLM2 target so the fix is measured, not guessed.
 
-    python benchmarks/probe_slots.py --model DIR --data sharegpt_users.jsonl.gz --out slot_probe_h200.json
+    python benchmarks/bench_slots.py --model DIR --data sharegpt_users.jsonl.gz --out slot_probe_h200.json
 
 Parts (each appended to the JSON as it finishes, so a cut call keeps what ran):
   decode   one decode step at --slots rows: attention as SDPA with a mask or as a batched matmul, eager and
@@ -15,7 +15,7 @@ Parts (each appended to the JSON as it finishes, so a cut call keeps what ran):
            counters line (decode/prefill split, slot occupancy)
   host     the engine's own bookkeeping per decode step (no model: its decoder replaced by one that answers at
            once with random tokens), 4,000 requests of 50-256 tokens; runs anywhere:
-           python benchmarks/probe_slots.py --parts host --model none --data none --out /tmp/host.json
+           python benchmarks/bench_slots.py --parts host --model none --data none --out /tmp/host.json
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main() -> None:
     from dflash.target.load import load_target
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    res: dict = {"bench": "probe_slots", "command": "python " + " ".join(sys.argv), "device":
+    res: dict = {"bench": "bench_slots", "command": "python " + " ".join(sys.argv), "device":
                  torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "torch": torch.__version__,
                  "slots": args.slots, "cache_len": args.cache_len}
 
@@ -189,7 +189,7 @@ def main() -> None:
     if "engine" in parts:
         from dflash.generate.run import RegenerateConfig, regenerate
 
-        out = pathlib.Path("/tmp/probe_slots_engine.jsonl.gz")
+        out = pathlib.Path("/tmp/bench_slots_engine.jsonl.gz")
         lines: list[str] = []
         cfg = RegenerateConfig(model=args.model, output=str(out), data=(args.data,), turns="all", max_new_tokens=256,
                                max_length=L, batch_size=S, chunk_conversations=64, backend="continuous",

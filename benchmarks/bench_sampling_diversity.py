@@ -1,8 +1,8 @@
 """How much new text sampled regeneration adds (issue 14): the same ShareGPT first turns answered by the target
 greedily and sampled at a temperature with several seeds, compared by 8-grams.
 
-    python benchmarks/probe_sampling_diversity.py --limit 48 --max-new-tokens 128          # CPU, a few minutes
-    python benchmarks/probe_sampling_diversity.py --limit 1000 --temperature 0.8 --device cuda
+    python benchmarks/bench_sampling_diversity.py --limit 48 --max-new-tokens 128          # CPU, a few minutes
+    python benchmarks/bench_sampling_diversity.py --limit 1000 --temperature 0.8 --device cuda
 
 Per response set: the share of response tokens that repeat an 8-gram of their own response
 (bench_reference.repeated_tokens, the measure of the reference run's `repetition`), and between two sets

@@ -19,7 +19,7 @@ the first call's seconds (compile, autotune), and TFLOP/s over the visible (quer
 (4 * pairs * head_dim * heads forward; backward counted as 2.5x forward), plus the largest output difference
 against the default variant. A variant that fails records its error and the probe goes on.
 
-    python benchmarks/probe_flex_tiles.py --out benchmarks/results/flex_tiles_h200.json    # CUDA only
+    python benchmarks/bench_flex_tiles.py --out benchmarks/results/flex_tiles_h200.json    # CUDA only
 
 2026-12-04, H200 (flex_tiles_h200.json, the variants then, before "drafter" and the bwd_32x64 / bwd_64_s1_w8 rows
 were added): at head_dim 64, 64 x 64 forward tiles 1.88 ms against the default's 5.48 (same output), the
@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="result JSON (rewritten after every variant)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("probe_flex_tiles: CUDA only (flex attention has no CPU backward)")
+        sys.exit("bench_flex_tiles: CUDA only (flex attention has no CPU backward)")
     device = torch.device("cuda")
     result = {"probe": "flex_tiles", "command": "python " + " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(device),
@@ -174,7 +174,7 @@ def main() -> None:
                     row["max_abs_diff_vs_first"] = float((out.float() - ref.float()).abs().max())
             row["spec"] = VARIANTS[name]
             entry["variants"][name] = row
-            print(f"[probe_flex_tiles] {shape} {name}: {json.dumps(row)}", flush=True)
+            print(f"[bench_flex_tiles] {shape} {name}: {json.dumps(row)}", flush=True)
             pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
