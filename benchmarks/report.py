@@ -209,20 +209,18 @@ section("Drafter quality (held-out tau)", "SmolLM2-135M-Instruct target, tau = t
                  "(int4 vs bf16 {=100*j('int4_rel_diff_mtbench'):+.2f}% / {=100*j('int4_rel_diff_humaneval'):+.2f}%)",
         target="within 1% (read against the seed spread)",
         note="{runs.all_bf16.step_time_s_median:.2f} s a step (median); plot quality_reference_all_bf16.png"),
-    Fig(id="tau-fp8-vs-bf16-partial", what="reference recipe, fp8 vs bf16 rounding of the live target's features, "
-        "cut at step 1,500", file="quality_reference_h200.json",
-        value="{partial_at_reference_steps.all_fp8.tau_mtbench:.3f} / {partial_at_reference_steps.all_fp8.tau_humaneval:.3f} / "
-              "{partial_at_reference_steps.all_fp8.tau_sharegpt:.3f}",
-        baseline="bf16-rounded, trained alone (a separate run: all_bf16 at step {curves.all_bf16.step[2]:,}): "
-                 "{curves.all_bf16[mtbench_greedy.jsonl][2]:.3f} / {curves.all_bf16[humaneval_greedy.jsonl][2]:.3f} / "
-                 "{curves.all_bf16[sharegpt_greedy.jsonl][2]:.3f}",
-        target="within 1% at the final point (still to run)",
-        note="fp8 vs bf16 {=100*(j('partial_at_reference_steps.all_fp8.tau_mtbench')/j('curves.all_bf16[mtbench_greedy.jsonl][2]')-1):+.2f}% / "
-             "{=100*(j('partial_at_reference_steps.all_fp8.tau_humaneval')/j('curves.all_bf16[humaneval_greedy.jsonl][2]')-1):+.2f}% / "
-             "{=100*(j('partial_at_reference_steps.all_fp8.tau_sharegpt')/j('curves.all_bf16[sharegpt_greedy.jsonl][2]')-1):+.1f}%; "
-             "the int4-cached reference at that step: {partial_at_reference_steps.all_fp8.reference_tau_mtbench:.3f} / "
-             "{partial_at_reference_steps.all_fp8.reference_tau_humaneval:.3f} / "
-             "{partial_at_reference_steps.all_fp8.reference_tau_sharegpt:.3f}; plot quality_reference_cut_runs.png"),
+    Fig(id="tau-fp8-vs-bf16-reference", what="reference recipe, fp8 vs bf16 rounding of the live target's "
+        "features, each trained online alone, 4,088 steps", file="quality_reference_h200.json",
+        value="{runs.all_fp8.tau_mtbench:.3f} / {runs.all_fp8.tau_humaneval:.3f} / {runs.all_fp8.tau_sharegpt:.3f} "
+              "(fp8 vs bf16 {=100*j('fp8_rel_diff_mtbench'):+.2f}% / {=100*j('fp8_rel_diff_humaneval'):+.2f}%)",
+        baseline="bf16-rounded: {runs.all_bf16.tau_mtbench:.3f} / {runs.all_bf16.tau_humaneval:.3f} / "
+                 "{runs.all_bf16.tau_sharegpt:.3f}",
+        target="within 1%", device="all_fp8 on {runs.all_fp8.device}; all_bf16 on NVIDIA H200",
+        command="LIMIT=575 (then 590) bash benchmarks/run_h200.sh refone fp8, merged with "
+                "python benchmarks/bench_reference.py --json benchmarks/results/quality_reference_h200.json --merge "
+                "quality_reference_gpu0_h200.json",
+        note="fp8_within_1pct: {checks.fp8_within_1pct}; {runs.all_fp8.step_time_s_median:.3f} s a step (median); "
+             "plot quality_reference_all_fp8.png"),
     Fig(id="tau-noise-partial", what="feature noise (noise_start 0.1) at step 2,500", file="quality_reference_h200.json",
         value="{partial_at_reference_steps.all_noise.tau_mtbench:.3f} / {partial_at_reference_steps.all_noise.tau_humaneval:.3f}",
         baseline="no noise: {partial_at_reference_steps.all_noise.reference_tau_mtbench:.3f} / "
@@ -386,8 +384,13 @@ section("Training", "The 27B drafter shape (5 layers at hidden 5120, vocab 248,3
     Fig(id="step-tail", what="end of a training step on one 27B drafter layer (0.45B parameters): two passes over "
         "the fp32 gradients before the fused AdamW vs one divisor taken by it", file="step_tail_cpu.json",
         value="{ms_before:.0f} vs {ms_after:.0f} ms ({after_over_before:.2f}x)", baseline="the two-pass form",
-        note="the same tail with torch's default CPU AdamW: {earlier_runs[1].ms_before:,.0f} ms; the H200 figure is "
-             "`run_h200.sh steptail`, not yet run"),
+        note="the same tail with torch's default CPU AdamW: {earlier_runs[1].ms_before:,.0f} ms; the GPU figure: "
+             "step-tail-gpu"),
+    Fig(id="step-tail-gpu", what="end of a training step, the 27B drafter's 1.73B parameters: "
+        "two passes over the fp32 gradients before the fused AdamW vs one divisor taken by it",
+        file="step_tail_gpu.json",
+        value="{ms_before:.1f} vs {ms_after:.1f} ms ({after_over_before:.2f}x)", baseline="the two-pass form",
+        device="{machine.device}"),
     Fig(id="fused-ce", what="LM-head cross-entropy, 27B drafter head, 16,384 rows", file="fused_ce_h200.json",
         value="fused {speedup:.2f}x the chunk-checkpointed loss, its compiled epilogue {compiled_speedup:.2f}x more; "
               "{fused_compiled.peak_extra_gib:.2f} vs {checkpoint.peak_extra_gib:.1f} GiB extra peak",
