@@ -143,6 +143,7 @@ def test_cli_export_refuses_a_non_empty_folder_then_overwrites(tmp_path):
                                    "--dtype", "float32"])
     assert res.exit_code == 0, res.output
     assert "exported step 7" in res.output
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["README.md", "config.json", "dflash.py", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["README.md", "config.json", "dflash.py",
+                                                                  "model.safetensors"]
     loaded, _ = load_drafter(tmp_path / "d")
     torch.testing.assert_close(run(loaded, torch.float32), run(model, torch.float32))
