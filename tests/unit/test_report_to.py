@@ -33,6 +33,12 @@ def test_parse_report_to(tmp_path):
     (tmp_path / "c.yaml").write_text("report_to: tensorboard, wandb\n")
     assert load_train_config(tmp_path / "c.yaml", base).report_to == ("tensorboard", "wandb")
     assert load_train_config(tmp_path / "c.yaml", {**base, "report_to": "none"}).report_to == ()
+    # a sweep's base: every run reports
+    from dflash.sweep.spec import load_sweep_spec
+
+    (tmp_path / "s.yaml").write_text("base: {steps: 2, report_to: wandb}\ngrid: {lr: [0.001, 0.002]}\n")
+    spec = load_sweep_spec(tmp_path / "s.yaml", cache="c", model="m", output=str(tmp_path / "sw"))
+    assert [r.config.report_to for r in spec.runs] == [("wandb",), ("wandb",)]
 
 
 def test_flat_scalars():
