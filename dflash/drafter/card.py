@@ -85,11 +85,16 @@ def serving_lines(*, target: str, drafter: str, block_size: int) -> list[str]:
     return ["vLLM (K = block size - 1 drafted tokens per step):", "", "```bash", vllm, "```", "",
             "SGLang (--speculative-num-draft-tokens is the block size):", "", "```bash", sglang, "```", "",
             "Without dflash, with transformers only (the folder's dflash.py; greedy, one prompt at a time):", "",
-            "```python", "from transformers import AutoModel, AutoModelForCausalLM",
-            f"target = AutoModelForCausalLM.from_pretrained({target!r})",
-            f"drafter = AutoModel.from_pretrained({drafter!r}, trust_remote_code=True)",
-            "tokens, steps = drafter.spec_generate(target, prompt_ids, max_new_tokens=256,",
-            "                                      stop_token_ids=[target.config.eos_token_id])",
+            "```python", "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer", "",
+            f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(target)})",
+            f"target = AutoModelForCausalLM.from_pretrained({json.dumps(target)}, dtype=\"float32\")",
+            f"drafter = AutoModel.from_pretrained({json.dumps(drafter)}, trust_remote_code=True, dtype=\"float32\")",
+            "messages = [{\"role\": \"user\", \"content\": \"Write a haiku about speculative decoding.\"}]",
+            "prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)",
+            "tokens, steps = drafter.spec_generate(target, prompt_ids, max_new_tokens=128,",
+            "                                      stop_token_ids=[tokenizer.eos_token_id])",
+            "print(tokenizer.decode(tokens))",
+            "print(\"tokens per target forward:\", sum(steps) / max(len(steps), 1))",
             "```"]
 
 

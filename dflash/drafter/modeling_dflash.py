@@ -188,7 +188,8 @@ class DFlashDraftModel(PreTrainedModel):
 
         Returns (tokens, steps): the generated ids (the target's own greedy output, a stop token included) and
         the tokens emitted per target forward (accepted drafts + 1; tau = mean(steps)). A step cut by a stop
-        token or max_new_tokens counts the tokens it kept. Attention-only targets only: the target's KV cache
+        token or max_new_tokens counts min(accepted drafts, tokens kept) + 1, as dflash eval's accept chain
+        does. Attention-only targets only: the target's KV cache
         is cropped after a rejection, which cannot roll back a recurrent state.
         """
         from transformers import DynamicCache

@@ -1,7 +1,8 @@
 """The exported drafter works where dflash is not installed: a subprocess in which `import dflash` fails loads it
 with AutoModel.from_pretrained(trust_remote_code=True) (the folder's dflash.py), runs greedy speculative decoding
 with the real SmolLM2 target (transformers only) on the target-greedy eval prompts, and must give the target's
-greedy responses and, per prompt, exactly the accept chain of `dflash eval` on the cache of those responses.
+greedy responses and, per prompt, exactly the accept chain of `dflash eval` on the cache of those responses. The
+model card's transformers-only example runs there as written and gives the target's greedy output.
 
 The drafter is overfit to the cached responses (test_eval_pipeline's helper) so that long accept chains occur;
 a drafter that accepts nothing would match any loader.
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 # Runs under `python -I` with site-packages on sys.path but no .pth processing (-S), and a meta-path hook that
 # refuses dflash, so neither an editable nor a regular install of dflash is reachable.
-CHILD = textwrap.dedent('''
+CHILD = textwrap.dedent(r'''
     import importlib.abc, json, sys
     sys.path.append(sys.argv[1])
 
@@ -56,7 +57,16 @@ CHILD = textwrap.dedent('''
         tokens, steps = drafter.spec_generate(target, prompt, max_new_tokens=job["max_new_tokens"],
                                               stop_token_ids=job["stop_ids"])
         results.append({"tokens": tokens, "steps": steps})
-    print(json.dumps({"dflash_importable": dflash_importable, "module": type(drafter).__module__,
+
+    # the model card's transformers-only example, as written, then plain greedy generation of its prompt
+    card = open(job["card"]).read().split("Without dflash", 1)[1]
+    snippet = card.split("```python\n", 1)[1].split("\n```", 1)[0]
+    ns = {}
+    exec(snippet, ns)
+    out = ns["target"].generate(torch.tensor([ns["prompt_ids"]]), max_new_tokens=128, do_sample=False,
+                                eos_token_id=ns["tokenizer"].eos_token_id)
+    card_run = {"tokens": ns["tokens"], "steps": ns["steps"], "generate": out[0, len(ns["prompt_ids"]):].tolist()}
+    print(json.dumps({"card": card_run, "dflash_importable": dflash_importable, "module": type(drafter).__module__,
                       "dflash_modules": sorted(m for m in sys.modules if m == "dflash" or m.startswith("dflash.")),
                       "results": results}))
 ''')
@@ -64,6 +74,7 @@ CHILD = textwrap.dedent('''
 
 def test_exported_drafter_decodes_without_dflash(smollm2_greedy_eval, tmp_path):
     from dflash.cache import CacheReader
+    from dflash.drafter.card import write_model_card
     from dflash.drafter.export import load_drafter
     from dflash.eval.generate import stop_token_ids
     from dflash.eval.tau import sequence_steps
@@ -104,7 +115,9 @@ def test_exported_drafter_decodes_without_dflash(smollm2_greedy_eval, tmp_path):
     stops = stop_token_ids(tok, GenerationConfig.from_pretrained(model), {})
     prompts = [r["input_ids"][: r["dflash_generate"]["num_prompt_tokens"]] for r in records]
     job = tmp_path / "job.json"
+    write_model_card(drafter_dir, data={}, recipe={}, target=model)
     job.write_text(json.dumps({"target": model, "drafter": str(drafter_dir), "prompts": prompts,
+                               "card": str(drafter_dir / "README.md"),
                                "max_new_tokens": smollm2_greedy_eval.max_new_tokens, "stop_ids": sorted(stops)}))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
@@ -123,3 +136,6 @@ def test_exported_drafter_decodes_without_dflash(smollm2_greedy_eval, tmp_path):
         assert got["steps"] == by_ids[tuple(rec["input_ids"])], "accept chain differs from dflash eval's"
         all_steps += got["steps"]
     assert np.mean(all_steps) > 1.8, "the overfit drafter should give long accept chains"
+    # the card's example decodes a new prompt to exactly the target's greedy output
+    card = child["card"]
+    assert card["tokens"] == card["generate"] and len(card["tokens"]) > 1 and card["steps"]
