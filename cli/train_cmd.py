@@ -20,11 +20,11 @@ FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr
          "log_every": "--log-every", "online": "--online", "online_storage": "--online-storage",
          "eval_cache": "--eval-cache",
          "eval_every": "--eval-every", "eval_limit": "--eval-limit", "loss_normalization": "--loss-normalization",
-         "anchor_positions": "--anchor-positions", "step_samples": "--step-samples"}
+         "anchor_positions": "--anchor-positions", "step_samples": "--step-samples", "report_to": "--report-to"}
 """TrainConfig fields offered as flags (the rest: --config YAML), and their flag names."""
 CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS}
 """String fields whose flag takes one of a fixed set of values."""
-NAMES = {"online_storage": "STORAGE"}
+NAMES = {"online_storage": "STORAGE", "report_to": "tensorboard,wandb"}
 """String fields that are names, not paths (the config checks them), and their metavar."""
 
 
@@ -52,14 +52,14 @@ def config_options(fn):
         if f.default is not dataclasses.MISSING and f.default is not None and not isinstance(f.default, bool):
             help_text += f" [default: {f.default}]"
         kind = str(f.type)
-        if kind.startswith("tuple"):
+        if name in NAMES:
+            opt = click.option(flag, name, type=str, metavar=NAMES[name], default=None, help=help_text)
+        elif kind.startswith("tuple"):
             opt = click.option(flag, name, multiple=True, callback=_int_list, help=help_text + " E.g. 1,9,17.")
         elif kind.startswith("bool"):
             opt = click.option(flag, name, is_flag=True, default=None, help=help_text)
         elif name in CHOICES:
             opt = click.option(flag, name, type=click.Choice(CHOICES[name]), default=None, help=help_text)
-        elif name in NAMES:
-            opt = click.option(flag, name, type=str, metavar=NAMES[name], default=None, help=help_text)
         else:
             typ = int if kind.startswith("int") else float if kind.startswith("float") else click.Path()
             opt = click.option(flag, name, type=typ, default=None, help=help_text)

@@ -1,8 +1,9 @@
 """The model card (README.md) of an exported drafter folder: held-out tau, the training data, the recipe, serving.
 
 A drafter is only as good as its held-out tau on the target's own greedy outputs, and a user deciding whether
-to serve it needs that number next to what it was trained on and how. The card is plain Markdown written
-atomically into the folder `export_drafter` made (HF hubs show README.md as the model card); its last section is
+to serve it needs that number next to what it was trained on and how, and the commands that serve it. The card is
+Markdown under the Hub's YAML front matter (library_name, base_model = the target's Hub id when the target records
+one, tags; no license: that is the publisher's call), written atomically into the folder `export_drafter` made (HF hubs show README.md as the model card); its last section is
 a JSON block with everything the card was made from, so a tool can read the numbers back (`read_card_data`).
 
 This module imports nothing above dflash.drafter (layering): it takes plain dicts.
@@ -19,13 +20,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from dflash.drafter.serving import sglang_command, shell_line, vllm_command
 from dflash.durable import replace_text
 from dflash.errors import ModelNotFoundError
 
 CARD_NAME = "README.md"
+CARD_TAGS = ("dflash", "speculative-decoding")
 _DATA_MARK = "<!-- dflash-card-data -->"
 RECIPE_KEYS = ("steps", "epochs", "lr", "warmup_ratio", "batch_tokens", "grad_accum", "num_anchors", "block_size",
                "gamma", "loss_normalization", "anchor_positions", "num_layers", "seed", "dtype", "storage", "online",
@@ -59,11 +63,11 @@ def heldout_table(heldout: Sequence[Mapping]) -> list[str]:
     for h in heldout:
         name, step = h.get("name", "eval"), _fmt(h.get("step"))
         for s in h.get("sources", ()):
-            lines.append(f"| {name} | {s.get('name')} | {step} | {s.get('num_sequences')} | {_fmt(s.get('tau'))} "
-                         f"| {h.get('exact')} |")
+            lines.append(f"| {name} | {s.get('name')} | {step} | {_fmt(s.get('num_sequences'))} | {_fmt(s.get('tau'))} "
+                         f"| {_fmt(h.get('exact'))} |")
         overall = h.get("overall", {})
-        lines.append(f"| {name} | **all** | {step} | {overall.get('num_sequences')} | **{_fmt(h.get('tau'))}** "
-                     f"| {h.get('exact')} |")
+        lines.append(f"| {name} | **all** | {step} | {_fmt(overall.get('num_sequences'))} | **{_fmt(h.get('tau'))}** "
+                     f"| {_fmt(h.get('exact'))} |")
     acc = [(h.get("name", "eval"), h.get("acceptance_by_position")) for h in heldout if h.get("acceptance_by_position")]
     if acc:
         width = max(len(a) for _, a in acc)
@@ -75,22 +79,84 @@ def heldout_table(heldout: Sequence[Mapping]) -> list[str]:
 
 
 def serving_lines(*, target: str, drafter: str, block_size: int) -> list[str]:
-    """How to serve the drafter next to its target: vLLM and SGLang (as the z-lab dflash README gives them)."""
-    spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1})
-    return ["```bash", f"vllm serve {target} \\", f"  --speculative-config '{spec}'", "```", "", "```bash",
-            "python -m sglang.launch_server \\", f"    --model-path {target} \\",
-            "    --speculative-algorithm DFLASH \\", f"    --speculative-draft-model-path {drafter} \\",
-            f"    --speculative-num-draft-tokens {block_size}", "```"]
+    """How to serve the drafter next to its target: vLLM and SGLang (the commands of dflash.drafter.serving)."""
+    vllm = shell_line(vllm_command(target=target, drafter=drafter, block_size=block_size))
+    sglang = shell_line(sglang_command(target=target, drafter=drafter, block_size=block_size))
+    return ["vLLM (K = block size - 1 drafted tokens per step):", "", "```bash", vllm, "```", "",
+            "SGLang (--speculative-num-draft-tokens is the block size):", "", "```bash", sglang, "```", "",
+            "Without dflash, with transformers only (the folder's dflash.py; greedy, one prompt at a time):", "",
+            "```python", "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer", "",
+            f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(target)})",
+            f"target = AutoModelForCausalLM.from_pretrained({json.dumps(target)}, dtype=\"float32\")",
+            f"drafter = AutoModel.from_pretrained({json.dumps(drafter)}, trust_remote_code=True, dtype=\"float32\")",
+            "messages = [{\"role\": \"user\", \"content\": \"Write a haiku about speculative decoding.\"}]",
+            "prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)",
+            "tokens, steps = drafter.spec_generate(target, prompt_ids, max_new_tokens=128,",
+            "                                      stop_token_ids=[tokenizer.eos_token_id])",
+            "print(tokenizer.decode(tokens))",
+            "print(\"tokens per target forward:\", sum(steps) / max(len(steps), 1))",
+            "```"]
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+"""An "org/name" Hugging Face Hub repository id."""
+
+
+def target_hub_id(target: str | os.PathLike | None) -> str | None:
+    """The target's Hub id when the target records one, else None (the card then names no base_model):
+    `target` itself when it is an org/name id and not a local folder; a folder of the Hub cache
+    (.../models--ORG--NAME/snapshots/REV); or the folder's config.json `_name_or_path` when that is an id."""
+    if target is None:
+        return None
+    text = str(target)
+    path = Path(text)
+    if HUB_ID.match(text) and not path.exists():
+        return text
+    for part in reversed(path.resolve().parts if path.exists() else path.parts):
+        if part.startswith("models--") and part.count("--") >= 2:
+            org, name = part[len("models--"):].split("--", 1)
+            return f"{org}/{name}"
+    try:
+        recorded = json.loads((path / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(recorded, str) and HUB_ID.match(recorded) and not Path(recorded).exists():
+        return recorded
+    return None
+
+
+def front_matter(*, base_model: str | None) -> list[str]:
+    """The Hub's YAML metadata block: library, base model (when known) and tags; no license (the user's call)."""
+    lines = ["---", "library_name: transformers"]
+    if base_model:
+        lines.append(f"base_model: {base_model}")
+    lines += ["tags:"] + [f"- {t}" for t in CARD_TAGS] + ["---", ""]
+    return lines
+
+
+def heldout_from_metrics(records: Sequence[Mapping], *, name: str, step: int | None = None) -> list[dict]:
+    """The held-out evaluation of a run's metrics.jsonl (heldout_* fields) at `step` or the last one before it,
+    as a card heldout entry; [] when the run logged none. Per-source sequence counts are not in the metrics."""
+    evals = [r for r in records if r.get("heldout_tau") is not None and (step is None or r["step"] <= step)]
+    if not evals:
+        return []
+    rec = evals[-1]
+    prefix = "heldout_tau/"
+    sources = [{"name": k[len(prefix):], "tau": v} for k, v in rec.items() if k.startswith(prefix)]
+    return [{"name": name, "step": rec["step"], "tau": rec["heldout_tau"], "exact": True,
+             "acceptance_by_position": rec.get("heldout_acc"), "overall": {"num_sequences": rec.get("heldout_sequences")},
+             "sources": sources}]
 
 
 def render_card(*, config: Mapping, heldout: Sequence[Mapping], data: Mapping, recipe: Mapping,
-                target: str | None = None, drafter_name: str = "DRAFTER_DIR") -> str:
-    """The card's Markdown (pure; write_model_card writes it). config: the drafter's config.json."""
+                target: str | None = None, drafter_name: str = "DRAFTER_DIR", base_model: str | None = None) -> str:
+    """The card's Markdown (pure; write_model_card writes it). config: the drafter's config.json; base_model: the
+    target's Hub id (front matter and the serving commands), None when unknown."""
     dflash_cfg = config.get("dflash_config", {})
     block = int(config.get("block_size", 16))
     target = target or data.get("target") or "TARGET"
     taus = ", ".join(f"{h.get('name', 'eval')} {_fmt(h.get('tau'))}" for h in heldout) or "not measured"
-    lines = [f"# DFlash drafter for {target}", "",
+    lines = front_matter(base_model=base_model) + [f"# DFlash drafter for {target}", "",
              f"A block-diffusion speculative-decoding drafter (DFlash): {config.get('num_hidden_layers')} layers, "
              f"hidden {config.get('hidden_size')}, block size {block}, target layers "
              f"{list(dflash_cfg.get('target_layer_ids', []))}, mask token {dflash_cfg.get('mask_token_id')}. "
@@ -109,15 +175,19 @@ def render_card(*, config: Mapping, heldout: Sequence[Mapping], data: Mapping, r
               "## Recipe", "", "| setting | value |", "| --- | --- |"]
     keys = [k for k in RECIPE_KEYS if k in recipe] + sorted(k for k in recipe if k not in RECIPE_KEYS)
     lines += [f"| {k} | {json.dumps(recipe[k]) if isinstance(recipe[k], (dict, list)) else recipe[k]} |" for k in keys]
-    lines += ["", "## Serving", ""] + serving_lines(target=target, drafter=drafter_name, block_size=block)
-    payload = {"heldout": list(heldout), "data": dict(data), "recipe": dict(recipe), "target": target}
+    lines += ["", "## Serving", ""] + serving_lines(target=base_model or target, drafter=drafter_name,
+                                                          block_size=block)
+    payload = {"heldout": list(heldout), "data": dict(data), "recipe": dict(recipe), "target": target,
+               "base_model": base_model}
     lines += ["", "## Card data", "", _DATA_MARK, "```json", json.dumps(payload, indent=1, default=str), "```", ""]
     return "\n".join(lines)
 
 
 def write_model_card(drafter_dir: str | os.PathLike, *, heldout: Sequence[Mapping] | Mapping | None = None,
-                     data: Mapping, recipe: Mapping, target: str | None = None) -> Path:
-    """Write README.md into the exported drafter folder (atomic replace); returns its path.
+                     data: Mapping, recipe: Mapping, target: str | None = None, drafter_name: str | None = None
+                     ) -> Path:
+    """Write README.md into the exported drafter folder (atomic replace); returns its path. drafter_name: how
+    the serving commands name the drafter (its Hub id once uploaded); None = the folder's path.
 
     ModelNotFoundError when drafter_dir has no config.json (not an exported drafter)."""
     d = Path(drafter_dir)
@@ -130,7 +200,7 @@ def write_model_card(drafter_dir: str | os.PathLike, *, heldout: Sequence[Mappin
     elif isinstance(heldout, Mapping):
         heldout = [heldout]
     text = render_card(config=config, heldout=list(heldout), data=data_summary(data), recipe=recipe, target=target,
-                       drafter_name=str(d))
+                       drafter_name=drafter_name or str(d), base_model=target_hub_id(target))
     replace_text(d / CARD_NAME, text)
     return d / CARD_NAME
 

@@ -1,7 +1,9 @@
-"""Write and read an HF-format drafter directory: config.json + model.safetensors.
+"""Write and read an HF-format drafter directory: config.json + model.safetensors + dflash.py.
 
 The layout is that of the published z-lab drafters, so SGLang / vLLM / z-lab `DFlashDraftModel` load what
-we export and we load theirs. Export is atomic: everything is written and fsynced in a temporary sibling
+we export and we load theirs. dflash.py, the module config.json's auto_map names, is a verbatim copy of
+modeling_dflash.py (torch + transformers only), so `AutoModel.from_pretrained(folder, trust_remote_code=True)`
+loads the drafter where dflash is not installed. Export is atomic: everything is written and fsynced in a temporary sibling
 directory that is renamed into place, so a crash never leaves a half-written drafter behind.
 Tradeoff: the whole state dict is materialised on the CPU once (about 3.5 GB in bf16 for the 27B drafter).
 """
@@ -18,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash.drafter.config import DrafterConfig
+from dflash.drafter.config import AUTO_MAP, DrafterConfig
 from dflash.drafter.model import DFlashDrafter
 from dflash.dtypes import dtype_name
 from dflash.durable import apply_umask, fsync_dir, refuse_nonempty
@@ -26,6 +28,10 @@ from dflash.errors import ConfigError, ModelNotFoundError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MODELING_NAME = AUTO_MAP["AutoModel"].split(".")[0] + ".py"
+"""The remote-code module auto_map names ("dflash.py")."""
+MODELING_TEMPLATE = Path(__file__).with_name("modeling_dflash.py")
+"""Its source, copied verbatim."""
 
 
 def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.PathLike, *,
@@ -50,7 +56,8 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.P
         with open(tmp / CONFIG_NAME, "w") as f:
             json.dump(hf, f, indent=2, sort_keys=True)
             f.write("\n")
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
+        shutil.copyfile(MODELING_TEMPLATE, tmp / MODELING_NAME)
+        for name in (WEIGHTS_NAME, CONFIG_NAME, MODELING_NAME):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         apply_umask(tmp)   # safetensors writes 0600 and mkdtemp makes 0700: readable like any other file

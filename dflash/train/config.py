@@ -179,6 +179,10 @@ class TrainConfig:
     """Peak FLOP/s per device for MFU; None = 790e12 on CUDA (H200 bf16 dense), no MFU on CPU."""
     stop_after_steps: int | None = None
     """Stop (with a checkpoint) after this many steps of this invocation; for tests of resume. None = run to the end."""
+    report_to: tuple[str, ...] | None = None
+    """Where metrics go besides metrics.jsonl: tensorboard and/or wandb, comma-separated, or none. Unset =
+    TensorBoard when the tensorboard package is installed. W&B: project $WANDB_PROJECT (else dflash), run files
+    under RUN_DIR/wandb; WANDB_MODE=offline needs no network (`wandb sync` uploads later)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_layers", "block_size", "epochs", "batch_tokens", "grad_accum", "num_anchors",
@@ -224,6 +228,9 @@ class TrainConfig:
             from dflash.cache.format import resolve_storage
 
             resolve_storage(self.online_storage)  # ConfigError naming the choices
+        from dflash.train.reporters import parse_report_to
+
+        object.__setattr__(self, "report_to", parse_report_to(self.report_to))  # ConfigError naming a bad name
         self.noise  # noqa: B018 (NoiseConfig validates the noise fields)
 
     @property
@@ -247,7 +254,7 @@ class TrainConfig:
 RESUME_MUTABLE = frozenset({"cache", "model", "output", "log_every", "save_every", "keep_checkpoints",
                             "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps",
                             "loss_impl", "compile_elementwise", "online_compile", "eval_cache", "eval_every",
-                            "eval_limit"})
+                            "eval_limit", "report_to"})
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:

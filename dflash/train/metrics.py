@@ -1,4 +1,5 @@
-"""Training metrics: the FLOP model behind MFU, and the sinks (tqdm bar, RUN_DIR/metrics.jsonl, TensorBoard).
+"""Training metrics: the FLOP model behind MFU, and the sinks (tqdm bar, RUN_DIR/metrics.jsonl, and the reporters of
+--report-to: TensorBoard, Weights & Biases; train/reporters.py).
 
 Device-side counters (loss and weight sums, per-position hits, accepted lengths) are accumulated as tensors and
 read with one host transfer per log step, so steps between logs never synchronise the host with the GPU.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import pathlib
 import time
@@ -64,28 +64,26 @@ class FlopModel:
 
 
 class MetricSink:
-    """Writes log records to RUN_DIR/metrics.jsonl (append, flushed per record), TensorBoard when importable,
-    and a tqdm progress bar on rank 0. Other ranks get a sink that does nothing."""
+    """Writes log records to RUN_DIR/metrics.jsonl (append, flushed per record), to the reporters of report_to
+    (train.reporters.open_reporters: None = TensorBoard when installed), and a tqdm progress bar on rank 0.
+    Other ranks get a sink that does nothing."""
 
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool, total_steps: int, initial_step: int,
-                 progress: bool = True) -> None:
+                 progress: bool = True, report_to: tuple[str, ...] | None = None,
+                 config: dict[str, Any] | None = None) -> None:
         self.enabled = enabled
         self._heldout: dict[str, str] = {}
         self._jsonl = None
-        self._tb = None
+        self._reporters: list = []
         self._bar = None
         if not enabled:
             return
+        from dflash.train.reporters import open_reporters
+
         run = pathlib.Path(run_dir)
         run.mkdir(parents=True, exist_ok=True)
+        self._reporters = open_reporters(report_to, run, config or {})
         self._jsonl = open(run / "metrics.jsonl", "a", encoding="utf-8")
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-            self._tb = SummaryWriter(log_dir=str(run / "tensorboard"))
-        except ImportError:
-            log.info("TensorBoard logging off: the tensorboard package is not installed "
-                     "(metrics still go to metrics.jsonl)")
         if progress:
             from tqdm import tqdm
 
@@ -98,17 +96,12 @@ class MetricSink:
         assert self._jsonl is not None
         self._jsonl.write(json.dumps(record, allow_nan=True) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            step = record["step"]
-            for k, v in record.items():
-                if k == "step":
-                    continue
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(f"train/{k}", v, step)
-                elif isinstance(v, list):
-                    for i, x in enumerate(v):
-                        if isinstance(x, (int, float)) and math.isfinite(x):
-                            self._tb.add_scalar(f"train/{k}/{i + 1}", x, step)
+        if self._reporters:
+            from dflash.train.reporters import flat_scalars
+
+            scalars = flat_scalars(record)
+            for reporter in self._reporters:
+                reporter.log(scalars, record["step"])
         if self._bar is not None:
             post = {"loss": f"{record['loss']:.4f}", "acc1": f"{record['acc'][0]:.3f}",
                     "tau": f"{record['accept_len']:.2f}", "tok/s": f"{record['tokens_per_s']:.0f}",
@@ -131,9 +124,10 @@ class MetricSink:
             self._bar.close()
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-        self._bar = self._jsonl = self._tb = None
+        for reporter in self._reporters:
+            reporter.close()
+        self._bar = self._jsonl = None
+        self._reporters = []
 
 
 class Stopwatch:

@@ -125,7 +125,8 @@ class DrafterUnit:
         self.peak = cfg.peak_flops if cfg.peak_flops is not None else (
             H200_PEAK_BF16 if info.device.type == "cuda" else None)
         self.sink = MetricSink(self.run_dir, enabled=info.is_main, total_steps=self.total_steps,
-                               initial_step=self.pos.global_step, progress=spec.progress)
+                               initial_step=self.pos.global_step, progress=spec.progress, report_to=cfg.report_to,
+                               config={"train": cfg.to_json(), "drafter": self.dc.to_json()})
         self.gamma = resolve_gamma(cfg.gamma, block_size=self.dc.block_size)
         self.noise = cfg.noise
         self._micro_in_step = 0

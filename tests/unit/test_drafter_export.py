@@ -32,7 +32,7 @@ def run(model, dtype):
 def test_round_trip_bf16_gives_identical_outputs(tmp_path):
     model, cfg = tiny()
     out = export_drafter(model, cfg, tmp_path / "drafter")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["drafter"]          # no temp dir left behind
     loaded, cfg2 = load_drafter(out)
     assert cfg2 == cfg
@@ -71,7 +71,7 @@ def test_export_refuses_non_empty_dir_unless_overwrite(tmp_path):
         export_drafter(model, cfg, tmp_path / "d")
     assert (tmp_path / "d" / "notes.txt").exists()
     export_drafter(model, cfg, tmp_path / "d", overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
 
 
@@ -118,7 +118,7 @@ def test_exported_files_respect_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
-    assert modes == {"config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
+    assert modes == {"config.json": 0o666 & ~umask, "dflash.py": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
 
 
@@ -143,6 +143,7 @@ def test_cli_export_refuses_a_non_empty_folder_then_overwrites(tmp_path):
                                    "--dtype", "float32"])
     assert res.exit_code == 0, res.output
     assert "exported step 7" in res.output
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["README.md", "config.json", "dflash.py",
+                                                                  "model.safetensors"]
     loaded, _ = load_drafter(tmp_path / "d")
     torch.testing.assert_close(run(loaded, torch.float32), run(model, torch.float32))
