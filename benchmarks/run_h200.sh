@@ -112,7 +112,8 @@ smollm2step() { gguf_joined || return 1
 storage4() { local stage=$1; shift
              if [ "$stage" = tau ]; then gguf_joined || return 1; set -- --gguf "$GGUF" --workdir /tmp/bs4 "$@"; fi
              capped 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
-gpu_tests() { capped "${1:-420}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
+gpu_tests() { gguf_joined && export DFLASH_SMOLLM2_GGUF=$GGUF  # the generate tests load SmolLM2 from it
+  capped "${1:-420}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
   tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py; }  # named files: no hypothesis there
 block_mask() { capped "${1:-200}" python3 benchmarks/bench_block_mask.py; }
 flextiles() { capped 560 python3 benchmarks/bench_flex_tiles.py --out "${OUT:-/tmp}/flex_tiles_h200.json" "$@"; }  # no target, no GGUF

