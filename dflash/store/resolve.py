@@ -4,11 +4,13 @@
   ranged GETs (dflash.store.direct), nothing is copied locally. With `mirror=True` (`--store-mirror`) it is
   `local_cache(url)` instead: the committed shards mirrored into mirror_folder(url) (incremental: a rerun
   fetches only new shards), read back at local disk speed every epoch, at the cost of a full local copy.
-- `dflash cache verify URL` checks the mirror (every byte has to come over anyway, and the checks are the
-  local ones); `dflash cache info URL` reads the store's manifest and records only.
-- `dflash extract --output URL`: `extract_to_store` extracts into the URL's local staging folder (the same
-  folder), after fetching what the store already holds (so a resume, on any machine, node count or scratch
-  folder, skips every sample committed on the store), and publishes each rank's shards when the run ends.
+- `dflash cache verify URL` fetches every committed shard into a temporary folder and checks it there
+  (verify_store_cache: what the store holds, not a local copy); `dflash cache info URL` reads the store's
+  manifest and records only.
+- `dflash extract --output URL`: `extract_to_store` extracts into the URL's local staging folder
+  (url.staging_folder: never the mirror's folder, since it deletes each shard once published), after fetching
+  the records of what the store already holds (so a resume, on any machine, node count or scratch folder,
+  skips every sample committed on the store), and publishes each rank's shards as they commit.
   Under torchrun every rank publishes its own rank's shards (shard names carry the rank: ranks never
   delete each other's in-flight objects); spawned ranks are published by the parent.
 Local paths pass through unchanged everywhere.
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 from dflash.cache import commit as cm
-from dflash.store.url import is_store_url, mirror_folder
+from dflash.store.url import is_store_url, mirror_folder, staging_folder
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,39 @@ def local_cache(path, *, taps: tuple[int, ...] | None = None, root: str | None =
     log.info("%s: local mirror %s (%d shards fetched, %d already there, %.1f MB)", path, local, st.shards,
              st.skipped, st.bytes / 1e6)
     return local
+
+
+def verify_store_cache(url: str, *, root: str | None = None):
+    """dflash.cache.verify.verify_cache of what the store holds now: every committed shard fetched into a fresh
+    temporary folder under $DFLASH_HOME/store, checked there, then deleted. No local folder is trusted as a
+    copy of the store (a mirror may predate a change on the store; an extraction's staging folder has deleted
+    its published shards); every byte has to come over for the checksums anyway."""
+    import shutil
+    import tempfile
+
+    from dflash.cache.verify import verify_cache
+    from dflash.store.sync import fetch_cache
+    from dflash.target.assets import dflash_home
+
+    base = root or os.path.join(dflash_home(), "store")
+    os.makedirs(base, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="verify-", dir=base)
+    try:
+        fetch_cache(url=url, local=tmp)
+        return verify_cache(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def store_interrupted_text(url: str, *, command: str) -> str:
+    """What an interrupted `dflash extract --output URL` leaves: the samples committed on the store (its commit
+    records; shards still in the staging folder are published by the resume), and the command that resumes."""
+    from dflash.store.direct import StoreShards
+
+    records = StoreShards(url).records()
+    samples = sum(r.num_samples for r in records)
+    return (f"interrupted: {samples:,} samples in {len(records):,} shards are committed on {url} (shards not yet "
+            f"published wait in the staging folder; the shard being written was dropped); resume with: {command}")
 
 
 def reader_path(path, *, mirror: bool = False, root: str | None = None) -> str:
@@ -136,7 +172,45 @@ def train_store_line(cfg, *, gpus: int) -> str | None:
 
 
 PUBLISH_EVERY = 0.2  # seconds between publish passes while extraction runs (a local log read; no LIST)
+LEASE_CHECK_EVERY = 1.0  # seconds between reads of the lease object while extraction runs (one GET): a run
+# whose lease was taken stops within about this, not at its next commit or renewal (RENEW_EVERY = 30 s)
 STAGED_SHARDS = 2    # committed shards a rank's staging folder may hold before its writer waits for the store
+
+
+class MainThreadWaker:
+    """Raise KeyboardInterrupt in the main thread from another thread, also while the main thread blocks in a
+    lock (a full writer queue while the writer waits for a dead publisher) and also when SIGINT is ignored (a
+    background job of a script). _thread.interrupt_main does neither: it only sets a flag the interpreter
+    checks between bytecodes, and does nothing at all when SIGINT is SIG_IGN. A real signal (WAKE_SIGNAL, sent
+    to the main thread only) interrupts the blocking call; its handler, installed for the `with` block, raises."""
+
+    WAKE_SIGNAL = signal.SIGUSR1
+
+    def __init__(self) -> None:
+        import threading
+        self._lock, self._active = threading.Lock(), False
+
+    def __enter__(self) -> MainThreadWaker:
+        self._old = signal.signal(self.WAKE_SIGNAL, self._raise)
+        with self._lock:
+            self._active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:  # no signal is sent once the handler may be gone (SIGUSR1's default ends the process)
+            self._active = False
+        signal.signal(self.WAKE_SIGNAL, self._old)
+
+    @staticmethod
+    def _raise(_signum, _frame) -> None:
+        raise KeyboardInterrupt
+
+    def interrupt(self) -> None:
+        """From any thread; a no-op outside the `with` block."""
+        import threading
+        with self._lock:
+            if self._active:
+                signal.pthread_kill(threading.main_thread().ident, self.WAKE_SIGNAL)
 
 
 def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None = None):
@@ -177,9 +251,10 @@ def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None
 
 
 def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, lease):
-    import _thread
+    import contextlib
     import dataclasses
     import threading
+    import time
 
     from dflash.extract.launch import launch
     from dflash.store.lease import check_job_lease, job_owner_id
@@ -187,7 +262,7 @@ def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, 
     from dflash.store.sync import Publisher, fetch_cache, read_store_manifest
 
     url = cfg.output
-    staging = mirror_folder(url, root=root)
+    staging = staging_folder(url, root=root)
     if read_store_manifest(open_store(url)) is not None and not cfg.dry_run:
         os.makedirs(staging, exist_ok=True)
         lock = cm.CacheLock(staging)
@@ -218,32 +293,38 @@ def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, 
     # publisher thread interrupts the main thread (as Ctrl-C would: the ranks stop, committed shards stay)
     # and the main thread raises the publisher's error; off the main thread the run stops at its end
     interrupt = threading.current_thread() is threading.main_thread()
+    wake = MainThreadWaker() if interrupt else None
 
     def publish_loop() -> None:
+        checked = time.monotonic()
         try:
             while not stop.wait(PUBLISH_EVERY):
                 if lease is not None:
                     lease.check()  # what the renewer found (a lost lease) stops the run
+                if time.monotonic() - checked >= LEASE_CHECK_EVERY:  # a takeover is seen between commits too
+                    check_job_lease(store, owner=owner)
+                    checked = time.monotonic()
                 if "pub" not in state and os.path.exists(os.path.join(staging, cm.MANIFEST)):
                     state["pub"] = publisher()
                 if "pub" in state:
                     state["pub"].publish_new()
         except BaseException as e:  # surfaced by the main thread
             state["error"] = e
-            if interrupt and not stop.is_set():
-                _thread.interrupt_main()
+            if wake is not None and not stop.is_set():
+                wake.interrupt()
 
     thread = threading.Thread(target=publish_loop, name="dflash-publish", daemon=True)
-    thread.start()
     # bounded staging: each rank's writer holds at most STAGED_SHARDS committed shards that the store has not
     # committed yet (only when a failed publisher can interrupt the run: a writer waiting on a dead one would hang)
     staged = dataclasses.replace(cfg, output=staging, max_held_shards=STAGED_SHARDS if interrupt else None)
     try:
-        try:
-            result = launch(staged, num_procs=num_procs, echo=echo)
-        finally:
-            stop.set()
-            thread.join()
+        with wake if wake is not None else contextlib.nullcontext():  # the publisher starts once it can wake us
+            thread.start()
+            try:
+                result = launch(staged, num_procs=num_procs, echo=echo)
+            finally:
+                stop.set()
+                thread.join()
     except KeyboardInterrupt:
         if "error" in state:
             raise state["error"] from None

@@ -240,6 +240,11 @@ def _fetch_array(store: Store, key_dir: str, out_dir: str, *, label: str, tap_po
     return len(index_raw) + sum(len(p) for p in parts)
 
 
+def _shard_present(local: str, shard: str) -> bool:
+    """Whether a committed shard's data is in the folder (its group zarr.json is renamed in with it)."""
+    return os.path.exists(os.path.join(local, cm.SHARDS, shard, "zarr.json"))
+
+
 def drop_conflicts(local: str, have_local: dict[str, cm.CommitRecord], records: list[cm.CommitRecord]) -> None:
     """The store is the truth: a local shard whose name the store commits with other content (this folder's
     unpublished shard, while another machine resumed the same URL and reused the name) is uncommitted here
@@ -293,12 +298,16 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
         listing = sp.classify_keys(store.list_keys())
         records = read_records(store, listing, pool=pool)
         drop_conflicts(local, have_local, records)
-        todo = [r for r in records if r.shard not in have_local]
         if records_only:
+            todo = [r for r in records if r.shard not in have_local]
             for r in todo:  # the marker first: a line without marker or folder would fail the resume check
                 cm.mark_published(local, r.shard)
                 cm.append_commit_line(local, r.rank, r)
             todo = []
+        else:
+            # a mirror trusts a local shard only if its folder is there: a commit line alone (an extraction's
+            # staging folder, whose published shards were deleted, or a shard removed by hand) is fetched again
+            todo = [r for r in records if r.shard not in have_local or not _shard_present(local, r.shard)]
 
         def stage(r: cm.CommitRecord) -> str:
             return os.path.join(local, cm.STAGING, f"fetch-{r.shard}")
@@ -332,7 +341,9 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
             dest = os.path.join(local, cm.SHARDS, r.shard)
             shutil.rmtree(dest, ignore_errors=True)
             os.rename(stage(r), dest)
-            cm.append_commit_line(local, r.rank, r)
+            cm.unmark_published(local, r.shard)
+            if r.shard not in have_local:  # a refetched shard keeps its (equal) line: one line per shard
+                cm.append_commit_line(local, r.rank, r)
     cm.write_manifest_atomic(local, cm.build_manifest(fp, records), tag="fetch")
     if records_only:
         return SyncStats(shards=0, skipped=len(records), bytes=0, seconds=time.perf_counter() - t0)
