@@ -108,9 +108,9 @@ def command(cache, model, output, config_path, gpus, resume, store_mirror, devic
     from dflash.train.launch import launch
 
     def describe(interrupt: KeyboardInterrupt) -> str:
-        from dflash.train.interrupted import train_interrupted_text
+        from dflash.train.interrupted import can_resume, train_interrupted_text
         return train_interrupted_text(cfg.output, reached=getattr(interrupt, "global_step", None),
-                                      command=command_line("--resume"))
+                                      command=command_line(*(["--resume"] if can_resume(cfg.output) else [])))
 
     with exits_on_interrupt(describe):
         result = launch(cfg, resume=resume, device=dev, gpus=gpus)

@@ -52,8 +52,10 @@ def run_state(run_dir: pathlib.Path, *, reached: int | None = None) -> str:
     newest = ckpt.latest_checkpoint(run_dir)
     saved = checkpoint_step(newest) if newest is not None else 0
     where = f"newest checkpoint: step {saved} ({newest})" if newest is not None else "no checkpoint yet"
-    if reached is None or reached <= saved:
-        lost = "nothing since it is lost" if newest is not None else "a resume starts at step 0"
+    if newest is None:
+        lost = "a resume starts at step 0"
+    elif reached is None or reached <= saved:
+        lost = "nothing since it is lost"
     else:
         lost = f"steps {saved + 1}-{reached} since it are lost (redone by the resume)"
     at = "" if reached is None else f"at step {reached}: "
@@ -62,7 +64,14 @@ def run_state(run_dir: pathlib.Path, *, reached: int | None = None) -> str:
 
 def train_interrupted_text(run_dir: str | pathlib.Path, *, reached: int | None, command: str) -> str:
     """The message of `dflash train` after Ctrl-C."""
-    return f"interrupted {run_state(pathlib.Path(run_dir), reached=reached)}; resume with: {command}"
+    state = run_state(pathlib.Path(run_dir), reached=reached)
+    return f"interrupted{' ' if state.startswith('at step') else ': '}{state}; resume with: {command}"
+
+
+def can_resume(run_dir: str | pathlib.Path) -> bool:
+    """Whether `--resume` applies: the run wrote its config.json (before its first step); an earlier interrupt
+    (while loading) leaves nothing to resume, and the plain command starts over."""
+    return (pathlib.Path(run_dir) / "config.json").exists()
 
 
 def sweep_interrupted_text(output: str | pathlib.Path, *, command: str) -> str:

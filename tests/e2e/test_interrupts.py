@@ -84,8 +84,8 @@ def interrupt(tmp_path: Path, make, *, tries: int = 4) -> tuple[subprocess.Popen
 
 
 def _resume(message: str, prog: str) -> list[str]:
-    """The arguments of the command after 'resume with: ' (checked to start with `dflash PROG`)."""
-    args = shlex.split(message.split("resume with: ", 1)[1])
+    """The arguments of the command after '... with: ' (checked to start with `dflash PROG`)."""
+    args = shlex.split(message.split(" with: ", 1)[1])
     assert args[:2] == ["dflash", prog], message
     return args[1:]
 
@@ -138,7 +138,8 @@ def test_sweep(tiny, tmp_path):
     lines = [s for s in re.split(r"[\r\n]", err) if s.strip()]
     assert lines[-4] == "interrupted; the runs of the sweep:", err[-3000:]
     for name, line in zip("ab", lines[-3:-1]):
-        assert re.match(rf"  {name}: (at step \d+: newest checkpoint: step \d+ |no checkpoint yet|finished)", line)
+        assert re.match(rf"  {name}: ((at step \d+: )?(newest checkpoint: step \d+ |no checkpoint yet; a resume starts "
+                        r"at step 0)|finished)", line), line
     args = _resume(lines[-1], "sweep")
     assert args[-1] == "--resume" and args[:-1] == make(attempt)[0]
     out = _invoke(args)

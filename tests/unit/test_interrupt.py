@@ -84,7 +84,7 @@ def test_train_message_names_the_newest_checkpoint_and_the_lost_steps(tmp_path):
 
     run = tmp_path / "run"
     assert train_interrupted_text(run, reached=None, command="C") == \
-        "interrupted no checkpoint yet; a resume starts at step 0; resume with: C"
+        "interrupted: no checkpoint yet; a resume starts at step 0; resume with: C"
     ckpt.checkpoint_dir(run).mkdir(parents=True)
     for step in (5, 10):
         ckpt.checkpoint_path(run, step).write_bytes(b"")
