@@ -263,11 +263,15 @@ def test_a_run_whose_lease_is_taken_stops_and_the_staging_folder_stays_bounded(s
     # promptness in the run's own CPU seconds, not wall time: on a loaded machine (2 cores, load ~10) a second
     # of wall time may be a tenth of a CPU second. The run reads the lease every second (LEASE_CHECK_EVERY).
     cpu, deadline = cpu_at_steal, time.monotonic() + 300  # a hang guard, not a timing
-    while p.poll() is None:
-        assert time.monotonic() < deadline, "the run did not stop after its lease was taken"
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            cpu = _cpu_seconds(p.pid)
-        time.sleep(0.02)
+    try:
+        while p.poll() is None:
+            assert time.monotonic() < deadline, "the run did not stop after its lease was taken"
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                cpu = _cpu_seconds(p.pid)
+            time.sleep(0.02)
+    finally:
+        if p.poll() is None:
+            p.kill()
     log.seek(0)
     err = log.read()
     log.close()
