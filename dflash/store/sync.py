@@ -240,11 +240,6 @@ def _fetch_array(store: Store, key_dir: str, out_dir: str, *, label: str, tap_po
     return len(index_raw) + sum(len(p) for p in parts)
 
 
-def _shard_present(local: str, shard: str) -> bool:
-    """Whether a committed shard's data is in the folder (its group zarr.json is renamed in with it)."""
-    return os.path.exists(os.path.join(local, cm.SHARDS, shard, "zarr.json"))
-
-
 def drop_conflicts(local: str, have_local: dict[str, cm.CommitRecord], records: list[cm.CommitRecord]) -> None:
     """The store is the truth: a local shard whose name the store commits with other content (this folder's
     unpublished shard, while another machine resumed the same URL and reused the name) is uncommitted here
@@ -305,9 +300,12 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
                 cm.append_commit_line(local, r.rank, r)
             todo = []
         else:
-            # a mirror trusts a local shard only if its folder is there: a commit line alone (an extraction's
-            # staging folder, whose published shards were deleted, or a shard removed by hand) is fetched again
-            todo = [r for r in records if r.shard not in have_local or not _shard_present(local, r.shard)]
+            # a mirror trusts a local shard only if its folder is there and is not one an extraction's staging
+            # folder marked as the store's (deleted, or left half deleted by a kill): a commit line alone (that
+            # staging folder read as a mirror, or a shard removed by hand) is fetched again
+            published = cm.published_shards(local)
+            todo = [r for r in records if r.shard not in have_local or r.shard in published
+                    or not os.path.isdir(os.path.join(local, cm.SHARDS, r.shard))]
 
         def stage(r: cm.CommitRecord) -> str:
             return os.path.join(local, cm.STAGING, f"fetch-{r.shard}")
