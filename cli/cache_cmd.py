@@ -68,9 +68,10 @@ def info(cache: str, as_json: bool) -> None:
 def verify(cache: str) -> None:
     """Check every chunk checksum of CACHE and that manifest, commit logs and shards agree."""
     from dflash.cache.verify import verify_cache
-    from dflash.store.resolve import local_cache, store_notes
+    from dflash.store.resolve import store_notes, verify_store_cache
+    from dflash.store.url import is_store_url
 
-    rep = verify_cache(local_cache(cache))
+    rep = verify_store_cache(cache) if is_store_url(cache) else verify_cache(cache)
     notes, problems = store_notes(cache)  # a URL's listing: orphans, records without objects ([] locally)
     rep.notes[:0] = notes
     rep.problems += problems

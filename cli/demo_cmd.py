@@ -25,4 +25,11 @@ def command(output, conversations, steps, eval_prompts, fresh) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     cfg = default_config(output=output, conversations=conversations, steps=steps, eval_prompts=eval_prompts)
-    run_demo(cfg, echo=click.echo, fresh=fresh)
+    from cli.interrupt import command_line, exits_on_interrupt
+
+    def describe(_interrupt) -> str:  # each finished step is reused; a rerun without --fresh picks up the rest
+        return (f"interrupted: the finished steps in {output} are kept and reused; resume with: "
+                + command_line().replace(" --fresh", ""))
+
+    with exits_on_interrupt(describe):
+        run_demo(cfg, echo=click.echo, fresh=fresh)

@@ -33,6 +33,12 @@ def command(drafter_dir, cache_dir, model_path, as_json, approximate, chunk_anch
 
     cache_dir = reader_path(cache_dir, mirror=store_mirror)  # a URL is read directly unless --store-mirror
     cfg = EvalConfig(chunk_anchors=chunk_anchors, approximate=approximate, device=device, dtype=dtype, limit=limit)
-    res = evaluate_cache(drafter_dir=drafter_dir, cache_dir=cache_dir, model=model_path, cfg=cfg,
-                         progress=not as_json)
+    from cli.interrupt import command_line, exits_on_interrupt
+
+    def describe(_interrupt) -> str:  # eval writes nothing: there is nothing to keep or resume
+        return f"interrupted: eval writes nothing, so nothing is lost but its time; run it again with: {command_line()}"
+
+    with exits_on_interrupt(describe):
+        res = evaluate_cache(drafter_dir=drafter_dir, cache_dir=cache_dir, model=model_path, cfg=cfg,
+                             progress=not as_json)
     click.echo(json.dumps(res.to_json(), indent=2) if as_json else format_result(res))

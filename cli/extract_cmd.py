@@ -81,20 +81,19 @@ def command(model, data, output, taps, storage, max_length, num_procs, batch_tok
         dtype=dtype, device=device, fla_conv=fla_conv, compile_elementwise=compile_elementwise,
         compile_layers=compile_layers, dry_run=dry_run,
         repair=repair, show_progress=not no_progress)
-    try:
-        from dflash.store.url import is_store_url
+    from cli.interrupt import command_line, exits_on_interrupt
+    from dflash.store.url import is_store_url
 
+    def describe(_interrupt) -> str:
+        if is_store_url(output):
+            from dflash.store.resolve import store_interrupted_text
+            return store_interrupted_text(output, command=command_line())
+        from dflash.extract.driver import interrupted_text
+        return interrupted_text(output, command=command_line())
+
+    with exits_on_interrupt(describe):
         if is_store_url(output):  # s3://...: through a local staging folder, published as shards commit
             from dflash.extract.to_store import extract_to_store
             extract_to_store(cfg, num_procs=num_procs, echo=click.echo)
         else:
             launch(cfg, num_procs=num_procs, echo=click.echo)
-    except KeyboardInterrupt:
-        import shlex
-        import sys
-
-        from dflash.extract.driver import interrupted_text
-
-        click.echo("", err=True)  # past the progress bar's line
-        click.echo(interrupted_text(output, command=shlex.join(["dflash", *sys.argv[1:]])), err=True)
-        raise SystemExit(130) from None

@@ -66,6 +66,22 @@ def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, 
                   max_new_tokens=max_new_tokens, max_length=max_length, chunk_conversations=chunk_conversations,
                   template_kwargs={"enable_thinking": False} if no_thinking else {}, limit=limit, overwrite=overwrite,
                   keep_shards=keep_shards)
+    from cli.interrupt import command_line, exits_on_interrupt
+
+    def describe(_interrupt) -> str:
+        from dflash.generate.output import interrupted_text
+        return interrupted_text(output_path, command=command_line())
+
+    with exits_on_interrupt(describe):
+        stats = _run(common, model_path=model_path, endpoint=endpoint, served_model=served_model,
+                     temperature=temperature, concurrency=concurrency, request_timeout=request_timeout,
+                     retries=retries, max_consecutive_errors=max_consecutive_errors, batch_size=batch_size,
+                     backend=backend, window=window, device=device, dtype=dtype, seed=seed, stop_after=stop_after)
+    click.echo(stats.summary())
+
+
+def _run(common: dict, *, model_path, endpoint, served_model, temperature, concurrency, request_timeout, retries,
+         max_consecutive_errors, batch_size, backend, window, device, dtype, seed, stop_after):
     if endpoint is not None:
         from dflash.generate.endpoint import EndpointConfig, regenerate_endpoint
 
@@ -77,7 +93,7 @@ def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, 
         cfg = EndpointConfig(url=endpoint, served_model=served_model, model=model_path, concurrency=concurrency,
                              request_timeout=request_timeout, retries=retries,
                              max_consecutive_errors=max_consecutive_errors, **common)
-        stats = regenerate_endpoint(cfg, echo=click.echo, stop_after=stop_after)
+        return regenerate_endpoint(cfg, echo=click.echo, stop_after=stop_after)
     else:
         from dflash.generate.run import RegenerateConfig, regenerate
 
@@ -85,5 +101,4 @@ def command(model_path, data, prompts_path, output_path, turns, max_new_tokens, 
             raise click.UsageError("--model is required (or --endpoint with --served-model)")
         cfg = RegenerateConfig(model=model_path, batch_size=batch_size, backend=backend, window=window, device=device,
                                dtype=dtype, temperature=temperature, seed=seed, **common)
-        stats = regenerate(cfg, echo=click.echo, stop_after=stop_after)
-    click.echo(stats.summary())
+        return regenerate(cfg, echo=click.echo, stop_after=stop_after)

@@ -32,6 +32,8 @@ class DflashGroup(click.Group):
         try:
             return super().invoke(ctx)
         except DflashError as e:
+            from cli.interrupt import close_progress_bars
+            close_progress_bars()  # the error is the last line, not a bar redrawn after it
             raise click.ClickException(str(e)) from e
 
 

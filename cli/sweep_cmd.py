@@ -45,8 +45,15 @@ def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limi
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    res = run_sweep(s, output=output, gpus=gpus, eval_cache=eval_cache, approximate=approximate, resume=resume,
-                    device=None if device == "auto" else device, eval_limit=eval_limit)
+    from cli.interrupt import command_line, exits_on_interrupt
+
+    def describe(_interrupt) -> str:
+        from dflash.train.interrupted import sweep_interrupted_text
+        return sweep_interrupted_text(output, command=command_line("--resume"))
+
+    with exits_on_interrupt(describe):
+        res = run_sweep(s, output=output, gpus=gpus, eval_cache=eval_cache, approximate=approximate, resume=resume,
+                        device=None if device == "auto" else device, eval_limit=eval_limit)
     from dflash.train.metrics import describe_final_loss
 
     for row in res.rows:

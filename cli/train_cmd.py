@@ -104,9 +104,16 @@ def command(cache, model, output, config_path, gpus, resume, store_mirror, devic
     if line:
         click.echo(line)
     dev = None if device == "auto" else device
+    from cli.interrupt import command_line, exits_on_interrupt
     from dflash.train.launch import launch
 
-    result = launch(cfg, resume=resume, device=dev, gpus=gpus)
+    def describe(interrupt: KeyboardInterrupt) -> str:
+        from dflash.train.interrupted import can_resume, train_interrupted_text
+        return train_interrupted_text(cfg.output, reached=getattr(interrupt, "global_step", None),
+                                      command=command_line(*(["--resume"] if can_resume(cfg.output) else [])))
+
+    with exits_on_interrupt(describe):
+        result = launch(cfg, resume=resume, device=dev, gpus=gpus)
     if result is None:
         click.echo(f"training finished; run folder {cfg.output}")
     elif result.finished:

@@ -71,6 +71,14 @@ def mark_published(path: str, shard: str) -> None:
     fsync_dir(d)
 
 
+def unmark_published(path: str, shard: str) -> None:
+    """The shard's data is in the folder again (a mirror fetched it): it is no longer the store's only."""
+    try:
+        os.remove(os.path.join(path, PUBLISHED, shard))
+    except FileNotFoundError:
+        pass
+
+
 @dataclass(frozen=True, kw_only=True)
 class CommitRecord:
     """One committed shard, as logged."""

@@ -68,9 +68,12 @@ def check_committed(path, *, deep: bool = False) -> list[ShardFault]:
     fp = Fingerprint.from_json(cm.read_manifest(path)["fingerprint"])
     faults: list[ShardFault] = []
     seen: dict[int, str] = {}
-    published = cm.published_shards(path)  # a staging folder's shards that only the store holds (its check)
+    # a staging folder's shards that the store holds: marked only after the store committed them, so the store's
+    # copy is the one that counts; a folder still here is a leftover (a kill -9 in the middle of its deletion
+    # leaves part of it) that the next publisher deletes, never a reason to extract the samples again
+    published = cm.published_shards(path)
     for r in cm.read_commit_logs(path):
-        remote = r.shard in published and not os.path.isdir(os.path.join(path, cm.SHARDS, r.shard))
+        remote = r.shard in published
         problem = None if remote else quick_problem(path, r, fp)
         if problem is None and deep and not remote:
             rep = VerifyReport()

@@ -239,10 +239,12 @@ def evaluate_cache(*, drafter_dir: str, cache_dir: str, model: str, cfg: EvalCon
         bar.update(chunk.first_seq + chunk.num_seqs - bar.n)
         return s.hidden.to(device), torch.from_numpy(s.input_ids.astype(np.int64)).to(device)
 
-    with forward_only(drafter):
-        accept_T = accept_lengths_chunks(drafter, chunks, fetch=fetch, embed_VD=embed_VD, lm_head_VD=head_VD,
-                                         dtype=dtype, lengths=lengths)
-    bar.close()
+    try:
+        with forward_only(drafter):
+            accept_T = accept_lengths_chunks(drafter, chunks, fetch=fetch, embed_VD=embed_VD, lm_head_VD=head_VD,
+                                             dtype=dtype, lengths=lengths)
+    finally:  # also on an error or Ctrl-C: the bar ends before the message
+        bar.close()
     overall, per_source = chain_stats(accept_T, lengths=lengths, spans=spans, names=names,
                                       block_size=dcfg.block_size, sample_ids=sample_ids)
     reader.close()

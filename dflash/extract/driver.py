@@ -274,7 +274,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
     if distributed:
         dist.barrier()
     writer = writer or open_writer()
-    with writer:
+    with writer, reporter:  # an error or Ctrl-C ends the bar before its message is printed
         loop = _BatchLoop(samples=pre.samples, tapped=tapped, device=device, storage=cfg.storage, pad_id=pad_id,
                           writer=writer, counters=counters, pool=pool)
         eta_s = _calibrated_eta(loop, my_batches, pre, device=device, echo=echo) if rank == 0 else None

@@ -59,6 +59,15 @@ class ProgressReporter:
             self._bar = tqdm(total=self.total_samples, unit="sample", dynamic_ncols=True, mininterval=1.0,
                              desc="extract", smoothing=0.1)
 
+    def __enter__(self) -> ProgressReporter:
+        return self
+
+    def __exit__(self, exc_type, *_exc: object) -> None:
+        """On an error (or Ctrl-C) the bar is closed where it stands: a bar left open is redrawn when it is
+        garbage collected, after the error's message. A normal end closes it in close()."""
+        if exc_type is not None and self._bar is not None:
+            self._bar.close()
+
     def report(self, counters: RankCounters) -> None:
         """Non-blocking in multi-rank runs: completes the previous reduce and starts this one."""
         if self.world_size == 1:

@@ -1,22 +1,62 @@
 """`dflash extract --output URL`: extraction into an object store through the URL's local staging folder.
 
-`extract_to_store` extracts into the URL's local staging folder (dflash.store.url.mirror_folder), after fetching
-what the store already holds (so a resume, on any machine, node count or scratch folder, skips every sample
-committed on the store), and publishes each rank's shards while the run goes and when it ends. Under torchrun
-every rank publishes its own rank's shards (shard names carry the rank: ranks never delete each other's
-in-flight objects); spawned ranks are published by the parent. It lives in extract/ because it drives the
-extraction launcher; the store layer below it knows nothing of extraction.
+`extract_to_store` extracts into the URL's local staging folder (dflash.store.url.staging_folder: never the
+read-through mirror's folder, since it deletes each shard once published), after fetching the records of what the
+store already holds (so a resume, on any machine, node count or scratch folder, skips every sample committed on
+the store), and publishes each rank's shards as they commit. Under torchrun every rank publishes its own rank's
+shards (shard names carry the rank: ranks never delete each other's in-flight objects); spawned ranks are
+published by the parent. It lives in extract/ because it drives the extraction launcher; the store layer below it
+knows nothing of extraction.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 from dflash.cache import commit as cm
-from dflash.store.url import mirror_folder
+from dflash.store.url import staging_folder
 
 PUBLISH_EVERY = 0.2  # seconds between publish passes while extraction runs (a local log read; no LIST)
+LEASE_CHECK_EVERY = 1.0  # seconds between reads of the lease object while extraction runs (one GET): a run
+# whose lease was taken stops within about this, not at its next commit or renewal (RENEW_EVERY = 30 s)
 STAGED_SHARDS = 2    # committed shards a rank's staging folder may hold before its writer waits for the store
+
+
+class MainThreadWaker:
+    """Raise KeyboardInterrupt in the main thread from another thread, also while the main thread blocks in a
+    lock (a full writer queue while the writer waits for a dead publisher) and also when SIGINT is ignored (a
+    background job of a script). _thread.interrupt_main does neither: it only sets a flag the interpreter
+    checks between bytecodes, and does nothing at all when SIGINT is SIG_IGN. A real signal (WAKE_SIGNAL, sent
+    to the main thread only) interrupts the blocking call; its handler, installed for the `with` block, raises."""
+
+    WAKE_SIGNAL = signal.SIGUSR1
+
+    def __init__(self) -> None:
+        import threading
+        self._lock, self._active = threading.Lock(), False
+
+    def __enter__(self) -> MainThreadWaker:
+        self._old = signal.signal(self.WAKE_SIGNAL, self._raise)
+        with self._lock:
+            self._active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:  # no signal is sent once the handler may be gone (SIGUSR1's default ends the process)
+            self._active = False
+        signal.signal(self.WAKE_SIGNAL, self._old)
+
+    @staticmethod
+    def _raise(_signum, _frame) -> None:
+        raise KeyboardInterrupt
+
+    def interrupt(self) -> None:
+        """From any thread; a no-op outside the `with` block."""
+        import threading
+        with self._lock:
+            if self._active:
+                signal.pthread_kill(threading.main_thread().ident, self.WAKE_SIGNAL)
 
 
 def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None = None):
@@ -57,9 +97,10 @@ def extract_to_store(cfg, *, num_procs: int | None, echo=print, root: str | None
 
 
 def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, lease):
-    import _thread
+    import contextlib
     import dataclasses
     import threading
+    import time
 
     from dflash.extract.launch import launch
     from dflash.store.lease import check_job_lease, job_owner_id
@@ -67,7 +108,7 @@ def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, 
     from dflash.store.sync import Publisher, fetch_cache, read_store_manifest
 
     url = cfg.output
-    staging = mirror_folder(url, root=root)
+    staging = staging_folder(url, root=root)
     if read_store_manifest(open_store(url)) is not None and not cfg.dry_run:
         os.makedirs(staging, exist_ok=True)
         lock = cm.CacheLock(staging)
@@ -98,32 +139,38 @@ def _extract_to_store(cfg, *, num_procs, echo, root, torchrun: bool, rank: int, 
     # publisher thread interrupts the main thread (as Ctrl-C would: the ranks stop, committed shards stay)
     # and the main thread raises the publisher's error; off the main thread the run stops at its end
     interrupt = threading.current_thread() is threading.main_thread()
+    wake = MainThreadWaker() if interrupt else None
 
     def publish_loop() -> None:
+        checked = time.monotonic()
         try:
             while not stop.wait(PUBLISH_EVERY):
                 if lease is not None:
                     lease.check()  # what the renewer found (a lost lease) stops the run
+                if time.monotonic() - checked >= LEASE_CHECK_EVERY:  # a takeover is seen between commits too
+                    check_job_lease(store, owner=owner)
+                    checked = time.monotonic()
                 if "pub" not in state and os.path.exists(os.path.join(staging, cm.MANIFEST)):
                     state["pub"] = publisher()
                 if "pub" in state:
                     state["pub"].publish_new()
         except BaseException as e:  # surfaced by the main thread
             state["error"] = e
-            if interrupt and not stop.is_set():
-                _thread.interrupt_main()
+            if wake is not None and not stop.is_set():
+                wake.interrupt()
 
     thread = threading.Thread(target=publish_loop, name="dflash-publish", daemon=True)
-    thread.start()
     # bounded staging: each rank's writer holds at most STAGED_SHARDS committed shards that the store has not
     # committed yet (only when a failed publisher can interrupt the run: a writer waiting on a dead one would hang)
     staged = dataclasses.replace(cfg, output=staging, max_held_shards=STAGED_SHARDS if interrupt else None)
     try:
-        try:
-            result = launch(staged, num_procs=num_procs, echo=echo)
-        finally:
-            stop.set()
-            thread.join()
+        with wake if wake is not None else contextlib.nullcontext():  # the publisher starts once it can wake us
+            thread.start()
+            try:
+                result = launch(staged, num_procs=num_procs, echo=echo)
+            finally:
+                stop.set()
+                thread.join()
     except KeyboardInterrupt:
         if "error" in state:
             raise state["error"] from None

@@ -205,3 +205,17 @@ def _get(d: dict, dotted: str | None):
     for k in (dotted or "").split("."):
         d = d.get(k) if isinstance(d, dict) else None
     return d
+
+
+def interrupted_text(output: str | os.PathLike, *, command: str) -> str:
+    """What an interrupted (Ctrl-C) `dflash generate` leaves: the committed records (whole lines of
+    commits.jsonl; chunks in flight are dropped) and the command that resumes."""
+    log = parts_dir(output) / "commits.jsonl"
+    entries = []
+    if log.exists():
+        raw = log.read_bytes()
+        entries = [json.loads(line) for line in raw[: raw.rfind(b"\n") + 1].decode().splitlines() if line.strip()]
+    records = sum(int(e["records"]) for e in entries)
+    return (f"interrupted: {records:,} records in {len(entries):,} chunks are committed in {parts_dir(output)} "
+            f"(the chunks in flight were dropped); resume with: {command}")
+

@@ -251,7 +251,8 @@ def run_chunks(*, cfg, convs: list[Conversation], out, process_chunks: ProcessCh
             bar.update(planned[i] - stats["turns"])  # turns that ended early were planned but never decoded
     except _OutOfTime:
         log.info("generate: --stop-after reached with chunks in flight; they are redone by the next run")
-    bar.close()
+    finally:  # also on an error or Ctrl-C: a bar left open is redrawn at exit, after the error's message
+        bar.close()
     totals = new_chunk_stats()
     for i in sorted(out.committed):
         st = out.committed[i]["stats"]

@@ -4,8 +4,9 @@
   ranged GETs (dflash.store.direct), nothing is copied locally. With `mirror=True` (`--store-mirror`) it is
   `local_cache(url)` instead: the committed shards mirrored into mirror_folder(url) (incremental: a rerun
   fetches only new shards), read back at local disk speed every epoch, at the cost of a full local copy.
-- `dflash cache verify URL` checks the mirror (every byte has to come over anyway, and the checks are the
-  local ones); `dflash cache info URL` reads the store's manifest and records only.
+- `dflash cache verify URL` fetches every committed shard into a temporary folder and checks it there
+  (verify_store_cache: what the store holds, not a local copy); `dflash cache info URL` reads the store's
+  manifest and records only.
 - `dflash extract --output URL`: dflash.extract.to_store (extraction sits above the store layer).
 Local paths pass through unchanged everywhere.
 """
@@ -38,6 +39,39 @@ def local_cache(path, *, taps: tuple[int, ...] | None = None, root: str | None =
     log.info("%s: local mirror %s (%d shards fetched, %d already there, %.1f MB)", path, local, st.shards,
              st.skipped, st.bytes / 1e6)
     return local
+
+
+def verify_store_cache(url: str, *, root: str | None = None):
+    """dflash.cache.verify.verify_cache of what the store holds now: every committed shard fetched into a fresh
+    temporary folder under $DFLASH_HOME/store, checked there, then deleted. No local folder is trusted as a
+    copy of the store (a mirror may predate a change on the store; an extraction's staging folder has deleted
+    its published shards); every byte has to come over for the checksums anyway."""
+    import shutil
+    import tempfile
+
+    from dflash.cache.verify import verify_cache
+    from dflash.store.sync import fetch_cache
+    from dflash.target.assets import dflash_home
+
+    base = root or os.path.join(dflash_home(), "store")
+    os.makedirs(base, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="verify-", dir=base)
+    try:
+        fetch_cache(url=url, local=tmp)
+        return verify_cache(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def store_interrupted_text(url: str, *, command: str) -> str:
+    """What an interrupted `dflash extract --output URL` leaves: the samples committed on the store (its commit
+    records; shards still in the staging folder are published by the resume), and the command that resumes."""
+    from dflash.store.direct import StoreShards
+
+    records = StoreShards(url).records()
+    samples = sum(r.num_samples for r in records)
+    return (f"interrupted: {samples:,} samples in {len(records):,} shards are committed on {url} (shards not yet "
+            f"published wait in the staging folder; the shard being written was dropped); resume with: {command}")
 
 
 def reader_path(path, *, mirror: bool = False, root: str | None = None) -> str:

@@ -293,12 +293,19 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
         listing = sp.classify_keys(store.list_keys())
         records = read_records(store, listing, pool=pool)
         drop_conflicts(local, have_local, records)
-        todo = [r for r in records if r.shard not in have_local]
         if records_only:
+            todo = [r for r in records if r.shard not in have_local]
             for r in todo:  # the marker first: a line without marker or folder would fail the resume check
                 cm.mark_published(local, r.shard)
                 cm.append_commit_line(local, r.rank, r)
             todo = []
+        else:
+            # a mirror trusts a local shard only if its folder is there and is not one an extraction's staging
+            # folder marked as the store's (deleted, or left half deleted by a kill): a commit line alone (that
+            # staging folder read as a mirror, or a shard removed by hand) is fetched again
+            published = cm.published_shards(local)
+            todo = [r for r in records if r.shard not in have_local or r.shard in published
+                    or not os.path.isdir(os.path.join(local, cm.SHARDS, r.shard))]
 
         def stage(r: cm.CommitRecord) -> str:
             return os.path.join(local, cm.STAGING, f"fetch-{r.shard}")
@@ -332,7 +339,9 @@ def fetch_cache(*, url: str, local: str, taps: tuple[int, ...] | None = None,
             dest = os.path.join(local, cm.SHARDS, r.shard)
             shutil.rmtree(dest, ignore_errors=True)
             os.rename(stage(r), dest)
-            cm.append_commit_line(local, r.rank, r)
+            cm.unmark_published(local, r.shard)
+            if r.shard not in have_local:  # a refetched shard keeps its (equal) line: one line per shard
+                cm.append_commit_line(local, r.rank, r)
     cm.write_manifest_atomic(local, cm.build_manifest(fp, records), tag="fetch")
     if records_only:
         return SyncStats(shards=0, skipped=len(records), bytes=0, seconds=time.perf_counter() - t0)

@@ -46,9 +46,16 @@ def parse_store_url(url: str) -> StoreURL:
 
 
 def mirror_folder(url: str, *, root: str | None = None) -> str:
-    """The default local folder of a URL's mirror (fetch) or staging copy (publish): under $DFLASH_HOME
+    """The local folder of a URL's read-through mirror (train/eval/sweep --store-mirror): under $DFLASH_HOME
     (or ~/.cache/dflash)/store/, named by the URL's hash, so two URLs never share one and reruns find theirs."""
     from dflash.home import dflash_home
     base = root or os.path.join(dflash_home(), "store")
     tag = hashlib.sha256(parse_store_url(url).url.encode()).hexdigest()[:16]
     return os.path.join(base, tag)
+
+
+def staging_folder(url: str, *, root: str | None = None) -> str:
+    """The local folder where `dflash extract --output URL` writes shards before publishing them: beside the
+    URL's mirror folder, never the same one. A staging folder deletes each shard once the store holds it (its
+    commit line stays, so a resume skips its samples): read as a mirror, it would claim shards it lacks."""
+    return mirror_folder(url, root=root) + "-staging"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo, barrier, destroy_distributed, init_distributed
 from dflash.train.driver import Stream, build_unit, run_stream
+from dflash.train.interrupted import StepInterrupted
 from dflash.train.online import live_taps
 from dflash.train.setup import prepare_run_dir, setup_target
 
@@ -79,6 +80,10 @@ def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pa
                         compute_dtype=target.compute_dtype, cfg=cfg, online=online)
         try:
             run_stream([unit], stream, before_step=before_step)
+        except KeyboardInterrupt as e:  # Ctrl-C: tell the CLI the step reached (train.interrupted)
+            if isinstance(e, StepInterrupted):
+                raise
+            raise StepInterrupted(global_step=unit.pos.global_step) from None
         finally:
             unit.close()
     finally:

@@ -1,0 +1,104 @@
+"""Ctrl-C in a long command (cli/interrupt.py), with a real SIGINT to a real process: exit 130, an open progress
+bar closed before the message (the message is the last line), and a second Ctrl-C while the message is being
+built exits at once. Plus the training runs' message (dflash.train.interrupted) on a run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# a command-like program: a drawn tqdm bar, then work until Ctrl-C; describe() sleeps when asked to
+PROGRAM = r"""
+import sys, time
+from tqdm import tqdm
+from cli.interrupt import exits_on_interrupt
+
+def describe(_e):
+    print("describing", file=sys.stderr, flush=True)
+    time.sleep(float(sys.argv[1]))
+    return "interrupted: 3 things kept; resume with: dflash thing --resume"
+
+with exits_on_interrupt(describe):
+    bar = tqdm(total=100, desc="work", mininterval=0)
+    bar.update(1)
+    print("working", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(0.05)
+        bar.update(0)
+"""
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line as a terminal shows it (a bar redraws its line with \\r)."""
+    return [s for s in re.split(r"[\r\n]", text) if s.strip()][-1]
+
+
+def _start(describe_s: float) -> subprocess.Popen:
+    # SIGINT at its default in the child even when this test runs in a background job (tests/e2e/helpers_procs.py)
+    return subprocess.Popen([sys.executable, "-c", PROGRAM, str(describe_s)], cwd=ROOT, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _wait_for(p: subprocess.Popen, word: str) -> str:
+    seen = ""
+    deadline = time.monotonic() + 120
+    while word not in seen:
+        assert time.monotonic() < deadline and p.poll() is None, seen
+        seen += p.stderr.read(1)
+    return seen
+
+
+def test_ctrl_c_exits_130_with_the_message_as_the_last_line():
+    p = _start(0.0)
+    seen = _wait_for(p, "working")
+    p.send_signal(signal.SIGINT)
+    err = seen + p.communicate(timeout=60)[1]
+    assert p.returncode == 130, err
+    assert last_line(err) == "interrupted: 3 things kept; resume with: dflash thing --resume", err
+    assert "Aborted" not in err and "Traceback" not in err
+
+
+def test_a_second_ctrl_c_while_the_message_is_built_exits_at_once():
+    p = _start(60.0)  # describe() would take a minute
+    _wait_for(p, "working")
+    p.send_signal(signal.SIGINT)
+    _wait_for(p, "describing")
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=30)
+    assert p.returncode == 130 and time.monotonic() - t0 < 10
+
+
+def test_train_message_names_the_newest_checkpoint_and_the_lost_steps(tmp_path):
+    from dflash.train import checkpoint as ckpt
+    from dflash.train.interrupted import sweep_interrupted_text, train_interrupted_text
+
+    run = tmp_path / "run"
+    assert train_interrupted_text(run, reached=None, command="C") == \
+        "interrupted: no checkpoint yet; a resume starts at step 0; resume with: C"
+    ckpt.checkpoint_dir(run).mkdir(parents=True)
+    for step in (5, 10):
+        ckpt.checkpoint_path(run, step).write_bytes(b"")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (5, 10, 12)) + '{"ste')
+    text = train_interrupted_text(run, reached=13, command="dflash train --resume")
+    assert text == (f"interrupted at step 13: newest checkpoint: step 10 ({ckpt.checkpoint_path(run, 10)}); "
+                    "steps 11-13 since it are lost (redone by the resume); resume with: dflash train --resume")
+    assert "at step 12: " in train_interrupted_text(run, reached=None, command="C")  # the last whole record
+    assert "at step 10: " in train_interrupted_text(run, reached=10, command="C")
+    assert "nothing since it is lost" in train_interrupted_text(run, reached=10, command="C")
+    sweep = tmp_path / "sweep"
+    (sweep / "runs" / "b" / "drafter").mkdir(parents=True)
+    (sweep / "runs" / "b" / "drafter" / "config.json").write_text("{}")
+    os.symlink(run, sweep / "runs" / "a")
+    lines = sweep_interrupted_text(sweep, command="dflash sweep S --resume").splitlines()
+    assert lines[1].startswith("  a: at step 12: newest checkpoint: step 10") and "steps 11-12" in lines[1]
+    assert lines[2] == "  b: finished (drafter exported)" and lines[-1] == "resume with: dflash sweep S --resume"
