@@ -51,7 +51,7 @@ def verify_store_cache(url: str, *, root: str | None = None):
 
     from dflash.cache.verify import verify_cache
     from dflash.store.sync import fetch_cache
-    from dflash.target.assets import dflash_home
+    from dflash.home import dflash_home
 
     base = root or os.path.join(dflash_home(), "store")
     os.makedirs(base, exist_ok=True)
