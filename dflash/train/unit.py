@@ -28,6 +28,7 @@ from dflash.train.loader import MicroBatch
 from dflash.train.metrics import H200_PEAK_BF16, FlopModel, MetricSink, Stopwatch
 from dflash.train.noise import add_feature_noise, noise_std
 from dflash.train.objective import resolve_gamma
+from dflash.train.prefix import DEFAULT_PREFIX_WEIGHT_BASE
 from dflash.train.step import (AnchorRule, GradSync, apply_divisor, autocast, lr_factor, micro_batch_loss,
                               summarize_counters)
 
@@ -93,7 +94,10 @@ class DrafterUnit:
         self.total_steps = d.total_steps
         self.grad_denominator = d.grad_denominator
         self.anchor_rule = AnchorRule(seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=self.dc.block_size,
-                                      full_blocks=cfg.anchor_positions == "full_blocks")
+                                      full_blocks=cfg.anchor_positions == "full_blocks", objective=cfg.objective,
+                                      # dflash draws no prefix: runs differing only in the unused base share a draw
+                                      prefix_weight_base=(cfg.prefix_weight_base if cfg.objective != "dflash"
+                                                          else DEFAULT_PREFIX_WEIGHT_BASE))
         self.tap_index = None if spec.tap_index is None else torch.tensor(spec.tap_index, dtype=torch.long,
                                                                           device=info.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
