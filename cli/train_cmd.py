@@ -21,7 +21,8 @@ FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr
          "eval_cache": "--eval-cache",
          "eval_every": "--eval-every", "eval_limit": "--eval-limit", "loss_normalization": "--loss-normalization",
          "anchor_positions": "--anchor-positions", "step_samples": "--step-samples", "objective": "--objective",
-         "prefix_weight_base": "--prefix-weight-base"}
+         "prefix_weight_base": "--prefix-weight-base", "layer_types": "--layer-types",
+         "sliding_window": "--sliding-window", "causal": "--causal"}
 """TrainConfig fields offered as flags (the rest: --config YAML), and their flag names."""
 CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS, "objective": OBJECTIVES}
 """String fields whose flag takes one of a fixed set of values."""
@@ -42,6 +43,17 @@ def _int_list(ctx, param, value):
     return tuple(out)
 
 
+LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention"}
+"""Short forms --layer-types accepts beside the config.json names."""
+
+
+def _layer_types(ctx, param, value):
+    if not value:
+        return None
+    parts = [item for part in value for item in str(part).replace(",", " ").split()]
+    return tuple(LAYER_TYPE_NAMES.get(p, p) for p in parts)  # the config names unknown ones
+
+
 def config_options(fn):
     """One click option per FLAGS field. Every default is None, so only the flags the user gave override the
     YAML; the help shows the dataclass default."""
@@ -53,7 +65,12 @@ def config_options(fn):
         if f.default is not dataclasses.MISSING and f.default is not None and not isinstance(f.default, bool):
             help_text += f" [default: {f.default}]"
         kind = str(f.type)
-        if kind.startswith("tuple"):
+        if name == "layer_types":
+            opt = click.option(flag, name, multiple=True, callback=_layer_types,
+                               help=help_text + " E.g. sliding,sliding,sliding,sliding,full.")
+        elif name == "causal":
+            opt = click.option("--causal/--bidirectional", name, default=None, help=help_text)
+        elif kind.startswith("tuple"):
             opt = click.option(flag, name, multiple=True, callback=_int_list, help=help_text + " E.g. 1,9,17.")
         elif kind.startswith("bool"):
             opt = click.option(flag, name, is_flag=True, default=None, help=help_text)

@@ -52,6 +52,17 @@ class TrainConfig:
     """Drafter MLP width; None = 3 x hidden size (Qwen3-8B drafter: 12288 = 3 x 4096)."""
     block_size: int = 16
     """Tokens per block: the anchor plus block_size-1 masked slots (paper: 16; 10 for LLaMA-3.1-8B)."""
+    layer_types: tuple[str, ...] | None = None
+    """Attention of each drafter layer, full_attention or sliding_attention, one per layer (SpecForge's
+    qwen3.6-27b-dflash: 4 x sliding_attention + full_attention); None = all full_attention (the paper)."""
+    sliding_window: int | None = None
+    """Window of the sliding_attention layers in tokens, the query's own slot included: a block query at
+    position p sees keys at positions > p - sliding_window (qwen3.6-27b-dflash: 2048). Required with sliding
+    layers."""
+    causal: bool | None = None
+    """In-block causality of every layer (exported as dflash_config.causal, which vLLM reads): true = slot k sees
+    only slots <= k of its block. None = by layer type, as SGLang serves them: sliding layers causal, full layers
+    bidirectional."""
     rope_theta: float = 1e7
     """Drafter RoPE base (1e6 for Qwen3 drafters, 1e7 for Qwen3.5)."""
     mask_token_id: int | None = None
@@ -223,6 +234,11 @@ class TrainConfig:
             raise ConfigError(f"dtype={self.dtype!r}: choose auto, bfloat16 or float32")
         if self.taps is not None and len(self.taps) == 0:
             raise ConfigError("taps=(): give at least one tap layer id, or leave it unset for all cached taps")
+        from dflash.drafter.config import check_layer_types
+
+        check_layer_types(self.layer_types, num_layers=self.num_layers, sliding_window=self.sliding_window)
+        if self.causal is not None and not isinstance(self.causal, bool):
+            raise ConfigError(f"causal={self.causal!r}: true, false, or unset (by layer type)")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective={self.objective!r}: choose {' or '.join(OBJECTIVES)}")
         if not (isinstance(self.prefix_weight_base, (int, float)) and self.prefix_weight_base > 0):
@@ -277,6 +293,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 def _coerce(name: str, value: Any) -> Any:
     # YAML and JSON give lists; the frozen config keeps tuples so it hashes and compares by value.
+    if name == "layer_types" and value is not None:
+        return (value,) if isinstance(value, str) else tuple(value)
     if name in ("taps", "betas") and value is not None:
         if isinstance(value, (int, float)):
             value = [value]
