@@ -278,3 +278,40 @@ def test_export_and_load_a_mixed_drafter_round_trip(tmp_path):
         a = anchors[0][-1].item()
         torch.testing.assert_close(isolated(loaded, ids[0], feats[0].float(), a).float(),
                                    isolated(model, ids[0], feats[0].float(), a).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lengths,window", [((13, 9), 3), ((700, 300, 450), 200)])
+def test_compiled_flex_equals_dense_for_a_mixed_drafter_on_cuda_forward_and_backward(lengths, window):
+    # 128-tiles (the trainer's size): with the longer sequences a window cuts into context tiles the full layer
+    # lists as full, which must be partial (masked) for the sliding layers
+    from dflash.drafter.model import DFlashDrafter
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(9)
+    anchors = [torch.sort(torch.randperm(n - 1, generator=g)[:min(60, n - 1)])[0] for n in lengths]
+    ids = torch.randint(0, 40, (sum(lengths),), generator=g)
+    feats = torch.randn(sum(lengths), 3, 32, generator=g)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=48, target_layer_ids=(1, 3, 5), num_target_layers=8,
+                        mask_token_id=3, vocab_size=40, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, block_size=4, rope_theta=1e4,
+                        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                        sliding_window=window)
+    results = []
+    for backend in ("dense", "flex"):
+        torch.manual_seed(0)
+        model = DFlashDrafter(cfg).to(dev)
+        model.attn_backend = backend
+        lay = packed_layout(lengths=list(lengths), anchors=[a.to(dev) for a in anchors], block_size=4)
+        from dflash.train.objective import build_packed_blocks
+
+        blk = build_packed_blocks(ids.to(dev), torch.ones_like(ids).to(dev), lay.anchor_J, lengths=list(lengths),
+                                  blocks_per_sample=[a.numel() for a in anchors], block_size=4, mask_token_id=3)
+        emb = embed(blk.block_ids_JB.flatten().cpu()).float().to(dev)
+        out = model(emb, model.context(feats.to(dev)), q_pos=lay.q_pos_Q, kv_pos=lay.kv_pos_K, mask=lay)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-3, atol=2e-3)
+    for n, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][n], grad, rtol=2e-2, atol=2e-3, msg=n)
