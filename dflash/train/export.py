@@ -36,5 +36,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
     cfg = DrafterConfig(**d)
     model = DFlashDrafter(cfg)
     model.load_state_dict(state["model"])
-    out = export_drafter(model, cfg, output, dtype=getattr(torch, dtype), overwrite=overwrite)
+    from dflash.train.prefix import DEFAULT_PREFIX_WEIGHT_BASE, objective_config_fields
+
+    run = state.get("train_config") or {}
+    extra = objective_config_fields(run.get("objective", "dflash"),
+                                    run.get("prefix_weight_base", DEFAULT_PREFIX_WEIGHT_BASE))
+    out = export_drafter(model, cfg, output, dtype=getattr(torch, dtype), overwrite=overwrite, dflash_extra=extra)
     return ExportResult(path=out, checkpoint=src, step=int(state["position"]["global_step"]))

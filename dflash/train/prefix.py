@@ -84,5 +84,14 @@ def slot_weights(prefix_J: torch.Tensor, *, block_size: int, gamma: float) -> to
     return torch.where(rel_JB >= 0, torch.exp(-rel_JB.clamp(min=0).float() / gamma), 0.0)
 
 
-__all__ = ["DEFAULT_PREFIX_WEIGHT_BASE", "OBJECTIVES", "prefix_lengths", "prefix_probs", "prefix_range",
+def objective_config_fields(objective: str, prefix_weight_base: float) -> dict:
+    """The exported config.json's dflash_config fields that mark how the drafter was trained: none for dflash;
+    SpecForge's VP-Drafter marks for variable_prefix (training_mode vp_drafter, prefix_weight_base), which it
+    reads back when it trains or serves such a drafter."""
+    if objective == "dflash":
+        return {}
+    return {"training_mode": "vp_drafter", "prefix_weight_base": float(prefix_weight_base)}
+
+
+__all__ = ["DEFAULT_PREFIX_WEIGHT_BASE", "OBJECTIVES", "objective_config_fields", "prefix_lengths", "prefix_probs", "prefix_range",
            "sample_prefix_lengths", "slot_weights"]

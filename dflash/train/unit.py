@@ -276,7 +276,10 @@ class DrafterUnit:
             from dflash.drafter.card import write_model_card
             from dflash.drafter.export import export_drafter
 
-            out = export_drafter(self.drafter, self.dc, out, overwrite=True)
+            from dflash.train.prefix import objective_config_fields
+
+            out = export_drafter(self.drafter, self.dc, out, overwrite=True,
+                                 dflash_extra=objective_config_fields(self.cfg.objective, self.cfg.prefix_weight_base))
             heldout = []
             if self.last_heldout is not None:  # the evaluation of the last step (end_step runs before export)
                 heldout = [{**self.last_heldout.to_json(), "name": pathlib.Path(str(self.cfg.eval_cache)).name,

@@ -48,8 +48,16 @@ def test_method_changes_the_run_and_resumes_exactly(assets, tmp_path, method):
     if "layer_types" in method:
         assert saved["layer_types"] == list(method["layer_types"]) and saved["sliding_window"] == 6
         assert saved["use_sliding_window"] is True
+        assert "training_mode" not in saved["dflash_config"]
     else:
         assert saved["layer_types"] == ["full_attention"] and saved["sliding_window"] is None
+        # SpecForge's marks of a VP-Drafter, in the end-of-run export and in `dflash export` of a checkpoint
+        assert saved["dflash_config"]["training_mode"] == "vp_drafter"
+        assert saved["dflash_config"]["prefix_weight_base"] == 0.8
+    from dflash.train.export import export_checkpoint
+
+    again = export_checkpoint(tmp_path / "ref", tmp_path / "exported", dtype="float32").path
+    assert json.loads((again / "config.json").read_text())["dflash_config"] == saved["dflash_config"]
 
 
 def test_cli_flags_reach_the_drafter(assets, tmp_path):
