@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.drafter.attention import BlockLayout, block_attention_mask, dense_mask
+from dflash.drafter.attention import FULL, BlockLayout, LayerAttention, block_attention_mask, dense_mask
 from dflash.drafter.blocks import block_input_ids
 from dflash.errors import ConfigError
 from dflash.train.prefix import slot_weights
@@ -86,11 +86,20 @@ def supervised_slots(loss_mask_S: np.ndarray, anchors_J: np.ndarray, *, block_si
     return int(np.asarray(loss_mask_S)[pos_JB[keep_JB]].astype(bool).sum())
 
 
-def visible_keys(anchors_J: np.ndarray, *, block_size: int) -> int:
+def visible_keys(anchors_J: np.ndarray, *, block_size: int, attn: LayerAttention = FULL) -> int:
     """Keys the block tokens attend to, summed over them (one layer): each of the B slots of the block at
-    anchor a sees the a context positions before it (block_attention_mask) and the B slots of its block."""
+    anchor a sees the a context positions before it (block_attention_mask) and the B slots of its block; a
+    windowed or causal layer (`attn`) fewer: slot k sees min(a, W-1-k) context keys (none once k >= W-1) and
+    its block's slots k' in [k-(W-1), k] (causal) or [k-(W-1), B) (not)."""
     a = np.asarray(anchors_J, dtype=np.int64)
-    return int(block_size * (a.sum() + block_size * len(a)))
+    if attn.is_full:
+        return int(block_size * (a.sum() + block_size * len(a)))
+    k_B = np.arange(block_size)
+    W = attn.window if attn.window is not None else np.iinfo(np.int64).max // 4
+    ctx = np.minimum(a[:, None], np.clip(W - 1 - k_B, 0, None)[None]).sum()
+    lo_B = np.clip(k_B - (W - 1), 0, None)
+    hi_B = k_B + 1 if attn.causal else np.full(block_size, block_size)
+    return int(ctx + len(a) * (hi_B - lo_B).sum())
 
 
 def decay_weights(*, block_size: int, gamma: float) -> torch.Tensor:

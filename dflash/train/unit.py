@@ -184,7 +184,20 @@ class DrafterUnit:
         self.sync.add(terms)
         self._step_flops += self.flops.step_flops(
             block_tokens=sum(hb.blocks_per_sample) * self.dc.block_size, context_tokens=mb.num_tokens,
-            supervised_tokens=hb.supervised_tokens, visible_keys=hb.visible_keys)
+            supervised_tokens=hb.supervised_tokens, visible_keys=self._visible_keys(hb))
+
+    def _visible_keys(self, hb) -> int:
+        """Keys per layer summed over block tokens, for the FLOP model: the host count of the anchor draw for the
+        paper's layers; a drafter with windowed or causal layers averages its layers' counts (the FlopModel
+        multiplies by the layer count)."""
+        attns = [self.dc.layer_attention(i) for i in range(self.dc.num_hidden_layers)]
+        if all(a.is_full for a in attns):
+            return hb.visible_keys
+        from dflash.train.objective import visible_keys
+
+        B = self.dc.block_size
+        anchors = hb.anchors_J.numpy()
+        return round(sum(visible_keys(anchors, block_size=B, attn=a) for a in attns) / len(attns))
 
     def end_step(self, pos: ckpt.DataPosition, *, step_tokens: int, stall_s: Callable[[], float],
                  stop: bool = False) -> bool:

@@ -315,3 +315,12 @@ def test_compiled_flex_equals_dense_for_a_mixed_drafter_on_cuda_forward_and_back
     torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-3, atol=2e-3)
     for n, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][n], grad, rtol=2e-2, atol=2e-3, msg=n)
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+def test_visible_key_count_of_the_flop_model_is_the_masks(attn):
+    from dflash.train.objective import visible_keys
+
+    anchors = torch.tensor([0, 1, 2, 5, 9, 30, 31])
+    lay = packed_layout(lengths=[40], anchors=[anchors], block_size=4)
+    assert visible_keys(anchors.numpy(), block_size=4, attn=attn) == int(dense_mask(lay, attn).sum())
