@@ -311,7 +311,8 @@ def _ranges_to_indices(starts_tR: torch.Tensor, ends_tR: torch.Tensor, width: in
     return total_t.to(torch.int32), idx_tW.to(torch.int32)
 
 
-def layout_tiles(layout: BlockLayout, *, tile: int = TILE, full_tiles: bool = True) -> dict[str, torch.Tensor]:
+def layout_tiles(layout: BlockLayout, *, tile: int = TILE, full_tiles: bool = True,
+                 window: int | None = None) -> dict[str, torch.Tensor]:
     """Which key tiles every query tile must visit, derived from the layout's structure: O(Q + tiles^2)
     index arithmetic, no sync, instead of evaluating the predicate on all Q x K pairs (create_block_mask
     does that, and with ~10 short sequences' blocks per batch Q x K reaches 10^10 pairs per step).
@@ -324,7 +325,8 @@ def layout_tiles(layout: BlockLayout, *, tile: int = TILE, full_tiles: bool = Tr
     context tiles lying wholly inside every row's range, in tiles whose rows are all real and of one sequence.
 
     full_tiles=False lists every visited tile as partial (a sliding-window layer: its window may cut into a
-    context tile the full-attention rule finds wholly visible).
+    context tile the full-attention rule finds wholly visible). window W: a block's context range starts at
+    position a - (W-1) (what its slot 0 sees; later slots see less), so far context tiles are skipped.
 
     Returns kv_num_blocks/kv_indices (partial tiles) and full_kv_num_blocks/full_kv_indices, shaped
     [1, 1, nq] and [1, 1, nq, nk] (int32) for BlockMask.from_kv_blocks."""
@@ -344,6 +346,8 @@ def layout_tiles(layout: BlockLayout, *, tile: int = TILE, full_tiles: bool = Tr
     # exclusive end: keys at positions below the anchor, within the sequence's run (whatever position it starts at)
     seen_J = (layout.anchor_J - first_pos_S[layout.block_seq_J]).clamp(min=0)
     hi_J = torch.minimum(lo_J + seen_J, end_S[layout.block_seq_J])
+    if window is not None:
+        lo_J = lo_J + (layout.anchor_J - (window - 1) - first_pos_S[layout.block_seq_J]).clamp(min=0)
     has_ctx_J = hi_J > lo_J
     big = torch.iinfo(torch.int64).max // 4
 
@@ -401,7 +405,7 @@ def flex_block_mask(layout: BlockLayout, *, tile: int = TILE, attn: LayerAttenti
     from torch.nn.attention.flex_attention import BlockMask
 
     Q = layout.num_blocks * layout.block_size
-    tiles = layout_tiles(layout, tile=tile, full_tiles=attn.window is None)
+    tiles = layout_tiles(layout, tile=tile, full_tiles=attn.window is None, window=attn.window)
     return BlockMask.from_kv_blocks(**tiles, BLOCK_SIZE=tile, mask_mod=layout_mask_mod(layout, attn),
                                     seq_lengths=(Q, layout.num_ctx + Q))
 

@@ -116,11 +116,13 @@ def test_dense_kernel_equals_whole_mask_sdpa_forward_and_backward(attn):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_windowed_tiles_have_no_full_tile_and_cover_the_same_tiles():
-    g = torch.Generator().manual_seed(2)
+@pytest.mark.parametrize("window", [1, 8, 40, 1000])
+def test_windowed_tiles_cover_the_windowed_mask_without_full_tiles(window):
     lay = packed_layout(lengths=[150, 90], anchors=[torch.arange(5, 140, 3), torch.arange(0, 80, 7)],
                         block_size=4)
-    std, win = layout_tiles(lay, tile=16), layout_tiles(lay, tile=16, full_tiles=False)
+    attn = LayerAttention(window=window, causal=True)
+    std = layout_tiles(lay, tile=16)
+    win = layout_tiles(lay, tile=16, full_tiles=False, window=window)
     assert int(win["full_kv_num_blocks"].sum()) == 0 < int(std["full_kv_num_blocks"].sum())
     nk = std["kv_indices"].shape[-1]
 
@@ -130,9 +132,19 @@ def test_windowed_tiles_have_no_full_tile_and_cover_the_same_tiles():
             out[t, idx[0, 0, t, :num[0, 0, t]].long()] = True
         return out
 
+    listed = tiles(win["kv_num_blocks"], win["kv_indices"])
     union = tiles(std["kv_num_blocks"], std["kv_indices"]) | tiles(std["full_kv_num_blocks"], std["full_kv_indices"])
-    assert torch.equal(tiles(win["kv_num_blocks"], win["kv_indices"]), union)
-    del g
+    m = dense_mask(lay, attn)
+    Q, K = m.shape
+    padded = torch.zeros(listed.shape[0] * 16, nk * 16, dtype=torch.bool)
+    padded[:Q, :K] = m
+    visible = padded.view(listed.shape[0], 16, nk, 16).permute(0, 2, 1, 3).flatten(2).any(-1)
+    assert (visible <= listed).all(), "a tile with a visible pair is skipped"
+    assert (listed <= union).all()
+    if window <= 40:
+        assert int(listed.sum()) < int(union.sum())  # far context tiles are skipped
+    else:
+        assert torch.equal(listed, union)
 
 
 def test_compiled_flex_with_tiles_equals_dense_on_cpu_for_a_window():
