@@ -7,6 +7,8 @@ Semantics (method doc 2, SpecForge dflash_family_model.py): anchors are position
 loss_mask[a] and loss_mask[a+1], up to 512 per sequence, uniformly without replacement, sorted. Block j is
 [x_a, MASK x (B-1)] at positions a..a+B-1; slot k is labelled with input_ids[a+k] (no shift) and weighted
 (k>0) * (a+k<S) * loss_mask[a+k] * exp(-(k-1)/gamma). The loss is the weighted mean sum(CE*w)/sum(w).
+The variable_prefix objective (train.prefix) reveals l >= 2 real tokens per block instead of the anchor alone,
+supervising slots k >= l with exp(-(k-l)/gamma): build_packed_blocks' prefix_J.
 Tradeoff: everything returns tensors (no .item()) so a training step never syncs the GPU; callers
 .item() on log steps only.
 """

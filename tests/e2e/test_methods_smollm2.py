@@ -1,5 +1,5 @@
-"""End to end on the real SmolLM2-135M (CPU, tiny settings): one `dflash sweep` trains the paper's drafter, the
-variable_prefix objective and a mixed sliding-window (8) + full drafter side by side on the session's real
+"""End to end on the real SmolLM2-135M (CPU, tiny settings): one `dflash sweep` trains the variable_prefix
+objective and a mixed sliding-window (8) + full drafter side by side on the session's real
 target-greedy cache (3 MT-Bench + 2 HumanEval responses of `dflash generate`, extracted; tests/conftest.py), with
 exact held-out tau on that cache during training. Each new run's loss falls and its tau (re-measured by
 `dflash eval` on its export) beats an untrained drafter of the same shape; the mixed drafter, cut and resumed,
@@ -56,7 +56,7 @@ def test_methods_sweep_on_smollm2(smollm2_greedy_eval, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
     model, cache = smollm2_greedy_eval.model, str(smollm2_greedy_eval.root / "cache")
     spec = {"base": {**BASE, "eval_cache": cache, "eval_every": 40},
-            "runs": [{"name": "paper"}, {"name": "vp", **VP}, {"name": "mixed", **MIXED}]}
+            "runs": [{"name": "vp", **VP}, {"name": "mixed", **MIXED}]}
     (tmp_path / "spec.yaml").write_text(json.dumps(spec))
     out = tmp_path / "sweep"
     _invoke(["sweep", str(tmp_path / "spec.yaml"), "--cache", cache, "--model", model, "--output", str(out),
