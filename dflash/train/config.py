@@ -359,5 +359,6 @@ def field_docs() -> dict[str, str]:
     return out
 
 
-__all__ = ["LOSS_NORMALIZATIONS", "OBJECTIVES", "TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible",
+__all__ = ["LOSS_NORMALIZATIONS", "OBJECTIVES",
+           "TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible",
            "RESUME_MUTABLE", "field_docs"]

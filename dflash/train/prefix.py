@@ -93,5 +93,5 @@ def objective_config_fields(objective: str, prefix_weight_base: float) -> dict:
     return {"training_mode": "vp_drafter", "prefix_weight_base": float(prefix_weight_base)}
 
 
-__all__ = ["DEFAULT_PREFIX_WEIGHT_BASE", "OBJECTIVES", "objective_config_fields", "prefix_lengths", "prefix_probs", "prefix_range",
-           "sample_prefix_lengths", "slot_weights"]
+__all__ = ["DEFAULT_PREFIX_WEIGHT_BASE", "OBJECTIVES", "objective_config_fields", "prefix_lengths", "prefix_probs",
+           "prefix_range", "sample_prefix_lengths", "slot_weights"]
