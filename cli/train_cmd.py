@@ -12,7 +12,7 @@ import click
 
 from cli.cache_cmd import store_mirror_option
 from dflash.errors import ConfigError
-from dflash.train.config import ANCHOR_POSITIONS, LOSS_NORMALIZATIONS, TrainConfig, field_docs
+from dflash.train.config import ANCHOR_POSITIONS, LOSS_NORMALIZATIONS, OBJECTIVES, TrainConfig, field_docs
 
 FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr", "batch_tokens": "--batch-tokens",
          "grad_accum": "--grad-accum", "seed": "--seed", "num_anchors": "--num-anchors", "num_layers": "--layers",
@@ -20,9 +20,11 @@ FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr
          "log_every": "--log-every", "online": "--online", "online_storage": "--online-storage",
          "eval_cache": "--eval-cache",
          "eval_every": "--eval-every", "eval_limit": "--eval-limit", "loss_normalization": "--loss-normalization",
-         "anchor_positions": "--anchor-positions", "step_samples": "--step-samples", "report_to": "--report-to"}
+         "anchor_positions": "--anchor-positions", "step_samples": "--step-samples", "objective": "--objective",
+         "prefix_weight_base": "--prefix-weight-base", "layer_types": "--layer-types",
+         "sliding_window": "--sliding-window", "causal": "--causal", "report_to": "--report-to"}
 """TrainConfig fields offered as flags (the rest: --config YAML), and their flag names."""
-CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS}
+CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS, "objective": OBJECTIVES}
 """String fields whose flag takes one of a fixed set of values."""
 NAMES = {"online_storage": "STORAGE", "report_to": "tensorboard,wandb"}
 """String fields that are names, not paths (the config checks them), and their metavar."""
@@ -41,6 +43,17 @@ def _int_list(ctx, param, value):
     return tuple(out)
 
 
+LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention"}
+"""Short forms --layer-types accepts beside the config.json names."""
+
+
+def _layer_types(ctx, param, value):
+    if not value:
+        return None
+    parts = [item for part in value for item in str(part).replace(",", " ").split()]
+    return tuple(LAYER_TYPE_NAMES.get(p, p) for p in parts)  # the config names unknown ones
+
+
 def config_options(fn):
     """One click option per FLAGS field. Every default is None, so only the flags the user gave override the
     YAML; the help shows the dataclass default."""
@@ -54,6 +67,11 @@ def config_options(fn):
         kind = str(f.type)
         if name in NAMES:
             opt = click.option(flag, name, type=str, metavar=NAMES[name], default=None, help=help_text)
+        elif name == "layer_types":
+            opt = click.option(flag, name, multiple=True, callback=_layer_types,
+                               help=help_text + " E.g. sliding,sliding,sliding,sliding,full.")
+        elif name == "causal":
+            opt = click.option("--causal/--bidirectional", name, default=None, help=help_text)
         elif kind.startswith("tuple"):
             opt = click.option(flag, name, multiple=True, callback=_int_list, help=help_text + " E.g. 1,9,17.")
         elif kind.startswith("bool"):

@@ -9,6 +9,14 @@ available at inference, method doc 2) and (b) all B slots of its own block; noth
 `block_attention_mask` is that predicate, written once with broadcasting tensor ops so it serves both the
 dense path (evaluated on [q, k] index grids) and flex attention's mask_mod (evaluated on scalar indices).
 
+Per layer (LayerAttention, from DrafterConfig.layer_types / sliding_window / causal) the predicate narrows:
+a sliding-window layer of window W lets the query at position p see only keys at positions > p - W (the query's
+own slot counts as one of the W, as in Hugging Face and SpecForge: the context bound is a + k - (W-1) for slot
+k of the block at anchor a, and inside the block slot k' >= k - (W-1)); a causal layer lets slot k see only
+slots k' <= k of its block (context keys, all below the anchor, are unaffected). That is SpecForge's training
+mask (dflash_mask.py) and what SGLang / vLLM serve: sliding layers run as decoder (causal) attention with
+window_left = W-1, full layers bidirectional, unless dflash_config.causal says otherwise (vLLM).
+
 Tradeoff: the dense path (SDPA + boolean mask, CPU, and any device without flex) processes queries in
 chunks of whole blocks and keeps only the context keys of the chunk's own sequences (below their anchors)
 plus the chunk's own block keys (nothing else is visible), so compute and memory are O(chunk * (C_seq +
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.drafter.config import LayerAttention
 from dflash.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -31,17 +40,43 @@ log = logging.getLogger(__name__)
 CONTEXT_BLOCK = -1   # block id of context keys
 
 
+FULL = LayerAttention()
+"""The paper's layer: context below the anchor, the whole own block."""
+
+
 def block_attention_mask(*, q_seq: torch.Tensor, q_anchor: torch.Tensor, q_block: torch.Tensor,
-                         kv_seq: torch.Tensor, kv_pos: torch.Tensor, kv_block: torch.Tensor) -> torch.Tensor:
+                         kv_seq: torch.Tensor, kv_pos: torch.Tensor, kv_block: torch.Tensor,
+                         q_pos: torch.Tensor | None = None, attn: LayerAttention = FULL) -> torch.Tensor:
     """True where a block query may attend to a key. All arguments broadcast against each other.
 
     q_seq/q_anchor/q_block: the query's sequence id, its block's anchor position and its block id.
     kv_seq/kv_pos/kv_block: the key's sequence id, position, and block id (CONTEXT_BLOCK for context keys).
+    q_pos: the query's position (anchor + slot), needed by a windowed or causal `attn`.
     """
     is_ctx = kv_block == CONTEXT_BLOCK
     sees_ctx = is_ctx & (kv_seq == q_seq) & (kv_pos < q_anchor)
     sees_own_block = (kv_block == q_block) & ~is_ctx
-    return sees_ctx | sees_own_block
+    sees = sees_ctx | sees_own_block
+    if attn.is_full:
+        return sees
+    assert q_pos is not None, "a windowed or causal layer's mask needs the query positions"
+    if attn.causal:   # context keys sit below the anchor, so this bites inside the block only
+        sees = sees & (kv_pos <= q_pos)
+    if attn.window is not None:
+        sees = sees & (q_pos - kv_pos < attn.window)
+    return sees
+
+
+def own_block_mask(block_size: int, attn: LayerAttention, *, device: torch.device | str = "cpu"
+                   ) -> torch.Tensor | None:
+    """bool [B, B]: which slots k' (columns) of its own block slot k (rows) sees under `attn`, the same for every
+    block (block_attention_mask at anchor 0); None when it sees all of them."""
+    if attn.is_full or (not attn.causal and attn.window is not None and attn.window >= block_size):
+        return None
+    k_B = torch.arange(block_size, device=device)
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return block_attention_mask(q_seq=zero, q_anchor=zero, q_block=zero, q_pos=k_B[:, None], kv_seq=zero,
+                                kv_pos=k_B[None], kv_block=zero, attn=attn)
 
 
 @dataclass(frozen=True)
@@ -90,12 +125,13 @@ class BlockLayout:
                            block_size=self.block_size)
 
 
-def dense_mask(layout: BlockLayout) -> torch.Tensor:
+def dense_mask(layout: BlockLayout, attn: LayerAttention = FULL) -> torch.Tensor:
     """The full [Q, K] boolean mask (tests and small batches; the kernels never build it whole)."""
     q_seq, q_anchor, q_block = layout.query_meta()
     kv_seq, kv_pos, kv_block = layout.key_meta()
     return block_attention_mask(q_seq=q_seq[:, None], q_anchor=q_anchor[:, None], q_block=q_block[:, None],
-                                kv_seq=kv_seq[None], kv_pos=kv_pos[None], kv_block=kv_block[None])
+                                q_pos=layout.q_pos_Q[:, None], kv_seq=kv_seq[None], kv_pos=kv_pos[None],
+                                kv_block=kv_block[None], attn=attn)
 
 
 # ---------------------------------------------------------------------------------------------- dense path
@@ -113,14 +149,17 @@ def visible_context_bound(layout: BlockLayout, j0: int, j1: int) -> torch.Tensor
     return layout.ctx_pos_C < bound_S[layout.ctx_seq_C]
 
 
-def _chunk_scores(q_grqd, kc_gcd, kb_gqd, mask_qc, block_size: int, acc: torch.dtype):
+def _chunk_scores(q_grqd, kc_gcd, kb_gqd, mask_qc, mask_BB, block_size: int, acc: torch.dtype):
     """Scaled scores against the context keys ([g, rep, q, c], masked to -inf) and against each query's own
-    block keys ([g, rep, q, B]), in the accumulation dtype."""
+    block keys ([g, rep, q, B], masked to -inf where mask_BB, when given, hides a slot), in the accumulation
+    dtype."""
     g, rep, nq, d = q_grqd.shape
     J, B = nq // block_size, block_size
     s_ctx = (q_grqd @ kc_gcd[:, None].transpose(-1, -2)).to(acc).masked_fill_(~mask_qc, float("-inf"))
-    s_blk = q_grqd.reshape(g, rep, J, B, d) @ kb_gqd.reshape(g, 1, J, B, d).transpose(-1, -2)
-    return s_ctx, s_blk.to(acc).reshape(g, rep, nq, B)
+    s_blk = (q_grqd.reshape(g, rep, J, B, d) @ kb_gqd.reshape(g, 1, J, B, d).transpose(-1, -2)).to(acc)
+    if mask_BB is not None:
+        s_blk = s_blk.masked_fill_(~mask_BB, float("-inf"))
+    return s_ctx, s_blk.reshape(g, rep, nq, B)
 
 
 class _ChunkAttention(torch.autograd.Function):
@@ -133,15 +172,15 @@ class _ChunkAttention(torch.autograd.Function):
     recomputes the probabilities (flash-attention's backward, dense), so no activation checkpoint is needed."""
 
     @staticmethod
-    def forward(ctx, q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size: int):
+    def forward(ctx, q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, mask_BB, block_size: int):
         h, nq, d = q_hqd.shape
         g = kc_gcd.shape[0]
         rep, J, B = h // g, nq // block_size, block_size
         acc = torch.promote_types(q_hqd.dtype, torch.float32)   # softmax in fp32 at least (bf16 training)
         scale = d ** -0.5
         q_grqd = q_hqd.reshape(g, rep, nq, d) * scale
-        s_ctx, s_blk = _chunk_scores(q_grqd, kc_gcd, kb_gqd, mask_qc, B, acc)
-        # every row sees its own block, so the row max is finite and exp(-inf - m) = 0 for masked keys
+        s_ctx, s_blk = _chunk_scores(q_grqd, kc_gcd, kb_gqd, mask_qc, mask_BB, B, acc)
+        # every row sees its own slot, so the row max is finite and exp(-inf - m) = 0 for masked keys
         m = s_blk.amax(-1, keepdim=True)
         if s_ctx.shape[-1]:   # blocks anchored at 0 see no context (amax over nothing is an error)
             m = torch.maximum(m, s_ctx.amax(-1, keepdim=True))
@@ -155,6 +194,7 @@ class _ChunkAttention(torch.autograd.Function):
         lse = m + denom.log()
         ctx.save_for_backward(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, out, lse)
         ctx.block_size = block_size
+        ctx.mask_BB = mask_BB
         return out.to(dtype).reshape(h, nq, d)
 
     @staticmethod
@@ -167,7 +207,7 @@ class _ChunkAttention(torch.autograd.Function):
         acc, scale = out.dtype, d ** -0.5
         q_grqd = q_hqd.reshape(g, rep, nq, d).to(acc) * scale
         kc, vc, kb, vb = (t.to(acc) for t in (kc_gcd, vc_gcd, kb_gqd, vb_gqd))
-        s_ctx, s_blk = _chunk_scores(q_grqd, kc, kb, mask_qc, B, acc)
+        s_ctx, s_blk = _chunk_scores(q_grqd, kc, kb, mask_qc, ctx.mask_BB, B, acc)
         p_ctx, p_blk = (s_ctx - lse).exp_(), (s_blk - lse).exp_()
         do = dout_hqd.reshape(g, rep, nq, d).to(acc)
         delta = (do * out).sum(-1, keepdim=True)
@@ -190,22 +230,25 @@ class _ChunkAttention(torch.autograd.Function):
         dkb = (ds_gJrBB.transpose(-1, -2) @ q_gJrBd).reshape(g, nq, d)
         dvb = (p_gJrBB.transpose(-1, -2) @ do_gJrBd).reshape(g, nq, d)
         return (dq.reshape(h, nq, d).to(q_hqd.dtype), dkc.to(kc_gcd.dtype), dvc.to(vc_gcd.dtype),
-                dkb.to(kb_gqd.dtype), dvb.to(vb_gqd.dtype), None, None)
+                dkb.to(kb_gqd.dtype), dvb.to(vb_gqd.dtype), None, None, None)
 
 
-def _chunk_attention(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size: int) -> torch.Tensor:
-    return _ChunkAttention.apply(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size)
+def _chunk_attention(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size: int,
+                     mask_BB: torch.Tensor | None = None) -> torch.Tensor:
+    return _ChunkAttention.apply(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, mask_BB, block_size)
 
 
-def _context_mask(q_seq, q_anchor, kv_seq, kv_pos) -> torch.Tensor:
+def _context_mask(q_seq, q_anchor, q_pos, kv_seq, kv_pos, attn: LayerAttention = FULL) -> torch.Tensor:
     """block_attention_mask for context keys only: bool [q, c]."""
     ctx_block = torch.full((), CONTEXT_BLOCK, device=q_seq.device)
     return block_attention_mask(q_seq=q_seq[:, None], q_anchor=q_anchor[:, None], q_block=ctx_block + 1,
-                                kv_seq=kv_seq[None], kv_pos=kv_pos[None], kv_block=ctx_block)
+                                q_pos=q_pos[:, None], kv_seq=kv_seq[None], kv_pos=kv_pos[None], kv_block=ctx_block,
+                                attn=attn)
 
 
 def dense_block_attention(q_hQd: torch.Tensor, k_hKd: torch.Tensor, v_hKd: torch.Tensor,
-                          layout: BlockLayout, *, chunk_tokens: int = 2048) -> torch.Tensor:
+                          layout: BlockLayout, *, chunk_tokens: int = 2048,
+                          attn: LayerAttention = FULL) -> torch.Tensor:
     """Attention with the block mask, in query chunks of whole blocks. Returns [h, Q, d].
 
     Each chunk attends to the context its own sequences can see (visible_context_bound) and each block to its
@@ -215,15 +258,19 @@ def dense_block_attention(q_hQd: torch.Tensor, k_hKd: torch.Tensor, v_hKd: torch
     the CPU / no-flex fallback."""
     C, B = layout.num_ctx, layout.block_size
     q_seq, q_anchor, _ = layout.query_meta()
+    q_pos = layout.q_pos_Q
+    mask_BB = own_block_mask(B, attn, device=q_hQd.device)
     blocks_per_chunk = max(1, chunk_tokens // B)
     outs = []
     for j0 in range(0, layout.num_blocks, blocks_per_chunk):
         j1 = min(j0 + blocks_per_chunk, layout.num_blocks)
         qs, bs = slice(j0 * B, j1 * B), slice(C + j0 * B, C + j1 * B)
+        # a superset under a window (its lower bound is left to the mask): the window narrows, never widens
         ks = torch.nonzero(visible_context_bound(layout, j0, j1)).squeeze(1)
-        mask_qc = _context_mask(q_seq[qs], q_anchor[qs], layout.ctx_seq_C[ks], layout.ctx_pos_C[ks])
+        mask_qc = _context_mask(q_seq[qs], q_anchor[qs], q_pos[qs], layout.ctx_seq_C[ks], layout.ctx_pos_C[ks],
+                                attn)
         outs.append(_chunk_attention(q_hQd[:, qs], k_hKd[:, ks], v_hKd[:, ks], k_hKd[:, bs], v_hKd[:, bs],
-                                     mask_qc, B))
+                                     mask_qc, B, mask_BB))
     return torch.cat(outs, dim=1)
 
 
@@ -264,7 +311,8 @@ def _ranges_to_indices(starts_tR: torch.Tensor, ends_tR: torch.Tensor, width: in
     return total_t.to(torch.int32), idx_tW.to(torch.int32)
 
 
-def layout_tiles(layout: BlockLayout, *, tile: int = TILE) -> dict[str, torch.Tensor]:
+def layout_tiles(layout: BlockLayout, *, tile: int = TILE, full_tiles: bool = True,
+                 window: int | None = None) -> dict[str, torch.Tensor]:
     """Which key tiles every query tile must visit, derived from the layout's structure: O(Q + tiles^2)
     index arithmetic, no sync, instead of evaluating the predicate on all Q x K pairs (create_block_mask
     does that, and with ~10 short sequences' blocks per batch Q x K reaches 10^10 pairs per step).
@@ -275,6 +323,10 @@ def layout_tiles(layout: BlockLayout, *, tile: int = TILE) -> dict[str, torch.Te
     rows' context ranges and (b) the hull of its blocks' own keys: a superset of the true tiles (the mask_mod
     masks the rest). "full" tiles, where every pair is visible and the kernel skips the mask_mod, are
     context tiles lying wholly inside every row's range, in tiles whose rows are all real and of one sequence.
+
+    full_tiles=False lists every visited tile as partial (a sliding-window layer: its window may cut into a
+    context tile the full-attention rule finds wholly visible). window W: a block's context range starts at
+    position a - (W-1) (what its slot 0 sees; later slots see less), so far context tiles are skipped.
 
     Returns kv_num_blocks/kv_indices (partial tiles) and full_kv_num_blocks/full_kv_indices, shaped
     [1, 1, nq] and [1, 1, nq, nk] (int32) for BlockMask.from_kv_blocks."""
@@ -294,6 +346,8 @@ def layout_tiles(layout: BlockLayout, *, tile: int = TILE) -> dict[str, torch.Te
     # exclusive end: keys at positions below the anchor, within the sequence's run (whatever position it starts at)
     seen_J = (layout.anchor_J - first_pos_S[layout.block_seq_J]).clamp(min=0)
     hi_J = torch.minimum(lo_J + seen_J, end_S[layout.block_seq_J])
+    if window is not None:
+        lo_J = lo_J + (layout.anchor_J - (window - 1) - first_pos_S[layout.block_seq_J]).clamp(min=0)
     has_ctx_J = hi_J > lo_J
     big = torch.iinfo(torch.int64).max // 4
 
@@ -313,7 +367,7 @@ def layout_tiles(layout: BlockLayout, *, tile: int = TILE) -> dict[str, torch.Te
     min_hi_t = rows(hi_J, -1).amin(1)
     f0 = _cdiv(lo_t, tile)
     f1 = min_hi_t // tile
-    has_full_t = one_seq_t & all_ctx_t & (f1 > f0)
+    has_full_t = one_seq_t & all_ctx_t & (f1 > f0) & full_tiles
     f0 = torch.where(has_full_t, f0, a1)
     f1 = torch.where(has_full_t, f1, a1)
     # own-block keys of the tile's rows: blocks first_j..last_j sit at C + j*B
@@ -328,28 +382,32 @@ def layout_tiles(layout: BlockLayout, *, tile: int = TILE) -> dict[str, torch.Te
             "full_kv_num_blocks": full_n[None, None], "full_kv_indices": full_idx[None, None]}
 
 
-def layout_mask_mod(layout: BlockLayout):
+def layout_mask_mod(layout: BlockLayout, attn: LayerAttention = FULL):
     """block_attention_mask as a flex-attention mask_mod on (query, key) indices of `layout`."""
     q_seq, q_anchor, q_block = layout.query_meta()
     kv_seq, kv_pos, kv_block = layout.key_meta()
+    q_pos = layout.q_pos_Q
     Q, K = q_seq.shape[0], kv_seq.shape[0]
 
     def mask_mod(b, h, q_idx, kv_idx):
         # Tiles straddling the end may be evaluated past Q/K and then discarded: keep the lookups in bounds.
         qi, ki = q_idx.clamp(max=Q - 1), kv_idx.clamp(max=K - 1)
-        return block_attention_mask(q_seq=q_seq[qi], q_anchor=q_anchor[qi], q_block=q_block[qi],
-                                    kv_seq=kv_seq[ki], kv_pos=kv_pos[ki], kv_block=kv_block[ki])
+        return block_attention_mask(q_seq=q_seq[qi], q_anchor=q_anchor[qi], q_block=q_block[qi], q_pos=q_pos[qi],
+                                    kv_seq=kv_seq[ki], kv_pos=kv_pos[ki], kv_block=kv_block[ki], attn=attn)
 
     return mask_mod
 
 
-def flex_block_mask(layout: BlockLayout, *, tile: int = TILE):
-    """A flex-attention BlockMask for `layout`: tile lists from layout_tiles, layout_mask_mod on partial tiles."""
+def flex_block_mask(layout: BlockLayout, *, tile: int = TILE, attn: LayerAttention = FULL):
+    """A flex-attention BlockMask for `layout`: tile lists from layout_tiles, layout_mask_mod on partial tiles.
+    A causal layer keeps the full context tiles (it narrows only the own-block keys, never in a full tile); a
+    windowed one has none."""
     from torch.nn.attention.flex_attention import BlockMask
 
     Q = layout.num_blocks * layout.block_size
-    return BlockMask.from_kv_blocks(**layout_tiles(layout, tile=tile), BLOCK_SIZE=tile,
-                                    mask_mod=layout_mask_mod(layout), seq_lengths=(Q, layout.num_ctx + Q))
+    tiles = layout_tiles(layout, tile=tile, full_tiles=attn.window is None, window=attn.window)
+    return BlockMask.from_kv_blocks(**tiles, BLOCK_SIZE=tile, mask_mod=layout_mask_mod(layout, attn),
+                                    seq_lengths=(Q, layout.num_ctx + Q))
 
 
 SMALL_HEAD_FORWARD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64}

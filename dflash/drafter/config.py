@@ -2,8 +2,14 @@
 
 The fields mirror the z-lab `DFlashDraftModel` config (a Qwen3 config plus `block_size`, `num_target_layers`
 and `dflash_config`), so `to_hf_config()` writes a config.json that SGLang / vLLM / z-lab code load, and
-`from_hf_config()` reads the published drafters (e.g. z-lab/Qwen3-8B-DFlash-b16, Qwen3.5-27B-DFlash).
-Tradeoff: only full-attention draft layers are modelled; the Qwen3.6 sliding-window variant is refused.
+`from_hf_config()` reads the published drafters (e.g. z-lab/Qwen3-8B-DFlash-b16, Qwen3.5-27B-DFlash, and
+SpecForge's qwen3.6-27b-dflash: 4 sliding-window layers of 2,048 + 1 full).
+Per-layer attention follows the engines: `layer_types` names each layer full_attention or sliding_attention
+(window `sliding_window`, counting the query's own slot), and a sliding layer is causal inside the block, a full
+one bidirectional (SGLang: sliding layers run as decoder attention, full ones as encoder-only; SpecForge's
+training mask; vLLM's default), unless `causal` (config.json dflash_config.causal, which vLLM reads) sets every
+layer's causality. Tradeoff: SGLang decides causality by layer type alone, so a drafter trained with `causal` set
+against that rule serves as trained in vLLM only.
 """
 
 from __future__ import annotations
@@ -17,6 +23,28 @@ from dflash.errors import ConfigError
 ARCHITECTURE = "DFlashDraftModel"
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 SUPPORTED_ACTS = ("silu",)
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+"""The values of DrafterConfig.layer_types (Hugging Face's names, as in config.json)."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one draft layer's block queries attend (DrafterConfig.layer_attention gives it per layer)."""
+
+    window: int | None = None
+    """Sliding window W (keys at positions > query position - W); None = no window (full_attention)."""
+    causal: bool = False
+    """Slot k sees only slots k' <= k of its own block; False = bidirectional within the block (the paper)."""
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ConfigError(f"sliding window {self.window!r}: must be a positive integer number of tokens")
+
+    @property
+    def is_full(self) -> bool:
+        """The paper's attention: no window, bidirectional within the block."""
+        return self.window is None and not self.causal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +96,18 @@ class DrafterConfig:
     hidden_act: str = "silu"
     """MLP activation; only silu (SwiGLU) is implemented."""
 
+    layer_types: tuple[str, ...] | None = None
+    """Attention of each draft layer, full_attention or sliding_attention (SpecForge's qwen3.6-27b-dflash: 4
+    sliding + 1 full); None = all full_attention (the paper). Normalised to a tuple of num_hidden_layers."""
+
+    sliding_window: int | None = None
+    """Window W of the sliding_attention layers, in tokens including the query's own slot: the query at position
+    p sees keys at positions > p - W (2048 in qwen3.6-27b-dflash). Required when a layer slides, else None."""
+
+    causal: bool | None = None
+    """Causality inside the block for every layer (config.json dflash_config.causal): True = slot k sees slots
+    <= k of its block. None = by layer type: sliding layers causal, full layers bidirectional."""
+
     def __post_init__(self) -> None:
         positive = ("hidden_size", "intermediate_size", "num_target_layers", "vocab_size",
                     "max_position_embeddings", "num_hidden_layers", "num_attention_heads",
@@ -106,6 +146,17 @@ class DrafterConfig:
             raise ConfigError(
                 f"DrafterConfig.mask_token_id={self.mask_token_id!r}: must be a token id in "
                 f"[0, vocab_size={self.vocab_size}) so the target embedding has a row for it")
+        types = check_layer_types(self.layer_types, num_layers=self.num_hidden_layers,
+                                  sliding_window=self.sliding_window, where="DrafterConfig.")
+        object.__setattr__(self, "layer_types", types)
+        if self.causal is not None and not isinstance(self.causal, bool):
+            raise ConfigError(f"DrafterConfig.causal={self.causal!r}: true, false, or unset (by layer type)")
+
+    def layer_attention(self, i: int) -> LayerAttention:
+        """How layer i's block queries attend: its window (sliding layers) and its in-block causality."""
+        sliding = self.layer_types[i] == SLIDING_ATTENTION
+        causal = self.causal if self.causal is not None else sliding
+        return LayerAttention(window=self.sliding_window if sliding else None, causal=causal)
 
     @property
     def num_taps(self) -> int:
@@ -116,17 +167,21 @@ class DrafterConfig:
         """Plain dict of the fields (for checkpoints and manifests)."""
         d = dataclasses.asdict(self)
         d["target_layer_ids"] = list(self.target_layer_ids)
+        d["layer_types"] = list(self.layer_types)
         return d
 
     def to_hf_config(self) -> dict[str, Any]:
         """The config.json of a published DFlash drafter (z-lab DFlashDraftModel, model_type qwen3)."""
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.causal is not None:
+            dflash["causal"] = self.causal
+        sliding = SLIDING_ATTENTION in self.layer_types
         return {
             "architectures": [ARCHITECTURE],
             "auto_map": dict(AUTO_MAP),
             "model_type": "qwen3",
             "block_size": self.block_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": dflash,
             "num_target_layers": self.num_target_layers,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -135,7 +190,7 @@ class DrafterConfig:
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
             "hidden_act": self.hidden_act,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
             "max_window_layers": self.num_hidden_layers,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": _json_number(self.rope_theta),
@@ -146,8 +201,8 @@ class DrafterConfig:
             "initializer_range": 0.02,
             "tie_word_embeddings": False,
             "use_cache": True,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "use_sliding_window": sliding,
+            "sliding_window": self.sliding_window,
             "vocab_size": self.vocab_size,
             "dtype": "bfloat16",
         }
@@ -165,10 +220,17 @@ class DrafterConfig:
         if not isinstance(dflash, dict):
             raise ConfigError("config.json has no 'dflash_config' object "
                               "(with mask_token_id and target_layer_ids): not a DFlash drafter")
-        layer_types = hf.get("layer_types") or []
-        if hf.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
-            raise ConfigError(f"config.json layer_types={layer_types!r}: sliding-window draft layers are not "
-                              "supported; only full_attention drafters")
+        layer_types = hf.get("layer_types")
+        if layer_types is None and (hf.get("use_sliding_window") or dflash.get("use_swa")):
+            raise ConfigError("config.json enables sliding windows (use_sliding_window / dflash_config.use_swa) "
+                              "without layer_types: engines disagree on which layers slide; give layer_types")
+        if not isinstance(layer_types, (list, tuple, type(None))):
+            raise ConfigError(f"config.json layer_types={layer_types!r}: must be a list of attention types")
+        sliding = layer_types is not None and SLIDING_ATTENTION in layer_types
+        window = dflash.get("swa_window_size", hf.get("sliding_window")) if sliding else None
+        causal = dflash.get("causal")
+        if causal is not None and not isinstance(causal, bool):
+            raise ConfigError(f"config.json dflash_config.causal={causal!r}: must be true or false")
         if hf.get("attention_bias"):
             raise ConfigError("config.json attention_bias=true: not supported (published drafters have none)")
         if hf.get("rope_scaling"):
@@ -199,7 +261,30 @@ class DrafterConfig:
             rope_theta=float(rope_theta if rope_theta is not None else need(hf, "rope_theta")),
             block_size=need(hf, "block_size"),
             hidden_act=hf.get("hidden_act", "silu"),
+            layer_types=None if layer_types is None else tuple(layer_types),
+            sliding_window=window,
+            causal=causal,
         )
+
+
+def check_layer_types(layer_types, *, num_layers: int, sliding_window, where: str = "") -> tuple[str, ...]:
+    """The layer types as a tuple of num_layers (None = all full_attention), checked with the window; ConfigError
+    naming `where` + the field otherwise. Shared by DrafterConfig and TrainConfig (checked before any work)."""
+    types = (FULL_ATTENTION,) * num_layers if layer_types is None else tuple(layer_types)
+    bad = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+    if bad:
+        raise ConfigError(f"{where}layer_types has {bad}: each layer is one of {', '.join(LAYER_TYPES)}")
+    if len(types) != num_layers:
+        raise ConfigError(f"{where}layer_types has {len(types)} entries for {num_layers} draft layers: give one "
+                          "per layer")
+    if SLIDING_ATTENTION in types:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ConfigError(f"{where}sliding_window={sliding_window!r}: sliding_attention layers need a positive "
+                              "window in tokens (qwen3.6-27b-dflash: 2048)")
+    elif sliding_window is not None:
+        raise ConfigError(f"{where}sliding_window={sliding_window!r} but no layer is sliding_attention: set "
+                          "layer_types too, or drop the window")
+    return types
 
 
 def _json_number(x: float) -> float | int:

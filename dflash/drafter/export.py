@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 from safetensors import safe_open
@@ -35,11 +36,13 @@ MODELING_TEMPLATE = Path(__file__).with_name("modeling_dflash.py")
 
 
 def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.PathLike, *,
-                   dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
+                   dtype: torch.dtype = torch.bfloat16, overwrite: bool = False,
+                   dflash_extra: Mapping[str, Any] | None = None) -> Path:
     """Write `model` as an HF drafter folder at out_dir; returns its path.
 
     Refuses an existing non-empty out_dir unless overwrite=True, in which case the old folder is replaced
-    only after the new one is complete.
+    only after the new one is complete. dflash_extra: more config.json dflash_config fields (how the drafter
+    was trained, e.g. train.prefix.objective_config_fields); loaders ignore them.
     """
     out = Path(out_dir)
     if not overwrite:
@@ -48,6 +51,7 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.P
     out.parent.mkdir(parents=True, exist_ok=True)
     hf = cfg.to_hf_config()
     hf["dtype"] = dtype_name(dtype)
+    hf["dflash_config"].update(dflash_extra or {})
     state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
              for name, t in model.state_dict().items()}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.compiled import compiled_op
-from dflash.drafter.attention import (BlockLayout, choose_backend, dense_block_attention,
-                                      flex_block_attention, flex_block_mask)
+from dflash.drafter.attention import (CONTEXT_BLOCK, BlockLayout, LayerAttention, block_attention_mask,
+                                      choose_backend, dense_block_attention, flex_block_attention, flex_block_mask)
 from dflash.drafter.config import DrafterConfig
 
 
@@ -193,29 +193,44 @@ class DFlashDrafter(nn.Module):
 
         block_embeds_QD: frozen target embeddings of the block tokens ([x_a, MASK...] per block).
         ctx_TD: output of `context()`; q_pos [Q] and kv_pos [T+Q] absolute positions.
-        mask: None = every query sees every key (one block over its visible context, z-lab decode step);
-        a BlockLayout = the packed-training mask (block_attention_mask), run with flex on CUDA or
-        chunked dense SDPA elsewhere.
+        mask: None = one block over its visible context (z-lab decode step): every query sees every key in
+        full-attention layers, the window / in-block causality of the others; a BlockLayout = the
+        packed-training mask (block_attention_mask per layer), run with flex on CUDA or chunked dense SDPA
+        elsewhere.
         """
         assert kv_pos.shape[0] == ctx_TD.shape[0] + block_embeds_QD.shape[0], "kv_pos must cover [ctx; block]"
         dtype, cfg = block_embeds_QD.dtype, self.cfg
         rope_q = rope_cos_sin(q_pos, head_dim=cfg.head_dim, theta=cfg.rope_theta, dtype=dtype)
         rope_k = rope_cos_sin(kv_pos, head_dim=cfg.head_dim, theta=cfg.rope_theta, dtype=dtype)
-        attend = self._attention_fn(mask, block_embeds_QD.device)
+        layer_attn = [cfg.layer_attention(i) for i in range(cfg.num_hidden_layers)]
+        # one kernel (and flex BlockMask) per distinct layer attention, built once per forward, shared by its layers
+        attends = {a: self._attention_fn(mask, block_embeds_QD.device, a, q_pos=q_pos, kv_pos=kv_pos,
+                                         num_ctx=ctx_TD.shape[0])
+                   for a in dict.fromkeys(layer_attn)}
         ctx_TD = ctx_TD.to(dtype)
         x_QD = block_embeds_QD
-        for layer in self.layers:
-            x_QD = layer(x_QD, ctx_TD, rope_q=rope_q, rope_k=rope_k, attend=attend)
+        for layer, a in zip(self.layers, layer_attn):
+            x_QD = layer(x_QD, ctx_TD, rope_q=rope_q, rope_k=rope_k, attend=attends[a])
         return self.norm(x_QD)
 
-    def _attention_fn(self, mask: BlockLayout | None, device: torch.device):
+    def _attention_fn(self, mask: BlockLayout | None, device: torch.device, attn: LayerAttention, *,
+                      q_pos: torch.Tensor, kv_pos: torch.Tensor, num_ctx: int):
         if mask is None:
-            return lambda q, k, v: F.scaled_dot_product_attention(q[None], k[None], v[None],
+            if attn.is_full:
+                return lambda q, k, v: F.scaled_dot_product_attention(q[None], k[None], v[None],
+                                                                      enable_gqa=True)[0]
+            # one block over its context (all of it below the anchor): the predicate on positions alone
+            zero = torch.zeros((), dtype=torch.int64, device=device)
+            kv_block = torch.zeros_like(kv_pos)
+            kv_block[:num_ctx] = CONTEXT_BLOCK
+            allowed_QK = block_attention_mask(q_seq=zero, q_anchor=q_pos[0], q_block=zero, q_pos=q_pos[:, None],
+                                              kv_seq=zero, kv_pos=kv_pos[None], kv_block=kv_block[None], attn=attn)
+            return lambda q, k, v: F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed_QK,
                                                                   enable_gqa=True)[0]
         backend = choose_backend(device, self.attn_backend)
         if backend == "flex":
-            block_mask = flex_block_mask(mask)       # built once per forward, shared by all layers
+            block_mask = flex_block_mask(mask, attn=attn)
             compiled = device.type == "cuda"
             return lambda q, k, v: flex_block_attention(q, k, v, block_mask, compiled=compiled)
         chunk = self.dense_chunk_tokens
-        return lambda q, k, v: dense_block_attention(q, k, v, mask, chunk_tokens=chunk)
+        return lambda q, k, v: dense_block_attention(q, k, v, mask, chunk_tokens=chunk, attn=attn)

@@ -96,5 +96,10 @@ def build_drafter_config(cfg: Any, *, hidden_size: int, taps: Sequence[int], num
         num_attention_heads=cfg.num_attention_heads if cfg.num_attention_heads is not None else heads,
         num_key_value_heads=cfg.num_key_value_heads if cfg.num_key_value_heads is not None else kv,
         head_dim=cfg.head_dim if cfg.head_dim is not None else head_dim,
-        rope_theta=float(cfg.rope_theta), block_size=cfg.block_size)
+        rope_theta=float(cfg.rope_theta), block_size=cfg.block_size, layer_types=cfg.layer_types,
+        sliding_window=cfg.sliding_window, causal=cfg.causal)
+    if dc.sliding_window is not None or dc.causal is not None:
+        reasons.append("layer attention: " + ", ".join(
+            f"{t} ({'window ' + str(a.window) + ', ' if a.window else ''}{'causal' if a.causal else 'bidirectional'})"
+            for t, a in ((dc.layer_types[i], dc.layer_attention(i)) for i in range(dc.num_hidden_layers))))
     return ResolvedDrafter(config=dc, reasons=tuple(reasons))

@@ -19,6 +19,8 @@ from dflash.train.noise import NoiseConfig
 
 LOSS_NORMALIZATIONS = ("token", "sequence", "sample")
 """TrainConfig.loss_normalization's values (objective.per_sample_mean_weights makes the last two)."""
+OBJECTIVES = ("dflash", "variable_prefix")
+"""TrainConfig.objective's values (train.prefix: the blocks' visible prefixes of each)."""
 ANCHOR_POSITIONS = ("response", "full_blocks")
 """TrainConfig.anchor_positions' values (objective.sample_anchors' full_block)."""
 
@@ -50,6 +52,17 @@ class TrainConfig:
     """Drafter MLP width; None = 3 x hidden size (Qwen3-8B drafter: 12288 = 3 x 4096)."""
     block_size: int = 16
     """Tokens per block: the anchor plus block_size-1 masked slots (paper: 16; 10 for LLaMA-3.1-8B)."""
+    layer_types: tuple[str, ...] | None = None
+    """Attention of each drafter layer, full_attention or sliding_attention, one per layer (SpecForge's
+    qwen3.6-27b-dflash: 4 x sliding_attention + full_attention); None = all full_attention (the paper)."""
+    sliding_window: int | None = None
+    """Window of the sliding_attention layers in tokens, the query's own slot included: a block query at
+    position p sees keys at positions > p - sliding_window (qwen3.6-27b-dflash: 2048). Required with sliding
+    layers."""
+    causal: bool | None = None
+    """In-block causality of every layer (exported as dflash_config.causal, which vLLM reads): true = slot k sees
+    only slots <= k of its block. None = by layer type, as SGLang serves them: sliding layers causal, full layers
+    bidirectional."""
     rope_theta: float = 1e7
     """Drafter RoPE base (1e6 for Qwen3 drafters, 1e7 for Qwen3.5)."""
     mask_token_id: int | None = None
@@ -57,6 +70,14 @@ class TrainConfig:
     one, else its pad token if that is not also eos; otherwise set it (e.g. an unused id). Qwen3: 151669."""
     gamma: float | None = None
     """Loss decay exp(-(k-1)/gamma) per block position; None = 7 for B=16, 5 for B=10, 4 for B=8, else 7B/16."""
+    objective: str = "dflash"
+    """Training objective: dflash = the paper's (each block reveals its anchor, slots 1..B-1 supervised);
+    variable_prefix = D2SD's VP-Drafter (arXiv 2606.04446): each block reveals a prefix of l real tokens, l drawn
+    from a truncated geometric prior over [min(2, B-1), B-1] (prefix_weight_base), and only the masked slots k >= l
+    are supervised, weighted exp(-(k-l)/gamma). Held-out tau decodes with the standard prefix 1 either way."""
+    prefix_weight_base: float = 0.9
+    """variable_prefix's prior: Pr(l) proportional to prefix_weight_base^l (below 1 favours short prefixes; 1 is
+    uniform; NeMo Automodel's and SpecForge's default 0.9). Unused by the dflash objective."""
     loss_normalization: str = "token"
     """How a step's loss averages: token = the decay-weighted mean over every block token of the step (long
     samples, with more anchors, weigh more); sequence = each sample's decay-weighted mean, then the mean over
@@ -217,6 +238,16 @@ class TrainConfig:
             raise ConfigError(f"dtype={self.dtype!r}: choose auto, bfloat16 or float32")
         if self.taps is not None and len(self.taps) == 0:
             raise ConfigError("taps=(): give at least one tap layer id, or leave it unset for all cached taps")
+        from dflash.drafter.config import check_layer_types
+
+        check_layer_types(self.layer_types, num_layers=self.num_layers, sliding_window=self.sliding_window)
+        if self.causal is not None and not isinstance(self.causal, bool):
+            raise ConfigError(f"causal={self.causal!r}: true, false, or unset (by layer type)")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective={self.objective!r}: choose {' or '.join(OBJECTIVES)}")
+        if not (isinstance(self.prefix_weight_base, (int, float)) and self.prefix_weight_base > 0):
+            raise ConfigError(f"prefix_weight_base={self.prefix_weight_base!r}: must be > 0 (0.9 favours short "
+                              "prefixes, 1 is uniform)")
         if self.gamma is not None and self.gamma <= 0:
             raise ConfigError(f"gamma={self.gamma}: must be > 0")
         if self.online_compile not in COMPILE_SETTINGS:
@@ -269,6 +300,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 def _coerce(name: str, value: Any) -> Any:
     # YAML and JSON give lists; the frozen config keeps tuples so it hashes and compares by value.
+    if name == "layer_types" and value is not None:
+        return (value,) if isinstance(value, str) else tuple(value)
     if name in ("taps", "betas") and value is not None:
         if isinstance(value, (int, float)):
             value = [value]
@@ -333,5 +366,6 @@ def field_docs() -> dict[str, str]:
     return out
 
 
-__all__ = ["LOSS_NORMALIZATIONS", "TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible",
+__all__ = ["LOSS_NORMALIZATIONS", "OBJECTIVES",
+           "TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible",
            "RESUME_MUTABLE", "field_docs"]

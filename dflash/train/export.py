@@ -44,9 +44,13 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
     cfg = DrafterConfig(**d)
     model = DFlashDrafter(cfg)
     model.load_state_dict(state["model"])
-    out = export_drafter(model, cfg, output, dtype=getattr(torch, dtype), overwrite=overwrite)
-    step = int(state["position"]["global_step"])
+    from dflash.train.prefix import DEFAULT_PREFIX_WEIGHT_BASE, objective_config_fields
+
     recipe = dict(state.get("train_config") or {})
+    extra = objective_config_fields(recipe.get("objective", "dflash"),
+                                    recipe.get("prefix_weight_base", DEFAULT_PREFIX_WEIGHT_BASE))
+    out = export_drafter(model, cfg, output, dtype=getattr(torch, dtype), overwrite=overwrite, dflash_extra=extra)
+    step = int(state["position"]["global_step"])
     eval_cache = recipe.get("eval_cache")
     run_dir = src.parent.parent   # RUN_DIR/checkpoints/step-N.pt
     heldout = heldout_from_metrics(read_metrics(run_dir), step=step,

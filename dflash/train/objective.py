@@ -7,6 +7,8 @@ Semantics (method doc 2, SpecForge dflash_family_model.py): anchors are position
 loss_mask[a] and loss_mask[a+1], up to 512 per sequence, uniformly without replacement, sorted. Block j is
 [x_a, MASK x (B-1)] at positions a..a+B-1; slot k is labelled with input_ids[a+k] (no shift) and weighted
 (k>0) * (a+k<S) * loss_mask[a+k] * exp(-(k-1)/gamma). The loss is the weighted mean sum(CE*w)/sum(w).
+The variable_prefix objective (train.prefix) reveals l >= 2 real tokens per block instead of the anchor alone,
+supervising slots k >= l with exp(-(k-l)/gamma): build_packed_blocks' prefix_J.
 Tradeoff: everything returns tensors (no .item()) so a training step never syncs the GPU; callers
 .item() on log steps only.
 """
@@ -21,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.drafter.attention import BlockLayout, block_attention_mask, dense_mask
+from dflash.drafter.attention import FULL, BlockLayout, LayerAttention, block_attention_mask, dense_mask
 from dflash.drafter.blocks import block_input_ids
 from dflash.errors import ConfigError
+from dflash.train.prefix import slot_weights
 
 __all__ = ["Blocks", "CELoss", "IGNORE_INDEX", "block_attention_mask", "build_blocks", "build_packed_blocks", "ce_metrics", "chunked_ce_loss",
            "decay_weights", "default_gamma", "expected_blocks", "per_sample_mean_weights", "resolve_gamma", "supervised_slots", "visible_keys", "dense_mask", "packed_layout", "packed_layout_flat", "sample_anchors"]
@@ -72,19 +75,33 @@ def expected_blocks(loss_tokens: np.ndarray, *, num_anchors: int) -> np.ndarray:
     return np.clip(np.asarray(loss_tokens, dtype=np.float64) - 1, 0, num_anchors)
 
 
-def supervised_slots(loss_mask_S: np.ndarray, anchors_J: np.ndarray, *, block_size: int) -> int:
-    """Block slots with a nonzero loss weight (build_blocks' weights_JB > 0), counted on the host: slot k >= 1
-    of the block at anchor a is supervised iff a + k < S and loss_mask[a + k]."""
-    pos_JW = np.asarray(anchors_J)[:, None] + np.arange(1, block_size)[None]
-    inside = pos_JW < len(loss_mask_S)
-    return int(np.asarray(loss_mask_S)[pos_JW[inside]].astype(bool).sum())
+def supervised_slots(loss_mask_S: np.ndarray, anchors_J: np.ndarray, *, block_size: int,
+                     prefix_J: np.ndarray | None = None) -> int:
+    """Block slots with a nonzero loss weight (build_blocks' weights_JB > 0), counted on the host: slot k of the
+    block at anchor a with prefix l (prefix_J; None = 1 for every block) is supervised iff k >= l, a + k < S and
+    loss_mask[a + k]."""
+    a_J = np.asarray(anchors_J, dtype=np.int64)
+    k_B = np.arange(block_size)
+    pos_JB = a_J[:, None] + k_B[None]
+    lo_J = np.ones(len(a_J), np.int64) if prefix_J is None else np.asarray(prefix_J, dtype=np.int64)
+    keep_JB = (k_B[None] >= lo_J[:, None]) & (pos_JB < len(loss_mask_S))
+    return int(np.asarray(loss_mask_S)[pos_JB[keep_JB]].astype(bool).sum())
 
 
-def visible_keys(anchors_J: np.ndarray, *, block_size: int) -> int:
+def visible_keys(anchors_J: np.ndarray, *, block_size: int, attn: LayerAttention = FULL) -> int:
     """Keys the block tokens attend to, summed over them (one layer): each of the B slots of the block at
-    anchor a sees the a context positions before it (block_attention_mask) and the B slots of its block."""
+    anchor a sees the a context positions before it (block_attention_mask) and the B slots of its block; a
+    windowed or causal layer (`attn`) fewer: slot k sees min(a, W-1-k) context keys (none once k >= W-1) and
+    its block's slots k' in [k-(W-1), k] (causal) or [k-(W-1), B) (not)."""
     a = np.asarray(anchors_J, dtype=np.int64)
-    return int(block_size * (a.sum() + block_size * len(a)))
+    if attn.is_full:
+        return int(block_size * (a.sum() + block_size * len(a)))
+    k_B = np.arange(block_size)
+    W = attn.window if attn.window is not None else np.iinfo(np.int64).max // 4
+    ctx = np.minimum(a[:, None], np.clip(W - 1 - k_B, 0, None)[None]).sum()
+    lo_B = np.clip(k_B - (W - 1), 0, None)
+    hi_B = k_B + 1 if attn.causal else np.full(block_size, block_size)
+    return int(ctx + len(a) * (hi_B - lo_B).sum())
 
 
 def decay_weights(*, block_size: int, gamma: float) -> torch.Tensor:
@@ -101,30 +118,36 @@ def decay_weights(*, block_size: int, gamma: float) -> torch.Tensor:
 class Blocks:
     """The draft blocks of one sequence."""
 
-    block_ids_JB: torch.Tensor   # int64 [J,B]: [x_a, MASK, ..., MASK]
+    block_ids_JB: torch.Tensor   # int64 [J,B]: [x_a, MASK, ..., MASK] (with a prefix l: x_a..x_{a+l-1}, MASK...)
     positions_JB: torch.Tensor   # int64 [J,B]: a + k
     labels_JB: torch.Tensor      # int64 [J,B]: input_ids[a+k], IGNORE_INDEX where a+k >= S
-    weights_JB: torch.Tensor     # float32 [J,B]: (k>0) * (a+k<S) * loss_mask[a+k] * exp(-(k-1)/gamma)
+    weights_JB: torch.Tensor     # float32 [J,B]: (k>=l) * (a+k<S) * loss_mask[a+k] * exp(-(k-l)/gamma), l = 1 default
 
 
 def build_blocks(input_ids_S: torch.Tensor, loss_mask_S: torch.Tensor, anchors_J: torch.Tensor, *,
-                 block_size: int, mask_token_id: int, gamma: float | None = None) -> Blocks:
+                 block_size: int, mask_token_id: int, gamma: float | None = None,
+                 prefix_J: torch.Tensor | None = None) -> Blocks:
     """Inputs, positions, labels and loss weights of the blocks anchored at `anchors_J` in one sequence.
 
-    gamma defaults to the paper's value for the block size (default_gamma).
+    gamma defaults to the paper's value for the block size (default_gamma); prefix_J: build_packed_blocks'.
     """
     return build_packed_blocks(input_ids_S, loss_mask_S, anchors_J, lengths=[input_ids_S.shape[0]],
                                blocks_per_sample=[anchors_J.shape[0]],
-                               block_size=block_size, mask_token_id=mask_token_id, gamma=gamma)
+                               block_size=block_size, mask_token_id=mask_token_id, gamma=gamma, prefix_J=prefix_J)
 
 
 def build_packed_blocks(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, anchors_J: torch.Tensor, *,
                         lengths: Sequence[int], blocks_per_sample: Sequence[int], block_size: int,
-                        mask_token_id: int, gamma: float | None = None) -> Blocks:
+                        mask_token_id: int, gamma: float | None = None,
+                        prefix_J: torch.Tensor | None = None) -> Blocks:
     """build_blocks of every sequence of a packed batch in one pass (a fixed number of kernels, whatever the
     number of sequences): sequence i holds tokens [start_i, start_i + lengths[i]) of the packed tensors and
     the next blocks_per_sample[i] anchors of anchors_J, which are positions inside that sequence.
-    positions_JB are positions inside each sequence. lengths/blocks_per_sample are host ints (no sync)."""
+    positions_JB are positions inside each sequence. lengths/blocks_per_sample are host ints (no sync).
+
+    prefix_J (int64 [J], train.prefix): each block's visible prefix length l (the variable_prefix objective):
+    slots k < l hold the real tokens (the mask token past the sequence's end) and are unsupervised, slots k >= l
+    weigh exp(-(k-l)/gamma). None = the paper's block, l = 1 (block_input_ids, decay_weights)."""
     device = input_ids_T.device
     gamma = resolve_gamma(gamma, block_size=block_size)
     # per block: where its sequence starts and ends in the packed tensors (host arithmetic, one copy each)
@@ -140,10 +163,16 @@ def build_packed_blocks(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, an
     safe_JB = torch.minimum(at_JB, end_J[:, None] - 1)
     ids_T = input_ids_T.long()
     labels_JB = torch.where(inside_JB, ids_T[safe_JB], IGNORE_INDEX)
-    block_ids_JB = block_input_ids(ids_T[at_JB[:, 0]], block_size=block_size, mask_token_id=mask_token_id)
-    # non_blocking: a blocking copy from pageable host memory synchronises the stream
-    decay_B = decay_weights(block_size=block_size, gamma=gamma).to(device, non_blocking=True)
-    weights_JB = decay_B[None] * inside_JB * loss_mask_T.to(torch.float32)[safe_JB]
+    if prefix_J is None:
+        block_ids_JB = block_input_ids(ids_T[at_JB[:, 0]], block_size=block_size, mask_token_id=mask_token_id)
+        # non_blocking: a blocking copy from pageable host memory synchronises the stream
+        decay_JB = decay_weights(block_size=block_size, gamma=gamma).to(device, non_blocking=True)[None]
+    else:
+        prefix_J = prefix_J.to(device, non_blocking=True)
+        shown_JB = (k_B[None] < prefix_J[:, None]) & inside_JB
+        block_ids_JB = torch.where(shown_JB, ids_T[safe_JB], mask_token_id)
+        decay_JB = slot_weights(prefix_J, block_size=block_size, gamma=gamma)
+    weights_JB = decay_JB * inside_JB * loss_mask_T.to(torch.float32)[safe_JB]
     return Blocks(block_ids_JB=block_ids_JB, positions_JB=pos_JB, labels_JB=labels_JB, weights_JB=weights_JB)
 
 

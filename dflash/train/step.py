@@ -30,6 +30,7 @@ from dflash.train.fused_ce import fused_ce_loss
 from dflash.train.loader import MicroBatch, anchor_seed
 from dflash.train.objective import (build_packed_blocks, chunked_ce_loss, packed_layout_flat, per_sample_mean_weights,
                                    sample_anchors, supervised_slots, visible_keys)
+from dflash.train.prefix import DEFAULT_PREFIX_WEIGHT_BASE, prefix_lengths
 
 if TYPE_CHECKING:
     from dflash.cache.reader import PackedSamples
@@ -48,6 +49,10 @@ class AnchorRule:
     """Block size of the drafter (the supervised-slot and visible-key counts depend on it)."""
     full_blocks: bool = False
     """Anchors only where the whole block fits the sequence (TrainConfig.anchor_positions full_blocks)."""
+    objective: str = "dflash"
+    """TrainConfig.objective: variable_prefix also draws each block's prefix length (train.prefix)."""
+    prefix_weight_base: float = DEFAULT_PREFIX_WEIGHT_BASE
+    """TrainConfig.prefix_weight_base (the prior of variable_prefix; unused by dflash)."""
 
 
 @dataclass(frozen=True)
@@ -58,29 +63,40 @@ class HostBlocks:
     blocks_per_sample: list[int]  # [N]
     supervised_tokens: int        # block slots with a nonzero loss weight
     visible_keys: int             # sum over block tokens of the keys each attends to (one layer)
+    prefix_J: torch.Tensor | None = None  # int64 [J]: each block's visible prefix (variable_prefix); None = 1
 
 
 def host_anchors(packed: "PackedSamples", epoch: int, *, seed: int, num_anchors: int, block_size: int,
-                 pin: bool, full_blocks: bool = False) -> HostBlocks:
+                 pin: bool, full_blocks: bool = False, objective: str = "dflash",
+                 prefix_weight_base: float = DEFAULT_PREFIX_WEIGHT_BASE) -> HostBlocks:
     """Draw each sample's anchors with a generator seeded by (seed, epoch, sample id): independent of rank,
-    batch composition and resume point. Runs in a loader thread on CPU tensors."""
+    batch composition and resume point; with objective variable_prefix the same generator then draws the blocks'
+    prefix lengths (train.prefix), so the anchors are the dflash objective's. Runs in a loader thread on CPU
+    tensors."""
     loss_mask_T = np.asarray(packed.loss_mask)
-    offset, anchors, counts, supervised, visible = 0, [], [], 0, 0
+    offset, anchors, counts, supervised, visible, prefixes = 0, [], [], 0, 0, []
     for sid, n in zip(np.asarray(packed.sample_ids).tolist(), np.asarray(packed.lengths).tolist()):
         mask_S = loss_mask_T[offset:offset + n]
         g = torch.Generator().manual_seed(anchor_seed(seed=seed, epoch=epoch, sample_id=int(sid)))
         a_J = sample_anchors(torch.from_numpy(mask_S.astype(np.bool_)), num_anchors=num_anchors, generator=g,
                              full_block=block_size if full_blocks else None)
+        p_J = prefix_lengths(objective, a_J.numel(), block_size=block_size, base=prefix_weight_base, generator=g)
         anchors.append(a_J)
+        prefixes.append(p_J)
         counts.append(int(a_J.numel()))
-        supervised += supervised_slots(mask_S, a_J.numpy(), block_size=block_size)
+        supervised += supervised_slots(mask_S, a_J.numpy(), block_size=block_size,
+                                       prefix_J=None if p_J is None else p_J.numpy())
         visible += visible_keys(a_J.numpy(), block_size=block_size)
         offset += n
     anchors_J = torch.cat(anchors) if anchors else torch.zeros(0, dtype=torch.int64)
+    prefix_J = None
+    if objective != "dflash":
+        prefix_J = torch.cat(prefixes) if prefixes else torch.zeros(0, dtype=torch.int64)
     if pin:
         anchors_J = anchors_J.pin_memory()
+        prefix_J = None if prefix_J is None else prefix_J.pin_memory()
     return HostBlocks(anchors_J=anchors_J, blocks_per_sample=counts, supervised_tokens=supervised,
-                      visible_keys=visible)
+                      visible_keys=visible, prefix_J=prefix_J)
 
 
 def stream_anchors(packed: "PackedSamples", epoch: int, *, rules: Sequence[AnchorRule],
@@ -88,7 +104,8 @@ def stream_anchors(packed: "PackedSamples", epoch: int, *, rules: Sequence[Ancho
     """The loader's host_fn: one anchor draw per distinct rule of the stream's drafters (cheap, and the same
     draws as a drafter trained alone)."""
     return {r: host_anchors(packed, epoch, seed=r.seed, num_anchors=r.num_anchors, block_size=r.block_size, pin=pin,
-                            full_blocks=r.full_blocks)
+                            full_blocks=r.full_blocks, objective=r.objective,
+                            prefix_weight_base=r.prefix_weight_base)
             for r in rules}
 
 
@@ -117,7 +134,7 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
     lengths = mb.lengths.tolist()
     blk = build_packed_blocks(mb.input_ids_T, mb.loss_mask_T, anchors_J, lengths=lengths,
                               blocks_per_sample=hb.blocks_per_sample, block_size=B, mask_token_id=mask_token_id,
-                              gamma=gamma)
+                              gamma=gamma, prefix_J=hb.prefix_J)
     layout = packed_layout_flat(lengths=lengths, anchors_J=anchors_J, blocks_per_sample=hb.blocks_per_sample,
                                 block_size=B)  # host lengths and counts: no GPU sync
     block_ids_Q = blk.block_ids_JB.reshape(-1)

@@ -28,6 +28,7 @@ from dflash.train.loader import MicroBatch
 from dflash.train.metrics import H200_PEAK_BF16, FlopModel, MetricSink, Stopwatch
 from dflash.train.noise import add_feature_noise, noise_std
 from dflash.train.objective import resolve_gamma
+from dflash.train.prefix import DEFAULT_PREFIX_WEIGHT_BASE
 from dflash.train.step import (AnchorRule, GradSync, apply_divisor, autocast, lr_factor, micro_batch_loss,
                               summarize_counters)
 
@@ -93,7 +94,10 @@ class DrafterUnit:
         self.total_steps = d.total_steps
         self.grad_denominator = d.grad_denominator
         self.anchor_rule = AnchorRule(seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=self.dc.block_size,
-                                      full_blocks=cfg.anchor_positions == "full_blocks")
+                                      full_blocks=cfg.anchor_positions == "full_blocks", objective=cfg.objective,
+                                      # dflash draws no prefix: runs differing only in the unused base share a draw
+                                      prefix_weight_base=(cfg.prefix_weight_base if cfg.objective != "dflash"
+                                                          else DEFAULT_PREFIX_WEIGHT_BASE))
         self.tap_index = None if spec.tap_index is None else torch.tensor(spec.tap_index, dtype=torch.long,
                                                                           device=info.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -181,7 +185,20 @@ class DrafterUnit:
         self.sync.add(terms)
         self._step_flops += self.flops.step_flops(
             block_tokens=sum(hb.blocks_per_sample) * self.dc.block_size, context_tokens=mb.num_tokens,
-            supervised_tokens=hb.supervised_tokens, visible_keys=hb.visible_keys)
+            supervised_tokens=hb.supervised_tokens, visible_keys=self._visible_keys(hb))
+
+    def _visible_keys(self, hb) -> int:
+        """Keys per layer summed over block tokens, for the FLOP model: the host count of the anchor draw for the
+        paper's layers; a drafter with windowed or causal layers averages its layers' counts (the FlopModel
+        multiplies by the layer count)."""
+        attns = [self.dc.layer_attention(i) for i in range(self.dc.num_hidden_layers)]
+        if all(a.is_full for a in attns):
+            return hb.visible_keys
+        from dflash.train.objective import visible_keys
+
+        B = self.dc.block_size
+        anchors = hb.anchors_J.numpy()
+        return round(sum(visible_keys(anchors, block_size=B, attn=a) for a in attns) / len(attns))
 
     def end_step(self, pos: ckpt.DataPosition, *, step_tokens: int, stall_s: Callable[[], float],
                  stop: bool = False) -> bool:
@@ -272,8 +289,10 @@ class DrafterUnit:
         if self.info.is_main:
             from dflash.drafter.card import write_model_card
             from dflash.drafter.export import export_drafter
+            from dflash.train.prefix import objective_config_fields
 
-            out = export_drafter(self.drafter, self.dc, out, overwrite=True)
+            out = export_drafter(self.drafter, self.dc, out, overwrite=True,
+                                 dflash_extra=objective_config_fields(self.cfg.objective, self.cfg.prefix_weight_base))
             heldout = []
             if self.last_heldout is not None:  # the evaluation of the last step (end_step runs before export)
                 heldout = [{**self.last_heldout.to_json(), "name": pathlib.Path(str(self.cfg.eval_cache)).name,

@@ -53,9 +53,9 @@ def test_each_chunk_attends_only_to_the_context_its_sequences_see(monkeypatch):
     seen = []
     real = attention._chunk_attention
 
-    def recording(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size):
+    def recording(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size, *rest):
         seen.append((q_hqd.shape[1], kc_gcd.shape[1], kb_gqd.shape[1]))
-        return real(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size)
+        return real(q_hqd, kc_gcd, vc_gcd, kb_gqd, vb_gqd, mask_qc, block_size, *rest)
 
     monkeypatch.setattr(attention, "_chunk_attention", recording)
     with torch.no_grad():
