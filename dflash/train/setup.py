@@ -147,12 +147,28 @@ def setup_target(cfg: TrainConfig, *, info: DistInfo) -> TargetSetup:
     from dflash.target.load import local_model_dir, text_config
 
     reasons: list[str] = []
-    reader = CacheReader(cfg.cache, verify=cfg.verify_checksums)
-    if len(reader) == 0:
-        raise ConfigError(f"cache {cfg.cache!r} has no committed samples")
-    busy = cache_in_progress(cfg.cache)
-    if busy and info.is_main:
-        log.warning("%s (%d samples committed)", busy, len(reader))
+    readers = []
+    try:
+        for path in cfg.cache_paths:
+            readers.append(CacheReader(path, verify=cfg.verify_checksums))
+            if len(readers[-1]) == 0:
+                raise ConfigError(f"cache {path!r} has no committed samples")
+            busy = cache_in_progress(path)
+            if busy and info.is_main:
+                log.warning("%s (%d samples committed)", busy, len(readers[-1]))
+        if len(readers) == 1:
+            reader = readers[0]
+        else:
+            from dflash.cache.mixed import MixedReader
+
+            reader = MixedReader(readers)
+            reasons.append(f"{len(readers)} caches mixed ({', '.join(f'{len(r)}' for r in readers)} samples), "
+                           + ("every sample once per epoch" if cfg.cache_weights is None else
+                              f"weights {list(cfg.cache_weights)}"))
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
     model_dir = local_model_dir(cfg.model)
     embed_VD, head_VD, head_info = embedding_and_head(cfg.model)
     target_config = text_config(AutoConfig.from_pretrained(model_dir))
@@ -222,7 +238,8 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
                        f"(compile_elementwise={cfg.compile_elementwise})")
     reasons.append(describe_drafter(dc, drafter))
     # each epoch planned once for the step count, the CPU estimate and the sample denominator
-    plan_of = functools.cache(lambda e: config_plan(cfg, reader.index.length, epoch=e, world_size=info.world_size))
+    plan_of = functools.cache(lambda e: config_plan(cfg, reader.index.length, epoch=e, world_size=info.world_size,
+                                                    counts=getattr(reader, "counts", None)))
     total = count_total_steps(cfg, plan_of)
     if info.device.type == "cpu" and info.is_main and cfg.num_anchors * dc.block_size >= GPU_SIZED_BLOCK_TOKENS:
         per_epoch = plan_of(0).num_steps
