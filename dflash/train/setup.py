@@ -214,13 +214,26 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
 
     reasons: list[str] = []
     reader = target.reader
-    taps = select_taps(reader.tap_layer_ids, cfg.taps, online_layers=target.num_target_layers if cfg.online else None)
-    if cfg.taps is None:
+    init = None
+    if resume_state is None and cfg.init_from is not None:  # a resume continues its own weights instead
+        from dflash.train.init_from import check_init_fits, load_init
+
+        init = load_init(cfg.init_from)
+        check_init_fits(init.config, hidden_size=reader.hidden_size, num_target_layers=target.num_target_layers,
+                        vocab_size=target.vocab_size, cache_taps=reader.tap_layer_ids, requested_taps=cfg.taps,
+                        online=cfg.online)
+    wanted = cfg.taps if init is None else init.config.target_layer_ids
+    taps = select_taps(reader.tap_layer_ids, wanted, online_layers=target.num_target_layers if cfg.online else None)
+    if wanted is None:
         reasons.append(f"taps: all of the cache's taps {list(taps)}")
     if resume_state is not None:
         dc = DrafterConfig(**{**resume_state["drafter_config"],
                               "target_layer_ids": tuple(resume_state["drafter_config"]["target_layer_ids"])})
         reasons.append("drafter config: from the checkpoint being resumed")
+    elif init is not None:
+        dc = init.config
+        reasons.append(f"drafter config and initial weights: from {init.source} (its shape, taps, block size "
+                       "and mask token; the run's own shape settings are not used)")
     else:
         mask_id, why = resolve_mask_token_id(target.tokenizer, configured=cfg.mask_token_id,
                                              vocab_size=target.vocab_size)
@@ -232,6 +245,8 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
         reasons.extend(resolved.reasons)
     torch.manual_seed(cfg.seed)  # identical init on every rank (built on the CPU, then moved)
     drafter = DFlashDrafter(dc).to(info.device)
+    if init is not None:
+        drafter.load_state_dict(init.state, strict=True)
     if compile_wanted(cfg.compile_elementwise, info.device):
         drafter.compile_elementwise()
         reasons.append(f"norms, RoPE, SiLU-gating and the fused CE's elementwise work: torch.compile'd "

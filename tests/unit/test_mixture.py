@@ -183,3 +183,80 @@ def test_weighted_run_resumes_exactly_and_counts_per_cache(assets, tmp_path):
     assert "samples seen" in (tmp_path / "ref" / "drafter" / "README.md").read_text()
     cfgjson = json.loads((tmp_path / "ref" / "config.json").read_text())
     assert cfgjson["train"]["cache_weights"] == [3, 1]
+
+
+# ------------------------------------------------------------------------------------------------ --init-from
+
+
+def _init_state(cfg):
+    from dflash.train.distributed import DistInfo
+    from dflash.train.setup import setup_drafter, setup_target
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    target = setup_target(cfg, info=info)
+    try:
+        return setup_drafter(cfg, target, info=info, resume_state=None)
+    finally:
+        target.reader.close()
+
+
+def test_init_from_a_run_or_a_drafter_folder_starts_from_its_weights(assets, tmp_path):
+    """A new run on another cache mixture starts from the trained weights of a run folder (its newest checkpoint)
+    or of its exported drafter folder (z-lab's format), with the drafter's shape and taps; it then trains."""
+    from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
+    from dflash.train.trainer import train
+
+    model, a, b, _ = assets
+    first = tmp_path / "first"
+    train(tiny_config(cache=a, model=model, output=str(first), steps=3, taps=(0, 2)), device="cpu")
+    trained = load_checkpoint(latest_checkpoint(first))["model"]
+    for src in (first, first / "drafter"):
+        d = _init_state(tiny_config(cache=b, extra_caches=(a,), model=model, output="unused", init_from=str(src)))
+        assert d.drafter_config.target_layer_ids == (0, 2)
+        got = d.drafter.state_dict()
+        for name, t in trained.items():
+            assert torch.allclose(got[name].float(), t.float(), atol=1e-2 if src.name == "drafter" else 0), name
+    fresh = _init_state(tiny_config(cache=b, model=model, output="unused", taps=(0, 2)))
+    assert not torch.equal(fresh.drafter.state_dict()["fc.weight"], trained["fc.weight"])
+    res = train(tiny_config(cache=b, model=model, output=str(tmp_path / "next"), steps=2, init_from=str(first)),
+                device="cpu")
+    assert res.finished and json.loads((tmp_path / "next" / "config.json").read_text())["drafter"][
+        "target_layer_ids"] == [0, 2]
+
+
+def test_init_from_refuses_a_drafter_that_does_not_fit(assets, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from dflash.drafter.config import DrafterConfig
+    from dflash.drafter.export import export_drafter
+    from dflash.drafter.model import DFlashDrafter
+
+    model, a, _, _ = assets
+    other_taps = tiny_cache(tmp_path / "taps", pathlib.Path(model), num_samples=6, taps=(0, 1, 3))
+    dc = DrafterConfig(hidden_size=64, intermediate_size=64, target_layer_ids=(0, 2), num_target_layers=4,
+                       mask_token_id=0, vocab_size=_vocab(model), num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=32, block_size=4)
+    export_drafter(DFlashDrafter(dc), dc, tmp_path / "d")
+    base = ["train", "--model", model, "--init-from", str(tmp_path / "d"), "--steps", "1"]
+    r = CliRunner().invoke(cli, base + ["--cache", str(other_taps), "--output", str(tmp_path / "o1")])
+    assert r.exit_code == 1 and "target_layer_ids" in r.output and "lacks taps [2]" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+    r = CliRunner().invoke(cli, base + ["--cache", a, "--output", str(tmp_path / "o2"), "--taps", "0,1"])
+    assert r.exit_code == 1 and "taps" in r.output, r.output
+    wide = DrafterConfig(**{**dc.to_json(), "hidden_size": 32, "target_layer_ids": (0, 2)})
+    export_drafter(DFlashDrafter(wide), wide, tmp_path / "w")
+    r = CliRunner().invoke(cli, ["train", "--model", model, "--init-from", str(tmp_path / "w"), "--cache", a,
+                                 "--output", str(tmp_path / "o3")])
+    assert r.exit_code == 1 and "hidden_size 32 != the run's 64" in r.output, r.output
+    r = CliRunner().invoke(cli, ["train", "--model", model, "--init-from", str(tmp_path / "nothing"), "--cache", a,
+                                 "--output", str(tmp_path / "o4")])
+    assert r.exit_code == 1 and "not a dflash run folder" in r.output, r.output
+
+
+def _vocab(model):
+    from transformers import AutoConfig
+
+    from dflash.target.load import text_config
+
+    return int(text_config(AutoConfig.from_pretrained(model)).vocab_size)
