@@ -16,6 +16,7 @@ one cache read and one H2D copy instead of K.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -209,6 +210,10 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
         if pos.step_in_epoch >= plan.num_steps:
             pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
             continue
+        # the loader reads no step past the last one a unit needs (a mixture sweep counts each sample's reads)
+        needed = pos.step_in_epoch + max(u.total_steps for u in units if not u.finished) - pos.global_step
+        if needed < plan.num_steps:
+            plan = dataclasses.replace(plan, steps=plan.steps[:needed])
         epoch = pos.epoch
         rules = sorted({u.anchor_rule for u in units if not u.finished})
 

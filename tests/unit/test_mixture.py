@@ -260,3 +260,42 @@ def _vocab(model):
     from dflash.target.load import text_config
 
     return int(text_config(AutoConfig.from_pretrained(model)).vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------- mixture sweeps
+
+
+def test_mixture_sweep_trains_each_weighting_off_one_read_of_each_cache(assets, tmp_path):
+    """A grid over cache_weights: each run equals the same run trained alone, and each sample any run uses is
+    read from disk once: the bytes read are at most those of reading each used sample once (+5%)."""
+    from dflash.cache import CacheReader
+    from dflash.cache.mixed import MixedReader
+    from dflash.sweep.mixture import plan_uses
+    from dflash.sweep.runner import run_sweep
+    from dflash.sweep.spec import spec_from_dict
+    from dflash.train.checkpoint import PLAN_VERSION
+    from dflash.train.loader import plan_costs
+    from dflash.train.trainer import train
+
+    model, a, b, _ = assets
+    base = dict(num_layers=1, block_size=4, num_anchors=8, batch_tokens=200, lr=3e-3, warmup_ratio=0.1,
+                log_every=1, save_every=2, num_readers=1, prefetch=2, intermediate_size=64, steps=6)
+    out = tmp_path / "sw"
+    spec = spec_from_dict({"base": base, "grid": {"cache_weights": [[3, 1], [1, 3]]}}, cache=a, extra_caches=(b,),
+                          model=model, output=str(out))
+    res = run_sweep(spec, output=out, device="cpu")
+    assert res.groups == [["cache_weights3-1", "cache_weights1-3"]]
+    rec = json.loads((out / "streams" / "group-0.json").read_text())["mixture"]
+    assert rec["samples_read_from_disk"] == rec["unique_samples"] < rec["sample_uses"]
+    for name, w in (("cache_weights3-1", (3, 1)), ("cache_weights1-3", (1, 3))):
+        alone = tmp_path / f"alone{name}"
+        train(tiny_config(cache=a, extra_caches=(b,), cache_weights=w, model=model, output=str(alone), steps=6,
+                          shuffle_seed=0), device="cpu")
+        assert _steps_and_losses(out / "runs" / name) == _steps_and_losses(alone)
+    mixed = MixedReader([CacheReader(a), CacheReader(b)])
+    cfgs = [spec.runs[0].config, spec.runs[1].config]
+    costs = plan_costs(mixed.index.length, mixed.index.num_loss_tokens, plan_version=PLAN_VERSION)
+    _, used = plan_uses(cfgs, [6, 6], lengths=mixed.index.length, counts=mixed.counts, costs=costs)
+    for g in np.unique(np.concatenate(used)).tolist():
+        mixed.read_many([g], taps=(0, 1, 2))
+    assert res.bytes_read <= 1.05 * mixed.bytes_read, (res.bytes_read, mixed.bytes_read)
