@@ -1,6 +1,6 @@
 """Data mixtures off cached states, on CPU with the real SmolLM2-135M and two ShareGPT subsets:
 
-    python benchmarks/bench_mixture.py            # ~5 minutes on 2 cores
+    python benchmarks/bench_mixture.py            # ~11 minutes on 2 shared cores (the 200 steps: ~8)
 
 Three figures, each against its own floor, measured in one run:
   share_abs_error   |samples seen per cache / all samples - weight share| of a 200-step 3:1 run  (<= 0.02)
@@ -8,8 +8,8 @@ Three figures, each against its own floor, measured in one run:
                     (each alone, a fresh reader: the same chunk-granular accounting)              (<= 1.05)
   grown_equals_union a cache of subset A grown with subset B (`dflash extract --output A --data B`) holds,
                     sample for sample (ids, tokens, masks, hidden bits), what one extraction of A + B holds
-The subsets: ShareGPT conversations 0-47 (A) and 48-79 (B), truncated at 256 tokens, taps 1,2 (the target
-runs 3 of its 30 layers), bf16. Drafter: 1 layer, block 4, 8 anchors, 512-token steps (CPU-sized).
+The subsets: ShareGPT conversations 0-47 (A) and 48-79 (B), truncated at 256 tokens (35 and 21 usable
+samples: the rest has no assistant token left), taps 1,2 (the target runs 3 of its 30 layers), bf16. Drafter: 1 layer, block 4, 8 anchors, 512-token steps (CPU-sized).
 Writes benchmarks/results/mixture_cpu.json; the last stdout line is that JSON.
 """
 
@@ -36,7 +36,8 @@ from common import machine_info, package_version  # noqa: E402
 TAPS = (1, 2)
 MAX_LEN = 256
 DRAFTER = dict(num_layers=1, block_size=4, num_anchors=8, batch_tokens=512, lr=1e-3, warmup_ratio=0.05,
-               intermediate_size=256, num_readers=1, prefetch=2, save_every=10**6)
+               intermediate_size=256, num_readers=1, prefetch=2, save_every=10**6,
+               mask_token_id=16)  # <empty_output>, which the chat model never emits (configs/train_smollm2.yaml)
 
 
 def say(msg: str) -> None:

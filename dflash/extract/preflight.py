@@ -213,7 +213,7 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     sample_ids = samples.sample_ids
     lengths = samples.lengths
     plan = make_plan(sample_ids=sample_ids, lengths=lengths, committed=committed, world_size=world_size,
-                     max_tokens=cfg.batch_tokens, batch_fn=extraction_batches)
+                     max_tokens=cfg.batch_tokens, batch_fn=extraction_batches, groups=src)
     plan = dataclasses.replace(plan, num_committed=num_in_cache)
     todo = ~np.isin(sample_ids, np.fromiter(committed, dtype=np.int64, count=len(committed)))
     cache_bytes = estimate_cache_bytes(num_tokens=plan.num_tokens_todo, num_samples=int(todo.sum()),
