@@ -84,3 +84,42 @@ def test_grow_refuses_other_settings_and_a_lost_source(data, tmp_path):
     moved.unlink()
     r = CliRunner().invoke(cli, ["extract", "--model", model, "--data", b, "--output", str(cache), "--no-progress"])
     assert r.exit_code == 1 and "source" in r.output and "missing" in r.output, r.output
+
+
+def _commit_lines(out: Path) -> int:
+    return sum(len([ln for ln in p.read_text().splitlines() if ln.strip()]) for p in (out / "commits").glob("*.jsonl"))
+
+
+def test_a_grow_killed_mid_run_resumes_to_the_union(data, tmp_path):
+    """SIGKILL a growing extraction once it has committed new shards; the same command again completes it, and
+    the cache equals the one-run extraction of both sources (the writer's guarantees hold for a grow)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model, a, _, base = data
+    big = write_conversations(tmp_path / "big.jsonl", num=40, seed=5)
+    union = tmp_path / "union"
+    _extract("--model", model, "--data", a, "--data", str(big), "--output", str(union), "--taps", "0,2", *COMMON)
+    grown = tmp_path / "grown"
+    _extract("--model", model, "--data", a, "--output", str(grown), "--taps", "0,2", *COMMON)
+    before = _commit_lines(grown)
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.Popen([sys.executable, "-m", "cli.main", "extract", "--model", model, "--data", str(big),
+                          "--output", str(grown), *COMMON], cwd=root, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while _commit_lines(grown) < before + 2:
+        assert p.poll() is None, f"the grow ended (rc={p.returncode}) before it was killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGKILL)
+    assert p.wait() == -signal.SIGKILL
+    time.sleep(0.5)
+    partial = _content(grown)
+    assert 10 < len(partial) < 50
+    out = _extract("--model", model, "--data", str(big), "--output", str(grown), *COMMON)
+    assert f"{len(partial)} already in the cache" in out, out
+    assert _content(grown) == _content(union)
