@@ -237,6 +237,9 @@ class TrainConfig:
             from dflash.cache.format import resolve_storage
 
             resolve_storage(self.online_storage)  # ConfigError naming the choices
+        if len(set(self.cache_paths)) != len(self.cache_paths):
+            raise ConfigError(f"caches {list(self.cache_paths)}: a cache is given twice; give each once and weigh "
+                              "it with cache_weights")
         if self.cache_weights is not None:
             from dflash.train.mixture import check_weights
 

@@ -85,6 +85,8 @@ def test_yaml_caches_form(tmp_path):
         load_train_config(y, dict(model="M", output="O"))
     with pytest.raises(ConfigError, match="one per --cache"):
         tiny_config(cache="A", extra_caches=("B",), cache_weights=(1, 2, 3), model="M", output="O")
+    with pytest.raises(ConfigError, match="given twice"):
+        tiny_config(cache="A", extra_caches=("A",), model="M", output="O")
 
 
 def test_cli_takes_several_caches_and_weights(tmp_path, monkeypatch):
