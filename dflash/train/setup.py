@@ -223,6 +223,8 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
                         vocab_size=target.vocab_size, cache_taps=reader.tap_layer_ids, requested_taps=cfg.taps,
                         online=cfg.online)
     wanted = cfg.taps if init is None else init.config.target_layer_ids
+    if resume_state is not None:  # the drafter's own taps (a run started --init-from took them from its source)
+        wanted = tuple(resume_state["drafter_config"]["target_layer_ids"])
     taps = select_taps(reader.tap_layer_ids, wanted, online_layers=target.num_target_layers if cfg.online else None)
     if wanted is None:
         reasons.append(f"taps: all of the cache's taps {list(taps)}")

@@ -220,10 +220,12 @@ def test_init_from_a_run_or_a_drafter_folder_starts_from_its_weights(assets, tmp
             assert torch.allclose(got[name].float(), t.float(), atol=1e-2 if src.name == "drafter" else 0), name
     fresh = _init_state(tiny_config(cache=b, model=model, output="unused", taps=(0, 2)))
     assert not torch.equal(fresh.drafter.state_dict()["fc.weight"], trained["fc.weight"])
-    res = train(tiny_config(cache=b, model=model, output=str(tmp_path / "next"), steps=2, init_from=str(first)),
-                device="cpu")
+    kw = dict(cache=b, model=model, steps=4, init_from=str(first))
+    res = train(tiny_config(output=str(tmp_path / "next"), **kw), device="cpu")
     assert res.finished and json.loads((tmp_path / "next" / "config.json").read_text())["drafter"][
         "target_layer_ids"] == [0, 2]
+    # cut and resumed: the resume continues its own weights and taps, with the uninterrupted run's losses
+    assert _cut_and_resume_losses(tmp_path / "cut", kw, cut=2) == _steps_and_losses(tmp_path / "next")[1]
 
 
 def test_init_from_refuses_a_drafter_that_does_not_fit(assets, tmp_path):
