@@ -9,7 +9,8 @@ Three figures, each against its own floor, measured in one run:
   grown_equals_union a cache of subset A grown with subset B (`dflash extract --output A --data B`) holds,
                     sample for sample (ids, tokens, masks, hidden bits), what one extraction of A + B holds
 The subsets: ShareGPT conversations 0-47 (A) and 48-79 (B), truncated at 256 tokens (35 and 21 usable
-samples: the rest has no assistant token left), taps 1,2 (the target runs 3 of its 30 layers), bf16. Drafter: 1 layer, block 4, 8 anchors, 512-token steps (CPU-sized).
+samples: the rest has no assistant token left), taps 1,2 (the target runs 3 of its 30 layers), bf16.
+Drafter: 1 layer, block 4, 8 anchors, 512-token steps (CPU-sized).
 Writes benchmarks/results/mixture_cpu.json; the last stdout line is that JSON.
 """
 

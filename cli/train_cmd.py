@@ -104,7 +104,8 @@ def config_options(fn):
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="Compute device; auto = CUDA when available.")
 @config_options
-def command(caches, cache_weights, init_from, model, output, config_path, gpus, resume, store_mirror, device, **flags) -> None:
+def command(caches, cache_weights, init_from, model, output, config_path, gpus, resume, store_mirror, device,
+            **flags) -> None:
     """Train a DFlash drafter on a hidden-state cache; a finished run exports it to OUTPUT/drafter/.
 
     Only the target's embedding and LM head are loaded (frozen). Each optimizer step covers
