@@ -57,6 +57,9 @@ def info(cache: str, as_json: bool) -> None:
             ("bytes on disk", format_bytes(d["bytes_on_disk"])),
             ("bytes per token", ("-" if bpt is None else f"{bpt:,.1f}")
              + f" (hidden {d['hidden_bytes_per_token']:,} B/token in the format, + ids, mask, index, chunk padding)")]
+    for k, src in enumerate(d["sources"]):  # each data source, with its committed samples when known
+        n = d["source_counts"][k]["samples"] if d.get("source_counts") else None
+        rows.append((f"source {k}", src + ("" if n is None else f": {n:,} samples")))
     if d["being_written_by"]:
         rows.append(("being written", f"by {d['being_written_by']}: totals still grow"))
     for k, v in rows:

@@ -21,17 +21,21 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
               help="Conversation source (.jsonl, .json, .parquet or a datasets save_to_disk folder); repeat "
                    "for several. Sample ids follow the order given, so keep it when resuming.")
 @click.option("--output", "output", required=True,
-              help="Cache directory. A new or empty one is created; an existing cache with the same "
-                   "fingerprint is resumed (committed samples are skipped).")
+              help="Cache directory. A new or empty one is created; an existing cache is resumed (committed "
+                   "samples are skipped) or, given --data it does not hold, grown: the new conversations are "
+                   "added as new shards, numbered after the cache's own sources (which must still be readable). "
+                   "Options left out (taps, storage, max length, thinking, dtype) take the cache's values.")
 @click.option("--taps", callback=_parse_taps, default=None,
               help="Comma-separated decoder-layer ids to cache, ascending (tap k = HF hidden_states[k+1]). "
                    "Default: the 5 DFlash taps spread from layer 1 to L-3.")
-@click.option("--storage", default="bf16", show_default=True, metavar="bf16|fp8|int4|FORMAT",
+@click.option("--storage", default=None, metavar="bf16|fp8|int4|FORMAT",
               help="bf16 stores the exact bf16 values; fp8 stores e4m3 with a float32 scale per token and "
                    "tap (about half the bytes); int4 stores 4-bit codes with group scales (int4-g32-e4m3-h32: "
-                   "0.27x bf16, docs/CACHE_FORMAT_4BIT.md). Another 4-bit layout by name, e.g. int4-g64-bf16-h64.")
-@click.option("--max-length", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="Truncate samples to this many tokens (a sample left with no assistant token is skipped).")
+                   "0.27x bf16, docs/CACHE_FORMAT_4BIT.md). Another 4-bit layout by name, e.g. int4-g64-bf16-h64. "
+                   "[default: bf16, or an existing --output cache's]")
+@click.option("--max-length", type=click.IntRange(min=1), default=None,
+              help="Truncate samples to this many tokens (a sample left with no assistant token is skipped). "
+                   "[default: 4096, or an existing --output cache's]")
 @click.option("--gpus", "--procs", "num_procs", type=click.IntRange(min=1), default=None,
               help="Processes to run, one per GPU (default: all visible GPUs, or 1 on CPU). On CPU, N "
                    "processes share the cores via gloo. Ignored under torchrun.")
@@ -74,11 +78,18 @@ def command(model, data, output, taps, storage, max_length, num_procs, batch_tok
     from dflash.extract.launch import launch
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from dflash.extract.grow import cache_settings
+
+    # an existing cache (resume or grow): the options left out take its own settings
+    own = cache_settings(output) or {}
+    template_kwargs = {"enable_thinking": False} if no_thinking else own.get("template_kwargs", {})
+    max_length = max_length or own.get("max_length") or 4096
     cfg = ExtractConfig(
-        model=model, data=tuple(data), output=output, taps=taps, storage=storage, max_length=max_length,
+        model=model, data=tuple(data), output=output, taps=taps or own.get("taps"),
+        storage=storage or own.get("storage") or "bf16", max_length=max_length,
         batch_tokens=batch_tokens, shard_tokens=shard_tokens,
-        template_kwargs={"enable_thinking": False} if no_thinking else {},
-        dtype=dtype, device=device, fla_conv=fla_conv, compile_elementwise=compile_elementwise,
+        template_kwargs=template_kwargs,
+        dtype=dtype or own.get("dtype"), device=device, fla_conv=fla_conv, compile_elementwise=compile_elementwise,
         compile_layers=compile_layers, dry_run=dry_run,
         repair=repair, show_progress=not no_progress)
     from cli.interrupt import command_line, exits_on_interrupt

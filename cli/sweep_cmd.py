@@ -10,7 +10,9 @@ from dflash.errors import ConfigError
 
 @click.command("sweep")
 @click.argument("spec", type=click.Path(dir_okay=False))
-@click.option("--cache", required=True, type=click.Path(), help="Hidden-state cache written by `dflash extract`.")
+@click.option("--cache", "caches", required=True, multiple=True, type=click.Path(),
+              help="Hidden-state cache written by `dflash extract`; repeat it to mix caches (the spec may vary "
+                   "cache_weights: those runs train side by side off one read of each cache).")
 @click.option("--model", required=True, type=click.Path(), help="Target model folder (frozen embedding and LM head).")
 @click.option("--output", required=True, type=click.Path(),
               help="Sweep folder: runs/NAME/{checkpoints,metrics.jsonl,drafter}, results.md/.csv, plots.")
@@ -23,7 +25,7 @@ from dflash.errors import ConfigError
 @store_mirror_option
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="Compute device; auto = CUDA when available.")
-def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limit, resume, store_mirror,
+def command(spec, caches, model, output, gpus, eval_cache, approximate, eval_limit, resume, store_mirror,
             device) -> None:
     """Train every run of the sweep SPEC (YAML: base, grid, runs) from one read of the cache per device.
 
@@ -38,9 +40,9 @@ def command(spec, cache, model, output, gpus, eval_cache, approximate, eval_limi
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
     from dflash.store.resolve import reader_path
 
-    cache = reader_path(cache, mirror=store_mirror)  # a URL is read directly unless --store-mirror
+    cache, *extra = [reader_path(c, mirror=store_mirror) for c in caches]  # a URL: read directly unless mirrored
     eval_cache = None if eval_cache is None else reader_path(eval_cache, mirror=store_mirror)
-    s = load_sweep_spec(spec, cache=cache, model=model, output=output)
+    s = load_sweep_spec(spec, cache=cache, model=model, output=output, extra_caches=extra)
     import logging
 
     if not logging.getLogger().handlers:

@@ -54,6 +54,20 @@ def _layer_types(ctx, param, value):
     return tuple(LAYER_TYPE_NAMES.get(p, p) for p in parts)  # the config names unknown ones
 
 
+def _cache_fields(caches: tuple[str, ...]) -> dict:
+    """--cache given once or more: cache and extra_caches (nothing when not given: the YAML's)."""
+    return {} if not caches else {"cache": caches[0], "extra_caches": tuple(caches[1:])}
+
+
+def _weights(value: str | None) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(float(w) for w in value.replace(",", " ").split())
+    except ValueError:
+        raise ConfigError(f"--cache-weights {value!r}: give numbers, one per --cache, e.g. 3,1") from None
+
+
 def config_options(fn):
     """One click option per FLAGS field. Every default is None, so only the flags the user gave override the
     YAML; the help shows the dataclass default."""
@@ -86,7 +100,15 @@ def config_options(fn):
 
 
 @click.command("train")
-@click.option("--cache", required=True, type=click.Path(), help="Hidden-state cache written by `dflash extract`.")
+@click.option("--cache", "caches", multiple=True, type=click.Path(),
+              help="Hidden-state cache written by `dflash extract` (a folder or URL). Repeat it to mix several "
+                   "caches of one target, taps and storage (--cache-weights; YAML: caches: [{path, weight}]).")
+@click.option("--cache-weights", "cache_weights", type=str, default=None,
+              help="One weight per --cache, e.g. 3,1: each step's samples come from the caches in proportion. "
+                   "Default: every sample of every cache once per epoch.")
+@click.option("--init-from", "init_from", type=click.Path(), default=None,
+              help="Start from trained weights: a dflash run folder or checkpoint, or a drafter folder "
+                   "(config.json with dflash_config + model.safetensors). New schedule, optimizer and data.")
 @click.option("--model", required=True, type=click.Path(),
               help="Target model folder: its embedding and LM head (frozen), tokenizer and config are read.")
 @click.option("--output", required=True, type=click.Path(),
@@ -100,7 +122,8 @@ def config_options(fn):
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="Compute device; auto = CUDA when available.")
 @config_options
-def command(cache, model, output, config_path, gpus, resume, store_mirror, device, **flags) -> None:
+def command(caches, cache_weights, init_from, model, output, config_path, gpus, resume, store_mirror, device,
+            **flags) -> None:
     """Train a DFlash drafter on a hidden-state cache; a finished run exports it to OUTPUT/drafter/.
 
     Only the target's embedding and LM head are loaded (frozen). Each optimizer step covers
@@ -112,7 +135,9 @@ def command(cache, model, output, config_path, gpus, resume, store_mirror, devic
 
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
-    cfg = load_train_config(config_path, dict(cache=cache, model=model, output=output, **flags))
+    cfg = load_train_config(config_path, dict(model=model, output=output, init_from=init_from,
+                                              cache_weights=_weights(cache_weights), **_cache_fields(caches),
+                                              **flags))
     from dflash.store.resolve import reader_paths
 
     cfg = reader_paths(cfg, mirror=store_mirror)  # URLs read directly, or via local mirrors (--store-mirror)
@@ -142,5 +167,11 @@ def command(cache, model, output, config_path, gpus, resume, store_mirror, devic
         heldout = result.final_record.get("heldout_tau") if result.final_record else None
         tau = f", held-out tau {heldout:.3f}" if heldout is not None else ""
         click.echo(f"trained {result.global_step} steps{loss}{tau}; drafter exported to {result.drafter_dir}")
+        seen = (result.final_record or {}).get("cache_samples")
+        if seen:  # a mixture: what each cache contributed
+            tokens = result.final_record.get("cache_tokens", {})
+            total = max(1, sum(seen.values()))
+            click.echo("samples per cache: " + ", ".join(f"{path} {n} ({n / total:.1%}, {tokens.get(path, 0)} tokens)"
+                                                          for path, n in seen.items()))
     else:
         click.echo(f"stopped at step {result.global_step}/{result.total_steps}; continue with --resume")

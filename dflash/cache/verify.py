@@ -154,14 +154,23 @@ def cache_info(path) -> dict:
     """Summary for `dflash cache info`: totals from the commit logs, bytes from the directory."""
     path = os.fspath(path)
     on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(path) for f in fs)
+    from dflash.cache.sources import read_sources
+
     return cache_summary(path=path, manifest=cm.read_manifest(path), records=cm.read_commit_logs(path),
-                         bytes_on_disk=on_disk, being_written_by=_live_writer(path))
+                         bytes_on_disk=on_disk, being_written_by=_live_writer(path), id_ranges=read_sources(path))
 
 
 def cache_summary(*, path: str, manifest: dict, records: list[cm.CommitRecord], bytes_on_disk: int,
-                  being_written_by: str | None) -> dict:
-    """cache_info's dict from what any location provides (a folder here; a store in dflash.store.resolve)."""
+                  being_written_by: str | None, id_ranges: list[dict] | None = None) -> dict:
+    """cache_info's dict from what any location provides (a folder here; a store in dflash.store.resolve).
+    id_ranges: CACHE/sources.json's rows (dflash.cache.sources); source_counts gives each source's committed
+    samples then (None without it)."""
+    from dflash.cache.sources import committed_per_source
+
     fp = Fingerprint.from_json(manifest["fingerprint"])
+    counts = None
+    if id_ranges is not None and [r["sha256"] for r in id_ranges] == [s.get("sha256") for s in fp.sources]:
+        counts = committed_per_source(id_ranges, (i for r in records for i in r.sample_ids))
     t = cm.totals(records)
     on_disk = bytes_on_disk
     return {"path": path, "samples": t["samples"], "tokens": t["tokens"], "loss_tokens": t["loss_tokens"],
@@ -174,7 +183,9 @@ def cache_summary(*, path: str, manifest: dict, records: list[cm.CommitRecord], 
             "bytes_per_token": (t["bytes"] / t["tokens"]) if t["tokens"] else None,
             "target": fp.target, "target_greedy": fp.target_greedy, "target_dtype": fp.target_dtype,
             "max_length": fp.max_length, "num_target_layers": fp.num_target_layers,
-            "sources": [s.get("path") for s in fp.sources], "being_written_by": being_written_by}
+            "sources": [s.get("path") for s in fp.sources], "being_written_by": being_written_by,
+            "source_counts": None if counts is None else [{"path": s.get("path"), "samples": n}
+                                                          for s, n in zip(fp.sources, counts)]}
 
 
 def _live_writer(path: str) -> str | None:

@@ -148,6 +148,20 @@ def heldout_from_metrics(records: Sequence[Mapping], *, name: str, step: int | N
              "sources": sources}]
 
 
+def mixture_table(data: Mapping) -> list[str]:
+    """Markdown rows of a mixture run: samples and tokens trained on per cache (the first cache's totals are the
+    table above); [] for one cache."""
+    seen, tokens = data.get("cache_samples"), data.get("cache_tokens") or {}
+    if not seen:
+        return []
+    total = max(1, sum(seen.values()))
+    lines = ["Samples and tokens trained on per cache (a mixture; the table above is the first cache's):", "",
+             "| cache | samples seen | share | tokens seen |", "| --- | --- | --- | --- |"]
+    lines += [f"| {os.path.basename(str(path).rstrip('/'))} | {n} | {n / total:.3f} | {tokens.get(path, '-')} |"
+              for path, n in seen.items()]
+    return lines + [""]
+
+
 def render_card(*, config: Mapping, heldout: Sequence[Mapping], data: Mapping, recipe: Mapping,
                 target: str | None = None, drafter_name: str = "DRAFTER_DIR", base_model: str | None = None) -> str:
     """The card's Markdown (pure; write_model_card writes it). config: the drafter's config.json; base_model: the
@@ -171,8 +185,9 @@ def render_card(*, config: Mapping, heldout: Sequence[Mapping], data: Mapping, r
               "| target | samples | tokens | loss tokens | storage | target-greedy | sources |",
               "| --- | --- | --- | --- | --- | --- | --- |",
               f"| {data.get('target')} | {_fmt(data.get('samples'))} | {_fmt(data.get('tokens'))} "
-              f"| {_fmt(data.get('loss_tokens'))} | {data.get('storage')} | {data.get('target_greedy')} | {srcs} |", "",
-              "## Recipe", "", "| setting | value |", "| --- | --- |"]
+              f"| {_fmt(data.get('loss_tokens'))} | {data.get('storage')} | {data.get('target_greedy')} | {srcs} |", ""]
+    lines += mixture_table(data)
+    lines += ["## Recipe", "", "| setting | value |", "| --- | --- |"]
     keys = [k for k in RECIPE_KEYS if k in recipe] + sorted(k for k in recipe if k not in RECIPE_KEYS)
     lines += [f"| {k} | {json.dumps(recipe[k]) if isinstance(recipe[k], (dict, list)) else recipe[k]} |" for k in keys]
     lines += ["", "## Serving", ""] + serving_lines(target=base_model or target, drafter=drafter_name,

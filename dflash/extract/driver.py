@@ -235,6 +235,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
 
         if rank == 0:
             CacheWriter(cfg.output, pre.fingerprint, rank=rank).close()  # rewrites lagging manifest totals
+            _write_sources(cfg.output, pre)
             echo(f"nothing to extract: all {plan.num_committed:,} samples are in the cache")
         return _result(cfg, pre, torch.zeros(5, dtype=torch.float64), t0, world_size, dry_run=False)
 
@@ -269,8 +270,15 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
         return CacheWriter(cfg.output, pre.fingerprint, rank=rank, shard_tokens=cfg.shard_tokens,
                            queue_depth=cfg.queue_depth, max_held_shards=cfg.max_held_shards)
 
-    # Rank 0 creates the cache (manifest) before the others open it, so they never race on creation.
+    # Rank 0 creates the cache (manifest) before the others open it, so they never race on creation; a growing
+    # cache's manifest names its new sources first (dflash.extract.grow).
+    if rank == 0 and pre.grown_from is not None:
+        from dflash.extract.grow import record_growth
+
+        record_growth(cfg.output, pre.fingerprint)
     writer = open_writer() if rank == 0 else None
+    if rank == 0:
+        _write_sources(cfg.output, pre)
     if distributed:
         dist.barrier()
     writer = writer or open_writer()
@@ -303,6 +311,13 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
     if rank == 0:
         echo(format_summary(result, skips_text=pre.skips.summary()))
     return result
+
+
+def _write_sources(output: str, pre) -> None:
+    """CACHE/sources.json (dflash.cache.sources): each source's id range, for `dflash cache info`."""
+    from dflash.cache.sources import write_sources
+
+    write_sources(output, list(pre.sources))
 
 
 def interrupted_text(output: str, *, command: str) -> str:

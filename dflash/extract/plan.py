@@ -96,19 +96,32 @@ def make_plan(
     world_size: int,
     max_tokens: int,
     batch_fn: BatchFn,
+    groups: np.ndarray | None = None,
 ) -> ExtractPlan:
     """Build the global batches over all samples with `batch_fn` (dflash.data.token_budget_batches), drop
     batches whose members are all committed, mark the committed members of the others as not-to-write,
     and deal the rest to `world_size` ranks.
 
     sample_ids: int64 [N] global ids; lengths: int64 [N] tokens per sample; committed: ids already in the cache.
+    groups: int [N], e.g. each sample's source: batches never mix groups (batch_fn runs per group, in group
+    order), so a group's samples are batched as in an extraction of that group alone and get the same float
+    rounding (padding length and batch shape change the kernels' summation order): a cache grown by a new
+    source then holds bit for bit what one extraction of all sources holds.
     """
     sample_ids = np.asarray(sample_ids, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     assert sample_ids.shape == lengths.shape, (sample_ids.shape, lengths.shape)
     done_N = np.isin(sample_ids, np.fromiter(committed, dtype=np.int64, count=len(committed)))
     batches: list[PlannedBatch] = []
-    all_batches = [np.asarray(m, dtype=np.int64) for m in batch_fn(lengths, max_tokens=max_tokens)]
+    if groups is None:
+        all_batches = [np.asarray(m, dtype=np.int64) for m in batch_fn(lengths, max_tokens=max_tokens)]
+    else:
+        groups = np.asarray(groups)
+        all_batches = []
+        for g in np.unique(groups).tolist():
+            where = np.flatnonzero(groups == g)
+            all_batches += [where[np.asarray(m, dtype=np.int64)] for m in batch_fn(lengths[where],
+                                                                                   max_tokens=max_tokens)]
     seen_N = np.zeros(len(lengths), dtype=np.int64)
     for members in all_batches:
         np.add.at(seen_N, members, 1)

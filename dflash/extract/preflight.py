@@ -52,6 +52,10 @@ class Preflight:
     """The output folder did not exist before this run (a refused run removes it again)."""
     fingerprint_note: str = ""
     """A line for the report about what the existing cache's fingerprint cannot check ("" if nothing)."""
+    grown_from: int | None = None
+    """The cache held this many sources and this run adds more (dflash.extract.grow); None = not growing."""
+    sources: tuple = ()
+    """cache.sources rows of this run's sources (id ranges and sample counts), for CACHE/sources.json."""
 
 
 def target_greedy_of(paths: list[str], *, target_config_hashes: Collection[str],
@@ -100,9 +104,20 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     from dflash.target.load import check_model_path, text_config
     from dflash.target.taps import validate_tap_layer_ids
 
+    from dflash.extract.grow import DUPLICATE, effective_sources, scan_sources, source_table
+
     model_dir = check_model_path(cfg.model)
     check_paths(cfg.data)
     check_output(cfg.output)
+    existing = open_cache_fingerprint(cfg.output) if os.path.isdir(cfg.output) else None
+    shas: dict[str, str] = {}
+
+    def sha_of(p: str) -> str:
+        return shas.setdefault(os.path.abspath(p), sha256_source(p))
+
+    # a cache that grows: its own sources first, then the given ones it does not hold (dflash.extract.grow)
+    data = effective_sources(list(cfg.data), existing.sources if existing is not None else (), sha_of=sha_of)
+    grown = existing is not None and len(data) > len(existing.sources)
     config = text_config(AutoConfig.from_pretrained(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.chat_template is None:
@@ -111,7 +126,7 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     taps = (validate_tap_layer_ids(cfg.taps, num_layers=num_layers) if cfg.taps
             else default_tap_layer_ids(num_layers))
     cfg_hash = config_hash(model_dir)
-    greedy, greedy_reason = target_greedy_of(list(cfg.data), target_config_hashes=target_config_hashes(model_dir),
+    greedy, greedy_reason = target_greedy_of(list(data), target_config_hashes=target_config_hashes(model_dir),
                                              target_dtype=cfg.compute_dtype())
     fingerprint = Fingerprint(
         target=os.path.abspath(model_dir) if os.path.exists(model_dir) else model_dir,
@@ -123,13 +138,12 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
         chat_template_hash=chat_template_hash(tokenizer),
         tap_layer_ids=taps,
         storage=cfg.storage,
-        sources=tuple({"path": os.path.abspath(p), "sha256": sha256_source(p)} for p in cfg.data),
+        sources=tuple({"path": os.path.abspath(p), "sha256": sha_of(p)} for p in data),
         max_length=cfg.max_length,
         template_kwargs=cfg.template_kwargs,
         target_greedy=greedy,
         target_weights_hash=target_weights_hash(model_dir),
     )
-    existing = open_cache_fingerprint(cfg.output) if os.path.isdir(cfg.output) else None
     fingerprint_note = ""
     if existing is not None and not existing.target_weights_hash and fingerprint.target_weights_hash:
         # A cache from before the weights hash: resumable, but its samples' weights are unknown, so the manifest
@@ -141,9 +155,9 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
             and existing.target_config_hash in target_config_hashes(model_dir)):
         # the same config hashed the way the cache was made (the whole file): resumed under the cache's hash
         fingerprint = dataclasses.replace(fingerprint, target_config_hash=existing.target_config_hash)
-    if existing is not None:
-        existing.check_matches(fingerprint)  # CacheMismatchError naming the field
-    key = tokenization_key(sources=fingerprint.sources, paths=list(cfg.data),
+    if existing is not None:  # CacheMismatchError naming the field; a growing cache adds sources, nothing else
+        existing.check_matches(dataclasses.replace(fingerprint, sources=existing.sources) if grown else fingerprint)
+    key = tokenization_key(sources=fingerprint.sources, paths=list(data),
                            tokenizer_hash=fingerprint.tokenizer_hash,
                            chat_template_hash=fingerprint.chat_template_hash,
                            template_kwargs=fingerprint.template_kwargs, max_length=cfg.max_length)
@@ -157,18 +171,30 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     faults = _check_committed(cfg, rank=rank) if existing is not None else []
     if distributed:
         dist.barrier()  # rank 0's repair is done before any rank reads the commit logs
-    tok = tokenize_or_load(paths=list(cfg.data), tokenizer=tokenizer, max_length=cfg.max_length,
+    tok = tokenize_or_load(paths=list(data), tokenizer=tokenizer, max_length=cfg.max_length,
                            template_kwargs=cfg.template_kwargs, folder=folder, rank=rank, world_size=world_size,
                            distributed=distributed, num_workers=num_workers,
                            show_progress=cfg.show_progress and rank == 0)
     samples, skips = tok.samples, tok.skips
-    _refuse_empty_sources(list(cfg.data), samples, skips)
+    _refuse_empty_sources(list(data), samples, skips)
     committed = committed_sample_ids(cfg.output) if existing is not None else set()
     committed -= {i for f in faults for i in f.sample_ids}  # a dry run plans the repair it did not do
+    if len(data) > 1:
+        src, dups = scan_sources(samples)
+    else:
+        src, dups = np.zeros(len(samples), dtype=np.int32), {}
+    from dflash.data.skips import Skip
+
+    for sid, orig in sorted(dups.items()):
+        skips.add(Skip(DUPLICATE, f"sample {sid}", f"same tokens and loss mask as sample {orig} of an earlier source"))
+    sources = source_table(samples.sample_ids, src, list(data), [sha_of(p) for p in data], dups)
+    num_in_cache = len(committed)
+    committed = committed | set(dups)  # never extracted: the plan treats them as done
     sample_ids = samples.sample_ids
     lengths = samples.lengths
     plan = make_plan(sample_ids=sample_ids, lengths=lengths, committed=committed, world_size=world_size,
-                     max_tokens=cfg.batch_tokens, batch_fn=extraction_batches)
+                     max_tokens=cfg.batch_tokens, batch_fn=extraction_batches, groups=src)
+    plan = dataclasses.replace(plan, num_committed=num_in_cache)
     todo = ~np.isin(sample_ids, np.fromiter(committed, dtype=np.int64, count=len(committed)))
     cache_bytes = estimate_cache_bytes(num_tokens=plan.num_tokens_todo, num_samples=int(todo.sum()),
                                        num_taps=len(taps), hidden_size=int(config.hidden_size),
@@ -178,7 +204,8 @@ def build_preflight(cfg, *, world_size: int, rank: int = 0, num_workers: int | N
     return Preflight(config=config, tokenizer=tokenizer, fingerprint=fingerprint, samples=samples, skips=skips,
                      plan=plan, cache_bytes=cache_bytes, target_greedy_reason=greedy_reason,
                      tokenize_seconds=tok.seconds, tokenize_text=_tokenize_text(tok, len(samples)),
-                     created_output=created_output, fingerprint_note=fingerprint_note)
+                     created_output=created_output, fingerprint_note=fingerprint_note,
+                     grown_from=len(existing.sources) if grown else None, sources=sources)
 
 
 def _refuse_empty_sources(paths: list[str], samples, skips) -> None:

@@ -132,6 +132,7 @@ def reader_paths(cfg, *, mirror: bool = False):
     """A TrainConfig with its cache and eval_cache through reader_path (URLs unchanged unless mirror)."""
     import dataclasses
     return dataclasses.replace(cfg, cache=reader_path(cfg.cache, mirror=mirror),
+                               extra_caches=tuple(reader_path(c, mirror=mirror) for c in cfg.extra_caches),
                                eval_cache=None if cfg.eval_cache is None else reader_path(cfg.eval_cache,
                                                                                           mirror=mirror))
 

@@ -13,12 +13,15 @@ the win is one cache read and one H2D copy instead of K, and no idle GPU between
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
 import time
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from dflash.durable import replace_text
 from dflash.errors import ConfigError
@@ -172,16 +175,25 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     union = _union_taps(reader.tap_layer_ids, [select_taps(reader.tap_layer_ids, r.config.taps, online_layers=layers)
                                                for r in runs], online=first.online)
     units = []
+    mixture = None
     try:
+        if len({r.config.cache_weights for r in runs}) > 1:  # streams of their own, one read of each cache
+            mixture = _run_mixture_group(index, runs, target=target, union=union, info=info, resume=resume,
+                                         units=units)
+            runs = []  # trained
         for r in runs:
             state = prepare_run_dir(pathlib.Path(r.config.output), resume=resume, require_run=False)
             units.append(build_unit(r.config, target, info=info, state=state, name=r.name, stream_taps=union,
                                     restore_rng=False, progress=False,
                                     record={"sweep": {"name": r.name, "group": index, "stream_taps": list(union)}}))
-        # online is a stream field: one live target computes the group's tap union
-        online = live_taps(first, union, reader=reader, device=dev)
-        run_stream(units, Stream(reader=reader, taps=union, info=info, compute_dtype=target.compute_dtype,
-                                 cfg=first, online=online))
+        if mixture is None:
+            # online is a stream field: one live target computes the group's tap union
+            online = live_taps(first, union, reader=reader, device=dev)
+            run_stream(units, Stream(reader=reader, taps=union, info=info, compute_dtype=target.compute_dtype,
+                                     cfg=first, online=online))
+            runs_done = runs
+        else:
+            runs_done = mixture.pop("runs")
     finally:
         for u in units:
             u.close()
@@ -190,13 +202,69 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     seconds = time.perf_counter() - t0
     del units
     if eval_cache is not None:
-        _evaluate(runs, eval_cache=eval_cache, device=device, approximate=approximate, limit=eval_limit)
+        _evaluate(runs_done, eval_cache=eval_cache, device=device, approximate=approximate, limit=eval_limit)
     streams = output / "streams"
     streams.mkdir(parents=True, exist_ok=True)
     (streams / f"group-{index}.json").write_text(json.dumps(
-        {"runs": [r.name for r in runs], "taps": list(union), "bytes_read": bytes_read, "train_seconds": seconds,
-         "device": device}, indent=2) + "\n")
+        {"runs": [r.name for r in runs_done], "taps": list(union), "bytes_read": bytes_read, "train_seconds": seconds,
+         "device": device, **({"mixture": mixture} if mixture else {})}, indent=2) + "\n")
     return bytes_read
+
+
+def _run_mixture_group(index: int, runs: Sequence[RunSpec], *, target, union, info, resume: bool,
+                       units: list) -> dict:
+    """Train a group whose runs differ in cache_weights (sweep.mixture): one stream per weight vector, each in a
+    thread, in lock-step, all reading through one SharedReads. Appends the units to `units` (closed by the
+    caller); returns the group's mixture record (reads against the samples its runs use)."""
+    from dflash.cache.mixed import MixedReader
+    from dflash.sweep.mixture import SharedReads, plan_uses, run_threads
+    from dflash.train.driver import Stream, build_unit, run_stream
+    from dflash.train.loader import plan_costs
+    from dflash.train.setup import prepare_run_dir
+
+    first = runs[0].config
+    if first.online:
+        raise ConfigError("a sweep that varies cache_weights reads the caches; it cannot run online")
+    mixed = target.reader if hasattr(target.reader, "counts") else MixedReader([target.reader])
+    if mixed is not target.reader:
+        target = dataclasses.replace(target, reader=mixed)
+    by_weights: dict = {}
+    for r in runs:
+        by_weights.setdefault(r.config.cache_weights, []).append(r)
+    subs = list(by_weights.values())
+    sub_units = []
+    for sub in subs:
+        mine = []
+        for r in sub:
+            state = prepare_run_dir(pathlib.Path(r.config.output), resume=resume, require_run=False)
+            mine.append(build_unit(r.config, target, info=info, state=state, name=r.name, stream_taps=union,
+                                   restore_rng=False, progress=False,
+                                   record={"sweep": {"name": r.name, "group": index, "stream_taps": list(union)}}))
+        units.extend(mine)
+        sub_units.append(mine)
+    lengths = mixed.index.length
+    costs = plan_costs(lengths, mixed.index.num_loss_tokens, plan_version=min(u.plan_version for u in units))
+    uses, used = plan_uses([sub[0].config for sub in subs], [max(u.total_steps for u in us) for us in sub_units],
+                           lengths=lengths, counts=mixed.counts, costs=costs)
+    shared = SharedReads(mixed, uses)
+    views = [shared.view() for _ in subs]
+    log.info("group %d: %d mixtures (%s) side by side off one read of each cache", index, len(subs),
+             "; ".join(str(list(sub[0].config.cache_weights or ())) for sub in subs))
+
+    def job(k):
+        return lambda before: run_stream(sub_units[k], Stream(reader=views[k], taps=union, info=info,
+                                                              compute_dtype=target.compute_dtype,
+                                                              cfg=subs[k][0].config), before_step=before)
+
+    run_threads([job(k) for k in range(len(subs))])
+    union_used = np.unique(np.concatenate(used)) if used else np.zeros(0, np.int64)
+    per_cache = np.bincount(mixed.cache_of(union_used), minlength=len(mixed.counts))
+    return {"runs": [r for sub in subs for r in sub],
+            "streams": [{"cache_weights": list(sub[0].config.cache_weights or ()), "runs": [r.name for r in sub],
+                         "unique_samples": int(len(u))} for sub, u in zip(subs, used)],
+            "caches": list(mixed.paths), "unique_samples_per_cache": per_cache.tolist(),
+            "unique_samples": int(len(union_used)), "sample_uses": int(uses.sum()),
+            "samples_read_from_disk": int(shared.disk_samples), "peak_held_bytes": int(shared.peak_held_bytes)}
 
 
 def _evaluate(runs: Sequence[RunSpec], *, eval_cache: str, device: str, approximate: bool,

@@ -9,6 +9,9 @@ Spec (YAML):
     max_runs_per_device: 8              # optional: at most this many drafters share one device (memory)
     separate_streams: false             # optional: allow runs that need different data streams (see below)
 
+With several caches (`dflash sweep --cache A --cache B`), `cache_weights` may vary between the runs of a group:
+each weight vector trains as a stream of its own, all of them off one read of each cache (sweep.mixture).
+
 Per-run options: anything that does not change the micro-batch stream (lr and schedule, drafter shape,
 taps subset, block_size, num_anchors, gamma, seed of init and anchors, steps/epochs, ...). A run's `seed`
 seeds its init and anchors; the shuffle seed of the sweep is `base.shuffle_seed` (else `base.seed`) for every
@@ -35,7 +38,7 @@ STREAM_FIELDS = ("batch_tokens", "grad_accum", "step_samples", "data_seed", "dty
 every run of a group checkpoints and logs at the same data position; online: the group's features come from one
 live target instead of the cache (one forward per micro-batch; each run rounds them through its own
 online_storage, so storages compare on one stream at the cost of one target), online_compile: how it runs."""
-FIXED_FIELDS = ("cache", "model", "output", "stop_after_steps")
+FIXED_FIELDS = ("cache", "extra_caches", "model", "output", "stop_after_steps")
 """Set by the sweep command itself, never by the spec."""
 _TOP_KEYS = {"base", "grid", "runs", "max_runs_per_device", "separate_streams"}
 
@@ -82,13 +85,14 @@ def _check_keys(where: str, keys: Sequence[str]) -> None:
     for k in keys:
         if k in FIXED_FIELDS:
             raise ConfigError(f"{where}: {k!r} cannot be set in a sweep spec; the sweep command sets it "
-                              "(--cache, --model, --output; runs are never stopped early)")
+                              "(--cache, repeated for a mixture, --model, --output; runs are never stopped early)")
         if k not in fields:
             raise ConfigError(f"{where}: unknown key {k!r}; valid keys: {sorted(fields - set(FIXED_FIELDS))}")
 
 
 def expand_runs(base: Mapping[str, Any], *, grid: Mapping[str, Sequence[Any]] | None,
-                runs: Sequence[Mapping[str, Any]] | None, cache: str, model: str, output: str) -> list[RunSpec]:
+                runs: Sequence[Mapping[str, Any]] | None, cache: str, model: str, output: str,
+                extra_caches: Sequence[str] = ()) -> list[RunSpec]:
     """The runs of a spec: the grid's cartesian product (base + one value per key), then each explicit run
     (base + its fields). No grid and no runs: one run of the base. Names are unique (ConfigError otherwise)."""
     _check_keys("base", list(base))
@@ -110,7 +114,8 @@ def expand_runs(base: Mapping[str, Any], *, grid: Mapping[str, Sequence[Any]] | 
         items.append((None if name is None else str(name), r))
     if not items:
         items.append((None, {}))
-    base_cfg = config_from_dict({**base, "cache": cache, "model": model, "output": output})
+    fixed = {"cache": cache, "extra_caches": tuple(extra_caches), "model": model}
+    base_cfg = config_from_dict({**base, **fixed, "output": output})
     data_seed = base_cfg.data_seed
     out: list[RunSpec] = []
     seen: dict[str, int] = {}
@@ -119,7 +124,7 @@ def expand_runs(base: Mapping[str, Any], *, grid: Mapping[str, Sequence[Any]] | 
         if name in seen:
             raise ConfigError(f"two runs are named {name!r} (runs {seen[name]} and {i}); give explicit `name`s")
         seen[name] = i
-        data = {**base, **ov, "cache": cache, "model": model, "output": str(pathlib.Path(output) / "runs" / name)}
+        data = {**base, **ov, **fixed, "output": str(pathlib.Path(output) / "runs" / name)}
         data.setdefault("shuffle_seed", data_seed)  # `seed` varies init and anchors, not the stream
         try:
             cfg = config_from_dict(data)
@@ -180,7 +185,8 @@ def plan_groups(runs: Sequence[RunSpec], *, gpus: int, max_runs_per_device: int 
     return groups
 
 
-def load_sweep_spec(path: str | pathlib.Path, *, cache: str, model: str, output: str) -> SweepSpec:
+def load_sweep_spec(path: str | pathlib.Path, *, cache: str, model: str, output: str,
+                    extra_caches: Sequence[str] = ()) -> SweepSpec:
     """Read and expand a sweep YAML (module docstring)."""
     import yaml
 
@@ -188,11 +194,11 @@ def load_sweep_spec(path: str | pathlib.Path, *, cache: str, model: str, output:
     if not p.is_file():
         raise ConfigError(f"sweep spec {str(p)!r} does not exist")
     data = yaml.safe_load(p.read_text()) or {}
-    return spec_from_dict(data, cache=cache, model=model, output=output, where=str(p))
+    return spec_from_dict(data, cache=cache, model=model, output=output, where=str(p), extra_caches=extra_caches)
 
 
 def spec_from_dict(data: Mapping[str, Any], *, cache: str, model: str, output: str,
-                   where: str = "sweep spec") -> SweepSpec:
+                   where: str = "sweep spec", extra_caches: Sequence[str] = ()) -> SweepSpec:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where} must be a mapping with `base`, `grid` and/or `runs`")
     unknown = sorted(set(data) - _TOP_KEYS)
@@ -205,7 +211,8 @@ def spec_from_dict(data: Mapping[str, Any], *, cache: str, model: str, output: s
     if not isinstance(base, Mapping) or (grid is not None and not isinstance(grid, Mapping)) or \
             (runs is not None and not isinstance(runs, list)):
         raise ConfigError(f"{where}: `base` and `grid` must be mappings, `runs` a list")
-    expanded = expand_runs(base, grid=grid, runs=runs, cache=cache, model=model, output=output)
+    expanded = expand_runs(base, grid=grid, runs=runs, cache=cache, model=model, output=output,
+                           extra_caches=extra_caches)
     mrpd = data.get("max_runs_per_device")
     if mrpd is not None and (not isinstance(mrpd, int) or mrpd < 1):
         raise ConfigError(f"{where}: max_runs_per_device={mrpd!r} must be a positive integer")

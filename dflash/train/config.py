@@ -30,11 +30,24 @@ class TrainConfig:
     """One training run. Defaults are the DFlash paper's (reference/dflash-method.md sections 0 and 3)."""
 
     cache: str
-    """Path of the hidden-state cache (written by `dflash extract`)."""
+    """Path of the hidden-state cache (written by `dflash extract`); with several caches, the first."""
     model: str
     """Target model folder; only its embedding and LM head are read (frozen), plus its tokenizer for the mask id."""
     output: str
     """Run folder: checkpoints/, metrics.jsonl, config.json, drafter/ (the export of the finished run)."""
+
+    extra_caches: tuple[str, ...] = ()
+    """More caches (paths or URLs) mixed into the run with `cache` (train.mixture): same target, taps and storage.
+    In YAML give `caches: [{path: A, weight: 3}, {path: B, weight: 1}]` instead of cache / extra_caches /
+    cache_weights."""
+    cache_weights: tuple[float, ...] | None = None
+    """One weight per cache (cache, then extra_caches): each step's samples come from the caches in proportion
+    (an epoch is as many samples as the caches hold together; a cache weighted above its size share repeats,
+    one below it is subsampled). None = each sample of every cache once per epoch (their union)."""
+    init_from: str | None = None
+    """Start from trained weights: a dflash run folder or checkpoint, or a drafter folder (config.json with
+    dflash_config + model.safetensors, z-lab's format). The drafter's shape and taps come from it; the optimizer,
+    schedule and data start fresh. None = a seeded random init."""
 
     # --- drafter shape (the hidden size comes from the cache, num_target_layers from the target) ---
     taps: tuple[int, ...] | None = None
@@ -262,6 +275,13 @@ class TrainConfig:
         from dflash.train.reporters import parse_report_to
 
         object.__setattr__(self, "report_to", parse_report_to(self.report_to))  # ConfigError naming a bad name
+        if len(set(self.cache_paths)) != len(self.cache_paths):
+            raise ConfigError(f"caches {list(self.cache_paths)}: a cache is given twice; give each once and weigh "
+                              "it with cache_weights")
+        if self.cache_weights is not None:
+            from dflash.train.mixture import check_weights
+
+            check_weights(self.cache_weights, 1 + len(self.extra_caches))
         self.noise  # noqa: B018 (NoiseConfig validates the noise fields)
 
     @property
@@ -269,6 +289,11 @@ class TrainConfig:
         """The feature-noise schedule of this run."""
         return NoiseConfig(noise_start=self.noise_start, noise_end=self.noise_end,
                            warmup_ratio=self.noise_warmup_ratio, decay=self.noise_decay)
+
+    @property
+    def cache_paths(self) -> tuple[str, ...]:
+        """Every training cache: cache, then extra_caches."""
+        return (self.cache, *self.extra_caches)
 
     @property
     def data_seed(self) -> int:
@@ -282,7 +307,10 @@ class TrainConfig:
 # Fields that may differ between a run and its resume (paths, bookkeeping); anything else changes the math.
 # loss_impl, compile_elementwise and online_compile change only float rounding (and checkpoints written before
 # they existed lack the fields). Not online: live features are unrounded, an fp8 or bf16 cache's are not.
-RESUME_MUTABLE = frozenset({"cache", "model", "output", "log_every", "save_every", "keep_checkpoints",
+# extra_caches too: which samples the caches hold is checked against the checkpoint's cache record instead;
+# init_from only seeds a fresh run's weights (a resume loads its checkpoint's).
+RESUME_MUTABLE = frozenset({"cache", "extra_caches", "init_from", "model", "output", "log_every", "save_every",
+                            "keep_checkpoints",
                             "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps",
                             "loss_impl", "compile_elementwise", "online_compile", "eval_cache", "eval_every",
                             "eval_limit", "report_to"})
@@ -302,7 +330,7 @@ def _coerce(name: str, value: Any) -> Any:
     # YAML and JSON give lists; the frozen config keeps tuples so it hashes and compares by value.
     if name == "layer_types" and value is not None:
         return (value,) if isinstance(value, str) else tuple(value)
-    if name in ("taps", "betas") and value is not None:
+    if name in ("taps", "betas", "cache_weights", "extra_caches") and value is not None:
         if isinstance(value, (int, float)):
             value = [value]
         return tuple(value)
@@ -311,6 +339,7 @@ def _coerce(name: str, value: Any) -> Any:
 
 def config_from_dict(data: Mapping[str, Any]) -> TrainConfig:
     """Build a TrainConfig from a flat mapping, naming unknown keys and type problems."""
+    data = expand_caches(data)
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"unknown train config keys {unknown}; valid keys: {sorted(_FIELDS)}")
@@ -318,6 +347,34 @@ def config_from_dict(data: Mapping[str, Any]) -> TrainConfig:
         return TrainConfig(**{k: _coerce(k, v) for k, v in data.items()})
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"train config: {e}") from e
+
+
+def expand_caches(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The YAML form `caches: [{path, weight}, ...]` (or a list of paths) as cache / extra_caches / cache_weights;
+    ConfigError when it is given beside those keys or an entry lacks its path."""
+    out = dict(data)
+    if "caches" not in out:
+        return out
+    entries = out.pop("caches")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("caches: give a list of {path, weight} entries (or of paths)")
+    clash = sorted(k for k in ("extra_caches", "cache_weights") if k in out)
+    if clash:
+        raise ConfigError(f"caches is given with {clash}: use caches alone")
+    paths, weights = [], []
+    for e in entries:
+        e = {"path": e} if isinstance(e, str) else e
+        if not isinstance(e, dict) or "path" not in e or set(e) - {"path", "weight"}:
+            raise ConfigError(f"caches entry {e!r}: give path and optionally weight")
+        paths.append(str(e["path"]))
+        weights.append(e.get("weight"))
+    if "cache" in out and out["cache"] not in (None, paths[0]):
+        raise ConfigError(f"cache {out['cache']!r} and caches are both given: use one of them")
+    if any(w is not None for w in weights) and any(w is None for w in weights):
+        raise ConfigError("caches: give every entry a weight, or none")
+    out.update(cache=paths[0], extra_caches=tuple(paths[1:]),
+               cache_weights=None if weights[0] is None else tuple(float(w) for w in weights))
+    return out
 
 
 def load_train_config(yaml_path: str | pathlib.Path | None, overrides: Mapping[str, Any]) -> TrainConfig:
@@ -332,7 +389,7 @@ def load_train_config(yaml_path: str | pathlib.Path | None, overrides: Mapping[s
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of TrainConfig fields")
-        data.update(loaded)
+        data.update(expand_caches(loaded))
     data.update({k: v for k, v in overrides.items() if v is not None})
     return config_from_dict(data)
 

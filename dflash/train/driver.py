@@ -16,6 +16,7 @@ one cache read and one H2D copy instead of K.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -133,9 +134,12 @@ def cache_record(reader: "CacheReader") -> dict[str, Any]:
     """What a checkpoint records of the cache it trained on: the fingerprint and the committed totals (a resume
     must see the same samples, or its epoch plan and losses change)."""
     idx = reader.index
-    return {"fingerprint": reader.fingerprint.to_json(),
-            "totals": {"samples": int(len(idx.length)), "tokens": int(idx.length.sum()),
-                       "loss_tokens": int(idx.num_loss_tokens.sum())}}
+    rec = {"fingerprint": reader.fingerprint.to_json(),
+           "totals": {"samples": int(len(idx.length)), "tokens": int(idx.length.sum()),
+                      "loss_tokens": int(idx.num_loss_tokens.sum())}}
+    if hasattr(reader, "readers"):  # a mixture: each cache's own record, in order
+        rec["caches"] = [cache_record(r) for r in reader.readers]
+    return rec
 
 
 def check_same_cache(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
@@ -156,6 +160,26 @@ def check_same_cache(saved: dict[str, Any] | None, current: dict[str, Any]) -> N
     for key, value in saved["totals"].items():
         if current["totals"][key] != value:
             raise CacheMismatchError(f"totals.{key}", value, current["totals"][key], hint, **who)
+    old_caches, new_caches = saved.get("caches", [saved]), current.get("caches", [current])
+    if len(old_caches) != len(new_caches):
+        raise CacheMismatchError("number of caches", len(old_caches), len(new_caches), hint, **who)
+    if "caches" in saved:
+        for a, b in zip(old_caches, new_caches):
+            check_same_cache(a, b)
+
+
+def step_mix(reader, micro_batches) -> "tuple[Any, Any] | None":
+    """(samples, tokens) per cache of one step's micro-batches (all ranks) when the reader mixes several caches
+    (cache.mixed.MixedReader); None for one cache."""
+    offsets = getattr(reader, "offsets", None)
+    if offsets is None:
+        return None
+    import numpy as np
+
+    from dflash.train.mixture import per_cache_counts
+
+    idx = np.concatenate([np.asarray(mb, dtype=np.int64) for mb in micro_batches])
+    return per_cache_counts(idx, offsets=offsets, lengths=reader.index.length, num_caches=len(offsets))
 
 
 def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: OpenLoader = streaming_loader,
@@ -181,10 +205,15 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
     steps, stop = 0, False
     pin = info.device.type == "cuda"
     while pos is not None and not stop and any(not u.finished for u in units):
-        plan = config_plan(cfg, lengths, epoch=pos.epoch, world_size=info.world_size, costs=costs)
+        plan = config_plan(cfg, lengths, epoch=pos.epoch, world_size=info.world_size, costs=costs,
+                           counts=getattr(reader, "counts", None))
         if pos.step_in_epoch >= plan.num_steps:
             pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
             continue
+        # the loader reads no step past the last one a unit needs (a mixture sweep counts each sample's reads)
+        needed = pos.step_in_epoch + max(u.total_steps for u in units if not u.finished) - pos.global_step
+        if needed < plan.num_steps:
+            plan = dataclasses.replace(plan, steps=plan.steps[:needed])
         epoch = pos.epoch
         rules = sorted({u.anchor_rule for u in units if not u.finished})
 
@@ -213,10 +242,11 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
                 steps += 1
                 stop = cfg.stop_after_steps is not None and steps >= cfg.stop_after_steps
                 step_tokens = sum(int(lengths[mb_].sum()) for mb_ in plan.steps[step_in_epoch])
+                mix = step_mix(reader, plan.steps[step_in_epoch])
                 logged = False
                 for u in active:
                     logged |= u.end_step(pos, step_tokens=step_tokens, stall_s=lambda: loader.stats.wait_s,
-                                         stop=stop)
+                                         stop=stop, mix=mix)
                     if u.finished:
                         u.export()
                 if logged:

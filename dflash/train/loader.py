@@ -163,12 +163,15 @@ class EpochPlan:
 
 
 def plan_epoch(lengths: np.ndarray, *, seed: int, epoch: int, batch_tokens: int, world_size: int,
-               grad_accum: int, costs: np.ndarray | None = None, step_samples: int | None = None) -> EpochPlan:
+               grad_accum: int, costs: np.ndarray | None = None, step_samples: int | None = None,
+               order: np.ndarray | None = None) -> EpochPlan:
     """Shuffle, pack and partition one epoch (see the module docstring). `lengths`: int64 [N] tokens per sample;
     `costs`: float [N] (sample_costs) to balance steps of several micro-batches; None keeps the packing order.
-    step_samples: steps of that many samples instead (fixed_count_steps; costs unused)."""
+    step_samples: steps of that many samples instead (fixed_count_steps; costs unused). order: the epoch's
+    sample order (a mixture's, train.mixture) instead of the seeded permutation."""
     assert world_size >= 1 and grad_accum >= 1
-    order = epoch_permutation(len(lengths), seed=seed, epoch=epoch)
+    if order is None:
+        order = epoch_permutation(len(lengths), seed=seed, epoch=epoch)
     per_step = world_size * grad_accum
     if step_samples is not None:
         steps = fixed_count_steps(order, lengths, step_samples=step_samples, batch_tokens=batch_tokens,
@@ -207,10 +210,19 @@ def fixed_count_steps(order: np.ndarray, lengths: np.ndarray, *, step_samples: i
 
 
 def config_plan(cfg, lengths: np.ndarray, *, epoch: int, world_size: int,
-                costs: np.ndarray | None = None) -> EpochPlan:
-    """plan_epoch with a TrainConfig's data settings (data_seed, batch_tokens, grad_accum, step_samples)."""
+                costs: np.ndarray | None = None, counts: np.ndarray | None = None) -> EpochPlan:
+    """plan_epoch with a TrainConfig's data settings (data_seed, batch_tokens, grad_accum, step_samples, and
+    cache_weights: the mixture order over caches of `counts` samples each, whose indexes `lengths` concatenates;
+    None counts = one cache)."""
+    order = None
+    if cfg.cache_weights is not None:
+        from dflash.train.mixture import mixture_epoch
+
+        order = mixture_epoch(counts=[len(lengths)] if counts is None else counts, weights=cfg.cache_weights,
+                              seed=cfg.data_seed, epoch=epoch).order
     return plan_epoch(lengths, seed=cfg.data_seed, epoch=epoch, batch_tokens=cfg.batch_tokens,
-                      world_size=world_size, grad_accum=cfg.grad_accum, costs=costs, step_samples=cfg.step_samples)
+                      world_size=world_size, grad_accum=cfg.grad_accum, costs=costs, step_samples=cfg.step_samples,
+                      order=order)
 
 
 def anchor_seed(*, seed: int, epoch: int, sample_id: int) -> int:

@@ -113,6 +113,9 @@ class MetricSink:
                                  "train/heldout": f"{record['train_over_heldout']:.2f}"
                                  if record.get("train_over_heldout") is not None else "-"}
             post.update(self._heldout)
+            if record.get("cache_samples"):  # a mixture: the share of samples seen per cache so far
+                seen = list(record["cache_samples"].values())
+                post["mix"] = "/".join(f"{n / max(1, sum(seen)):.2f}" for n in seen)
             self._bar.set_postfix(post, refresh=False)
 
     def advance(self, n: int = 1) -> None:

@@ -147,12 +147,28 @@ def setup_target(cfg: TrainConfig, *, info: DistInfo) -> TargetSetup:
     from dflash.target.load import local_model_dir, text_config
 
     reasons: list[str] = []
-    reader = CacheReader(cfg.cache, verify=cfg.verify_checksums)
-    if len(reader) == 0:
-        raise ConfigError(f"cache {cfg.cache!r} has no committed samples")
-    busy = cache_in_progress(cfg.cache)
-    if busy and info.is_main:
-        log.warning("%s (%d samples committed)", busy, len(reader))
+    readers = []
+    try:
+        for path in cfg.cache_paths:
+            readers.append(CacheReader(path, verify=cfg.verify_checksums))
+            if len(readers[-1]) == 0:
+                raise ConfigError(f"cache {path!r} has no committed samples")
+            busy = cache_in_progress(path)
+            if busy and info.is_main:
+                log.warning("%s (%d samples committed)", busy, len(readers[-1]))
+        if len(readers) == 1:
+            reader = readers[0]
+        else:
+            from dflash.cache.mixed import MixedReader
+
+            reader = MixedReader(readers)
+            reasons.append(f"{len(readers)} caches mixed ({', '.join(f'{len(r)}' for r in readers)} samples), "
+                           + ("every sample once per epoch" if cfg.cache_weights is None else
+                              f"weights {list(cfg.cache_weights)}"))
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
     model_dir = local_model_dir(cfg.model)
     embed_VD, head_VD, head_info = embedding_and_head(cfg.model)
     target_config = text_config(AutoConfig.from_pretrained(model_dir))
@@ -198,13 +214,28 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
 
     reasons: list[str] = []
     reader = target.reader
-    taps = select_taps(reader.tap_layer_ids, cfg.taps, online_layers=target.num_target_layers if cfg.online else None)
-    if cfg.taps is None:
+    init = None
+    if resume_state is None and cfg.init_from is not None:  # a resume continues its own weights instead
+        from dflash.train.init_from import check_init_fits, load_init
+
+        init = load_init(cfg.init_from)
+        check_init_fits(init.config, hidden_size=reader.hidden_size, num_target_layers=target.num_target_layers,
+                        vocab_size=target.vocab_size, cache_taps=reader.tap_layer_ids, requested_taps=cfg.taps,
+                        online=cfg.online)
+    wanted = cfg.taps if init is None else init.config.target_layer_ids
+    if resume_state is not None:  # the drafter's own taps (a run started --init-from took them from its source)
+        wanted = tuple(resume_state["drafter_config"]["target_layer_ids"])
+    taps = select_taps(reader.tap_layer_ids, wanted, online_layers=target.num_target_layers if cfg.online else None)
+    if wanted is None:
         reasons.append(f"taps: all of the cache's taps {list(taps)}")
     if resume_state is not None:
         dc = DrafterConfig(**{**resume_state["drafter_config"],
                               "target_layer_ids": tuple(resume_state["drafter_config"]["target_layer_ids"])})
         reasons.append("drafter config: from the checkpoint being resumed")
+    elif init is not None:
+        dc = init.config
+        reasons.append(f"drafter config and initial weights: from {init.source} (its shape, taps, block size "
+                       "and mask token; the run's own shape settings are not used)")
     else:
         mask_id, why = resolve_mask_token_id(target.tokenizer, configured=cfg.mask_token_id,
                                              vocab_size=target.vocab_size)
@@ -216,13 +247,16 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
         reasons.extend(resolved.reasons)
     torch.manual_seed(cfg.seed)  # identical init on every rank (built on the CPU, then moved)
     drafter = DFlashDrafter(dc).to(info.device)
+    if init is not None:
+        drafter.load_state_dict(init.state, strict=True)
     if compile_wanted(cfg.compile_elementwise, info.device):
         drafter.compile_elementwise()
         reasons.append(f"norms, RoPE, SiLU-gating and the fused CE's elementwise work: torch.compile'd "
                        f"(compile_elementwise={cfg.compile_elementwise})")
     reasons.append(describe_drafter(dc, drafter))
     # each epoch planned once for the step count, the CPU estimate and the sample denominator
-    plan_of = functools.cache(lambda e: config_plan(cfg, reader.index.length, epoch=e, world_size=info.world_size))
+    plan_of = functools.cache(lambda e: config_plan(cfg, reader.index.length, epoch=e, world_size=info.world_size,
+                                                    counts=getattr(reader, "counts", None)))
     total = count_total_steps(cfg, plan_of)
     if info.device.type == "cpu" and info.is_main and cfg.num_anchors * dc.block_size >= GPU_SIZED_BLOCK_TOKENS:
         per_epoch = plan_of(0).num_steps

@@ -149,6 +149,12 @@ class DrafterUnit:
         self._tokens, self._flops, self._timed_steps = 0, 0.0, 0  # of this process only (tokens/s, MFU)
         self._step_flops = 0.0
         self.watch = Stopwatch()
+        # samples and tokens seen per cache since step 0 (a mixture of several caches; None for one cache)
+        readers = getattr(target.reader, "readers", None)
+        self.mix_names: tuple[str, ...] | None = tuple(r.path for r in readers) if readers else None
+        seen = (state or {}).get("extra", {}).get("mix_seen")
+        self.mix_seen = None if self.mix_names is None else (
+            np.asarray(seen, dtype=np.int64) if seen is not None else np.zeros((2, len(self.mix_names)), np.int64))
 
     @property
     def finished(self) -> bool:
@@ -201,10 +207,13 @@ class DrafterUnit:
         return round(sum(visible_keys(anchors, block_size=B, attn=a) for a in attns) / len(attns))
 
     def end_step(self, pos: ckpt.DataPosition, *, step_tokens: int, stall_s: Callable[[], float],
-                 stop: bool = False) -> bool:
+                 stop: bool = False, mix: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
         """All-reduce, clip, optimizer and scheduler step; log and checkpoint when due. Returns True if it logged.
-        stall_s() gives the loader's wait time since its last reset (read only on log steps)."""
+        stall_s() gives the loader's wait time since its last reset (read only on log steps). mix: the step's
+        (samples, tokens) per cache (driver.step_mix) of a mixture run."""
         cfg = self.cfg
+        if mix is not None and self.mix_seen is not None:
+            self.mix_seen += np.stack(mix)
         self.sync.reduce(self.info.world_size)
         norm, divisor = self.sync.norm_and_divisor(max_norm=cfg.grad_clip, denominator=self.grad_denominator)
         apply_divisor(self.optimizer, self.sync.grads, divisor)
@@ -256,6 +265,7 @@ class DrafterUnit:
                "tokens_per_s": self._tokens / dt, "stall_frac": min(1.0, stall_s / dt),
                "mfu": (self._flops / dt / self.peak) if self.peak else None, "mem_gb": memory_gb(self.info.device),
                "step_time_s": dt / steps}
+        rec.update(self.mix_metrics())
         if heldout is not None:
             rec.update(heldout)
             # training-batch acceptance over held-out tau: well above 1 means the drafter memorises its batches
@@ -265,6 +275,14 @@ class DrafterUnit:
         self.last_record = rec
         self._window, self._norms, self._tokens, self._flops, self._timed_steps = [], [], 0, 0.0, 0
         self._first = pos.global_step + 1
+
+    def mix_metrics(self) -> dict[str, Any]:
+        """cache_samples / cache_tokens: per cache path, what the run has trained on since step 0 (a mixture
+        only; {} for one cache)."""
+        if self.mix_seen is None or self.mix_names is None:
+            return {}
+        return {"cache_samples": dict(zip(self.mix_names, self.mix_seen[0].tolist())),
+                "cache_tokens": dict(zip(self.mix_names, self.mix_seen[1].tolist()))}
 
     def _window_state(self) -> dict[str, Any]:
         """The unlogged part of the log window, for the checkpoint (host tensors)."""
@@ -278,7 +296,8 @@ class DrafterUnit:
                                  scheduler_state=self.scheduler.state_dict(), position=self.pos,
                                  world_size=self.info.world_size, train_config=self.cfg.to_json(),
                                  drafter_config=self.dc.to_json(), keep=self.cfg.keep_checkpoints,
-                                 extra={"metric_window": self._window_state(), "cache": self.cache_record},
+                                 extra={"metric_window": self._window_state(), "cache": self.cache_record,
+                                        "mix_seen": None if self.mix_seen is None else self.mix_seen.tolist()},
                                  plan_version=self.plan_version)
         barrier(self.info)
 
@@ -297,8 +316,12 @@ class DrafterUnit:
             if self.last_heldout is not None:  # the evaluation of the last step (end_step runs before export)
                 heldout = [{**self.last_heldout.to_json(), "name": pathlib.Path(str(self.cfg.eval_cache)).name,
                             "step": self.pos.global_step}]
-            write_model_card(out, heldout=heldout, data=self.cache_manifest, recipe=self.cfg.to_json(),
-                             target=self.cfg.model)
+            data = self.cache_manifest
+            if self.mix_names is not None:
+                from dflash.drafter.card import data_summary
+
+                data = {**data_summary(data), **self.mix_metrics()}
+            write_model_card(out, heldout=heldout, data=data, recipe=self.cfg.to_json(), target=self.cfg.model)
             log.info("%s: exported the drafter of step %d to %s", self.name, self.pos.global_step, out)
         barrier(self.info)
         self.drafter_dir = out
