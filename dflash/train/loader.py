@@ -40,6 +40,7 @@ import torch
 
 from dflash.errors import ConfigError
 from dflash.train.objective import expected_blocks
+from dflash.train.permutation import epoch_permutation  # noqa: F401  (re-exported: the plan's order)
 
 if TYPE_CHECKING:
     from dflash.cache.reader import CacheReader, PackedBuffers, PackedSamples
@@ -59,12 +60,6 @@ CONTEXT_TOKEN_COST = 1 / 32
 
 
 # ----------------------------------------------------------------------------------------------- pure planning
-
-
-def epoch_permutation(num_samples: int, *, seed: int, epoch: int) -> np.ndarray:
-    """Deterministic permutation of range(num_samples) for (seed, epoch); int64 [N]."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 0x5EED])))
-    return rng.permutation(num_samples).astype(np.int64)
 
 
 def pack_micro_batches(order: np.ndarray, lengths: np.ndarray, *, batch_tokens: int,

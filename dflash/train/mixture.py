@@ -78,7 +78,7 @@ def interleave(counts: np.ndarray) -> np.ndarray:
 def stream_positions(start: int, count: int, *, num_samples: int, seed: int, cache: int) -> np.ndarray:
     """Local sample indices at positions start .. start+count-1 of cache `cache`'s endless stream of shuffled
     passes (pass p: a permutation seeded by (seed, cache, p))."""
-    from dflash.train.loader import epoch_permutation
+    from dflash.train.permutation import epoch_permutation
 
     if count == 0:
         return np.zeros(0, dtype=np.int64)
