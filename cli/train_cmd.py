@@ -12,7 +12,7 @@ import click
 
 from cli.cache_cmd import store_mirror_option
 from dflash.errors import ConfigError
-from dflash.train.config import ANCHOR_POSITIONS, LOSS_NORMALIZATIONS, TrainConfig, field_docs
+from dflash.train.config import ANCHOR_POSITIONS, ARCHS, LOSS_NORMALIZATIONS, TrainConfig, field_docs
 
 FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr", "batch_tokens": "--batch-tokens",
          "grad_accum": "--grad-accum", "seed": "--seed", "num_anchors": "--num-anchors", "num_layers": "--layers",
@@ -20,9 +20,10 @@ FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr
          "log_every": "--log-every", "online": "--online", "online_storage": "--online-storage",
          "eval_cache": "--eval-cache",
          "eval_every": "--eval-every", "eval_limit": "--eval-limit", "loss_normalization": "--loss-normalization",
-         "anchor_positions": "--anchor-positions", "step_samples": "--step-samples"}
+         "anchor_positions": "--anchor-positions", "step_samples": "--step-samples", "arch": "--arch",
+         "selector_weight": "--selector-weight"}
 """TrainConfig fields offered as flags (the rest: --config YAML), and their flag names."""
-CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS}
+CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS, "arch": ARCHS}
 """String fields whose flag takes one of a fixed set of values."""
 NAMES = {"online_storage": "STORAGE"}
 """String fields that are names, not paths (the config checks them), and their metavar."""

@@ -97,4 +97,12 @@ def build_drafter_config(cfg: Any, *, hidden_size: int, taps: Sequence[int], num
         num_key_value_heads=cfg.num_key_value_heads if cfg.num_key_value_heads is not None else kv,
         head_dim=cfg.head_dim if cfg.head_dim is not None else head_dim,
         rope_theta=float(cfg.rope_theta), block_size=cfg.block_size)
+    if getattr(cfg, "arch", "dflash") == "dflash2":
+        from dflash.drafter.dflash2 import DFlash2Config
+
+        dc = DFlash2Config.from_base(dc, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
+                                     selector_top_k=cfg.selector_top_k)
+        reasons.append(f"arch dflash2: two-tap in-block convolution (groups of {cfg.conv_group_size} channels), "
+                       f"selector rank {cfg.selector_rank} over the top {cfg.selector_top_k} candidates, "
+                       f"selector_weight {cfg.selector_weight}")
     return ResolvedDrafter(config=dc, reasons=tuple(reasons))

@@ -23,18 +23,15 @@ class ExportResult:
 
 def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
                       dtype: str = "bfloat16", overwrite: bool = False) -> ExportResult:
-    from dflash.drafter.config import DrafterConfig
     from dflash.drafter.export import export_drafter
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.registry import build_drafter, config_from_json
 
     src = pathlib.Path(checkpoint)
     if src.is_dir():
         src = latest_checkpoint(src) or src  # load_checkpoint names the missing checkpoint
     state = load_checkpoint(src)
-    d = dict(state["drafter_config"])
-    d["target_layer_ids"] = tuple(d["target_layer_ids"])
-    cfg = DrafterConfig(**d)
-    model = DFlashDrafter(cfg)
+    cfg = config_from_json(state["drafter_config"])
+    model = build_drafter(cfg)
     model.load_state_dict(state["model"])
     out = export_drafter(model, cfg, output, dtype=getattr(torch, dtype), overwrite=overwrite)
     return ExportResult(path=out, checkpoint=src, step=int(state["position"]["global_step"]))
