@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.drafter.config import DrafterConfig
-from dflash.drafter.model import DFlashDecoderLayer, DFlashDrafter, RMSNorm
+from dflash.drafter.model import DFlashDecoderLayer, DFlashDrafter
 from dflash.errors import ConfigError
 
 ARCHITECTURE2 = "DFlash2DraftModel"
@@ -197,8 +197,8 @@ class GroupedDynamicConv(nn.Module):
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
-    def __init__(self, cfg: DFlash2Config) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: DFlash2Config, *args, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
         self.attention_conv = GroupedDynamicConv(cfg)
         self.mlp_conv = GroupedDynamicConv(cfg)
 
@@ -268,19 +268,12 @@ def walk_path(scores_fn, *, cand_JWk: torch.Tensor, anchor_J: torch.Tensor) -> t
 class DFlash2Drafter(DFlashDrafter):
     """Trainable part of a DFlash 2 drafter; parameter names are those SGLang and vLLM load."""
 
+    decoder_layer_cls = DFlash2DecoderLayer
+
     def __init__(self, cfg: DFlash2Config) -> None:
-        # DFlashDrafter's attributes, built here so its DFlash layers are never made and thrown away
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.elementwise_compiled = False
-        self.layers = nn.ModuleList(DFlash2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg)
         self.candidate_selector = CandidateSelector(cfg)
-        self.attn_backend = "auto"
-        self.dense_chunk_tokens = 2048
-        self.reset_parameters()
+        self.reset_parameters()  # again, now with the selector: the whole init is one seeded pass
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -290,8 +283,10 @@ class DFlash2Drafter(DFlashDrafter):
         for m in self.modules():
             if isinstance(m, GroupedDynamicConv):
                 m.reset_identity()
-        self.candidate_selector.predecessor_codebook.normal_(0.0, std)
-        self.candidate_selector.successor_codebook.normal_(0.0, std)
+        selector = getattr(self, "candidate_selector", None)  # None inside DFlashDrafter.__init__
+        if selector is not None:
+            selector.predecessor_codebook.normal_(0.0, std)
+            selector.successor_codebook.normal_(0.0, std)
 
     @torch.no_grad()
     def draft_tokens(self, out_JBD: torch.Tensor, *, anchor_ids_J: torch.Tensor, lm_head_VD: torch.Tensor,
