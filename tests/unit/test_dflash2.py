@@ -186,3 +186,16 @@ def test_config_round_trip_and_refusals():
         DFlash2Config.from_hf_config(bad)
     with pytest.raises(ConfigError, match="conv_group_size=7"):
         _cfg(conv_group_size=7)
+
+
+def test_sweep_does_not_rank_different_methods_by_their_losses():
+    """A DFlash 2 loss holds the selector term: without tau, a sweep over arch names no best run by loss."""
+    from dflash.sweep.report import rank_runs
+
+    def row(name, arch, loss, tau=None):
+        return {"name": name, "finished": True, "tau": tau, "final_loss": loss, "arch": arch}
+
+    mixed = rank_runs([row("a", "dflash", 2.0), row("b", "dflash2", 3.0)])
+    assert mixed.criterion == "none_mixed_losses" and mixed.best is None and "eval cache" in mixed.describe()
+    assert rank_runs([row("a", "dflash", 2.0, 1.1), row("b", "dflash2", 3.0, 1.3)]).best == "b"  # tau ranks
+    assert rank_runs([row("a", "dflash2", 2.0), row("b", "dflash2", 3.0)]).best == "a"
