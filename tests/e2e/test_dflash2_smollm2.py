@@ -14,7 +14,7 @@ import torch
 from dflash.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
-STEPS = 40
+STEPS = 30
 
 
 def test_sweep_trains_dflash2_beside_dflash_on_smollm2(smollm2_greedy_eval, tmp_path, monkeypatch):
@@ -28,7 +28,7 @@ def test_sweep_trains_dflash2_beside_dflash_on_smollm2(smollm2_greedy_eval, tmp_
 
     monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
     model, cache = smollm2_greedy_eval.model, str(smollm2_greedy_eval.root / "cache")
-    base = dict(mask_token_id=16, num_layers=1, block_size=4, num_anchors=32, intermediate_size=512,
+    base = dict(mask_token_id=16, num_layers=1, block_size=4, num_anchors=32, intermediate_size=256,
                 lr=3e-3, warmup_ratio=0.05, batch_tokens=1024, steps=STEPS, log_every=1, save_every=100,
                 selector_rank=16, eval_cache=cache, eval_every=STEPS)
     out = tmp_path / "sw"
