@@ -199,3 +199,19 @@ def test_sweep_does_not_rank_different_methods_by_their_losses():
     assert mixed.criterion == "none_mixed_losses" and mixed.best is None and "eval cache" in mixed.describe()
     assert rank_runs([row("a", "dflash", 2.0, 1.1), row("b", "dflash2", 3.0, 1.3)]).best == "b"  # tau ranks
     assert rank_runs([row("a", "dflash2", 2.0), row("b", "dflash2", 3.0)]).best == "a"
+
+
+def test_block_drafts_dispatch():
+    """The evaluators' one draft rule: a DFlash 2 drafter's selector path, a DFlash drafter's per-slot argmax."""
+    from dflash.eval.batched import block_drafts
+
+    torch.manual_seed(5)
+    out = torch.randn(3, BASE["block_size"], BASE["hidden_size"])
+    head = torch.randn(BASE["vocab_size"], BASE["hidden_size"])
+    anchors = torch.tensor([0, 1, 2])
+    d2 = DFlash2Drafter(_cfg())
+    assert torch.equal(block_drafts(d2, out, anchor_ids_J=anchors, lm_head_VD=head, rows_per_chunk=4),
+                       d2.draft_tokens(out, anchor_ids_J=anchors, lm_head_VD=head))
+    d1 = DFlashDrafter(DrafterConfig(**BASE))
+    assert torch.equal(block_drafts(d1, out, anchor_ids_J=anchors, lm_head_VD=head, rows_per_chunk=4),
+                       (out[:, 1:] @ head.T).argmax(-1))

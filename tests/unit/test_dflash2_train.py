@@ -60,3 +60,49 @@ def test_resume_cannot_switch_the_architecture(assets):
     model, cache = assets
     _refuses_on_resume(dict(cache=cache, model=model), arch="dflash2")
     _refuses_on_resume(dict(cache=cache, model=model, arch="dflash2"), selector_weight=0.5)
+
+
+def test_cli_train_arch_dflash2_then_eval(assets, tmp_path):
+    """`dflash train --arch dflash2 --selector-weight` and `dflash eval` of its export: the tau printed is the
+    accept chain of the drafts block_drafts gives for a DFlash 2 drafter (the selector's path)."""
+    import json
+
+    import numpy as np
+    import torch
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from dflash.cache import CacheReader
+    from dflash.drafter.export import load_drafter
+    from dflash.eval.tau import sequence_steps
+    from dflash.target.head import embedding_and_head
+
+    model, cache = assets
+    out = tmp_path / "run"
+    res = CliRunner().invoke(cli, ["train", "--cache", cache, "--model", model, "--output", str(out), "--device", "cpu",
+                                   "--arch", "dflash2", "--selector-weight", "0.5", "--layers", "1", "--block-size", "4",
+                                   "--num-anchors", "8", "--batch-tokens", "200", "--steps", "3",
+                                   "--config", str(_yaml(tmp_path))], prog_name="dflash")
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "config.json").read_text())["train"]["selector_weight"] == 0.5
+    res = CliRunner().invoke(cli, ["eval", "--drafter", str(out / "drafter"), "--cache", cache, "--model", model,
+                                   "--approximate", "--json", "--device", "cpu"], prog_name="dflash")
+    assert res.exit_code == 0, res.output
+    tau = json.loads(res.output)["tau"]
+    dr, cfg = load_drafter(out / "drafter", dtype=torch.float32)  # `dflash eval` on CPU: float32
+    embed, head, _ = embedding_and_head(model, dtype=torch.float32)
+    taus = []  # `dflash eval`'s tau: the mean of the sequences' taus
+    with CacheReader(cache) as reader:
+        for i in range(len(reader)):
+            s = reader.read(i, taps=cfg.target_layer_ids, dequantize=True)
+            taus.append(np.mean(sequence_steps(dr, embed_VD=embed, lm_head_VD=head,
+                                    input_ids_T=torch.from_numpy(s.input_ids.astype(np.int64)),
+                                    hidden_TKD=s.hidden.float(), loss_mask_T=s.loss_mask,
+                                    mask_token_id=cfg.mask_token_id)))
+    assert tau == pytest.approx(np.mean(taus))
+
+
+def _yaml(tmp_path):
+    p = tmp_path / "small.yaml"
+    p.write_text("selector_rank: 8\nselector_top_k: 4\nconv_group_size: 8\nintermediate_size: 64\n")
+    return p
