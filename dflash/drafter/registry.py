@@ -14,14 +14,15 @@ from dflash.drafter.dflash2 import ARCHITECTURE2, DFlash2Config, DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.errors import ConfigError
 
-ARCHS = {"dflash": (DrafterConfig, DFlashDrafter, ARCHITECTURE), "dflash2": (DFlash2Config, DFlash2Drafter, ARCHITECTURE2)}
-"""arch name -> (config class, module class, config.json architecture)."""
-ARCH_NAMES = tuple(ARCHS)
+ARCHS = {"dflash": (DrafterConfig, DFlashDrafter, ARCHITECTURE),
+         "dflash2": (DFlash2Config, DFlash2Drafter, ARCHITECTURE2)}
+"""arch name -> (config class, module class, config.json architecture). dflash.train.config.ARCHS lists the
+names again without importing torch (the CLI's --help); a test holds the two equal."""
 
 
 def arch_of(cfg: DrafterConfig) -> str:
     """The arch name of a drafter config (the most derived class registered)."""
-    for name, (cls, _, _) in reversed(ARCHS.items()):
+    for name, (cls, _, _) in ARCHS.items():
         if type(cfg) is cls:
             return name
     raise ConfigError(f"{type(cfg).__name__}: not a registered drafter config")

@@ -22,7 +22,7 @@ LOSS_NORMALIZATIONS = ("token", "sequence", "sample")
 ANCHOR_POSITIONS = ("response", "full_blocks")
 """TrainConfig.anchor_positions' values (objective.sample_anchors' full_block)."""
 ARCHS = ("dflash", "dflash2")
-"""TrainConfig.arch's values (dflash.drafter.registry.ARCHS)."""
+"""TrainConfig.arch's values: the names of dflash.drafter.registry.ARCHS (not imported here: it imports torch)."""
 
 
 @dataclass(frozen=True, kw_only=True)

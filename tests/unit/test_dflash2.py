@@ -215,3 +215,10 @@ def test_block_drafts_dispatch():
     d1 = DFlashDrafter(DrafterConfig(**BASE))
     assert torch.equal(block_drafts(d1, out, anchor_ids_J=anchors, lm_head_VD=head, rows_per_chunk=4),
                        (out[:, 1:] @ head.T).argmax(-1))
+
+
+def test_train_config_offers_every_registered_architecture():
+    from dflash.drafter.registry import ARCHS
+    from dflash.train.config import ARCHS as TRAIN_ARCHS
+
+    assert tuple(ARCHS) == TRAIN_ARCHS

@@ -79,9 +79,9 @@ def test_cli_train_arch_dflash2_then_eval(assets, tmp_path):
 
     model, cache = assets
     out = tmp_path / "run"
-    res = CliRunner().invoke(cli, ["train", "--cache", cache, "--model", model, "--output", str(out), "--device", "cpu",
-                                   "--arch", "dflash2", "--selector-weight", "0.5", "--layers", "1", "--block-size", "4",
-                                   "--num-anchors", "8", "--batch-tokens", "200", "--steps", "3",
+    res = CliRunner().invoke(cli, ["train", "--cache", cache, "--model", model, "--output", str(out),
+                                   "--device", "cpu", "--arch", "dflash2", "--selector-weight", "0.5", "--layers", "1",
+                                   "--block-size", "4", "--num-anchors", "8", "--batch-tokens", "200", "--steps", "3",
                                    "--config", str(_yaml(tmp_path))], prog_name="dflash")
     assert res.exit_code == 0, res.output
     assert json.loads((out / "config.json").read_text())["train"]["selector_weight"] == 0.5
