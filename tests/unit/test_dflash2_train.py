@@ -43,6 +43,13 @@ def test_cut_and_resume_equals_uninterrupted(assets, tmp_path):
     assert load_checkpoint(tmp_path / "cut")["drafter_config"]["arch"] == "dflash2"
     cfg = read_drafter_config(tmp_path / "cut" / "drafter")
     assert type(cfg) is DFlash2Config and (cfg.selector_rank, cfg.selector_top_k, cfg.conv_group_size) == (8, 4, 8)
+    # `dflash export` of the run's checkpoint writes the same DFlash 2 folder
+    from dflash.train.export import export_checkpoint
+
+    res = export_checkpoint(tmp_path / "cut", tmp_path / "exported")
+    assert res.step == 6 and read_drafter_config(res.path) == cfg
+    assert (res.path / "model.safetensors").read_bytes() == (tmp_path / "cut" / "drafter" / "model.safetensors"
+                                                               ).read_bytes()
 
 
 def test_selector_weight_is_in_the_loss(assets, tmp_path):
