@@ -332,8 +332,9 @@ def train_config(args, *, model: str, cache, out: pathlib.Path, device: str, ste
                  eval_cache: str | None, eval_every: int, log_every: int | None, seed: int = 0,
                  noise_start: float = 0.0, epochs: int = 6, online: bool = False, online_storage: str | None = None,
                  loss_normalization: str = "token", taps: tuple[int, ...] | None = None,
-                 online_compile: str = "off"):
-    """The TrainConfig of one run (a job: train_once's keyword arguments; `device` is train_once's)."""
+                 online_compile: str = "off", **method):
+    """The TrainConfig of one run (a job: train_once's keyword arguments; `device` is train_once's). `method`:
+    further TrainConfig fields of a --methods run (arch, objective, ...), passed as they are."""
     from dflash.train.config import TrainConfig
 
     return TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=args.layers,
@@ -342,7 +343,7 @@ def train_config(args, *, model: str, cache, out: pathlib.Path, device: str, ste
                        seed=seed, log_every=log_every or args.log_every, save_every=args.save_every,
                        intermediate_size=args.intermediate_size, eval_cache=eval_cache, eval_every=eval_every,
                        noise_start=noise_start, noise_end=0.0, online=online, online_storage=online_storage,
-                       loss_normalization=loss_normalization, taps=taps, online_compile=online_compile)
+                       loss_normalization=loss_normalization, taps=taps, online_compile=online_compile, **method)
 
 
 def resumable(out: pathlib.Path) -> bool:
@@ -654,7 +655,13 @@ def parse_args(argv=None):
                     "from the package); training conversations holding one are dropped")
     ap.add_argument("--heldout-count", type=int, default=244,
                     help="held-out ShareGPT prompts made from the package when no file is given")
-    ap.add_argument("--json", help="result file (default benchmarks/results/quality_reference_h200.json)")
+    ap.add_argument("--methods", action="store_true",
+                    help="the methods comparison instead of the reference's runs: DFlash, DFlash 2 (--arch dflash2) "
+                         "and each with --objective variable_prefix, on the reference cache with the reference "
+                         "recipe and steps, DFlash and DFlash 2 also at seed 1 (the seed spread, same call); "
+                         "writes benchmarks/results/methods_h200.json (--tiny: methods_tiny_cpu.json)")
+    ap.add_argument("--json", help="result file (default benchmarks/results/quality_reference_h200.json; "
+                                   "--methods: methods_h200.json)")
     ap.add_argument("--plot-dir", help="where the PNGs go (default benchmarks/results)")
     ap.add_argument("--merge", metavar="JSON", help="add the runs of another call's result JSON (the same data and "
                     "eval responses, other runs: run_h200.sh refpair trains on two GPUs at once) to --json, plot "
@@ -680,6 +687,14 @@ def parse_args(argv=None):
     return args
 
 
+METHOD_RUNS = {"all_dflash": {}, "all_dflash_seed1": {"seed": 1},
+               "all_dflash2": {"arch": "dflash2"}, "all_dflash2_seed1": {"arch": "dflash2", "seed": 1},
+               "all_dflash_vp": {"objective": "variable_prefix"},
+               "all_dflash2_vp": {"arch": "dflash2", "objective": "variable_prefix"}}
+"""--methods: run name -> TrainConfig settings over the reference recipe (`objective` is the variable-prefix
+option's TrainConfig field; its prior parameter keeps its default)."""
+
+
 def runs_plan(args) -> list[tuple[str, str, dict]]:
     """(run name, cache name, train_once overrides); the reference (all the data in --storage) first, so a cut run
     keeps it; all_<other storage> compares a storage on the same data; subsets are in --storage."""
@@ -693,6 +708,10 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
             return f"all_{x}", TOKENS_CACHE, {"online": True, "online_storage": x}
         return f"all_{x}", f"train_{x}", {}
 
+    if args.methods:  # every method on the reference cache; one seed-1 twin per architecture for the spread
+        plan = [(name, f"train_{ref}", over) for name, over in METHOD_RUNS.items()]
+        skip = set(filter(None, args.skip.split(",")))
+        return [p for p in plan if p[0] not in skip]
     plan = [(f"all_{ref}", f"train_{ref}", {}), compared(other),
             ("all_seed1", f"train_{ref}", {"seed": 1}),  # the spread that tells whether a difference is real
             ("all_noise", f"train_{ref}", {"noise_start": args.noise_start}),
@@ -882,7 +901,8 @@ def main(argv=None) -> dict:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "bfloat16" if device == "cuda" else "float32"
     suffix = "tiny_cpu" if args.tiny else "h200"
-    out_json = pathlib.Path(args.json) if args.json else REPO / "benchmarks" / "results" / f"quality_reference_{suffix}.json"
+    bench = "methods" if args.methods else "quality_reference"
+    out_json = pathlib.Path(args.json) if args.json else REPO / "benchmarks" / "results" / f"{bench}_{suffix}.json"
     if args.merge:
         return merge_into(args, out_json)
     own_work = args.workdir is None
@@ -890,7 +910,7 @@ def main(argv=None) -> dict:
     if not args.resume and not own_work and work.is_dir() and any(work.iterdir()):
         raise SystemExit(f"--workdir {work} holds an earlier run: pass --resume to continue it")
     work.mkdir(parents=True, exist_ok=True)
-    result = bq.result_header(args, bench="quality_reference", device=device, argv=argv)
+    result = bq.result_header(args, bench=bench, device=device, argv=argv)
     earlier = bq.earlier_result(args, out_json)
     inputs = train_data_inputs(args)
     data_sha = files_sha256(inputs) if inputs else None
@@ -1111,6 +1131,23 @@ def summarise(result: dict) -> None:
         if ref and runs.get(name):
             result[key] = {ds: runs[name][f"tau_{ds}"] - ref[f"tau_{ds}"]
                            for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"] is not None}
+    methods = {k: runs[k] for k in METHOD_RUNS if k in runs}
+    if methods:
+        base = runs.get("all_dflash")
+        result["methods"] = {k: {"arch": v.get("arch", "dflash"), "objective": v.get("objective", "dflash"),
+                                 "seed": v.get("seed", 0), "step_time_s_median": v.get("step_time_s_median"),
+                                 **{f"tau_{ds}": v.get(f"tau_{ds}") for ds in ("mtbench", "humaneval", "sharegpt")},
+                                 **({f"rel_to_dflash_{ds}": (v[f"tau_{ds}"] - base[f"tau_{ds}"]) / base[f"tau_{ds}"]
+                                     for ds in ("mtbench", "humaneval", "sharegpt")
+                                     if base.get(f"tau_{ds}") and v.get(f"tau_{ds}") is not None} if base else {})}
+                             for k, v in methods.items()}
+        # the seed-to-seed spread of each architecture, measured in the same call: a method's difference
+        # smaller than it is not a difference
+        result["methods_seed_spread"] = {
+            arch: {ds: (runs[f"{arch}_seed1"][f"tau_{ds}"] - runs[arch][f"tau_{ds}"]) / runs[arch][f"tau_{ds}"]
+                   for ds in ("mtbench", "humaneval", "sharegpt")
+                   if runs[arch].get(f"tau_{ds}") and runs[f"{arch}_seed1"].get(f"tau_{ds}") is not None}
+            for arch in ("all_dflash", "all_dflash2") if arch in runs and f"{arch}_seed1" in runs}
     result["data_scaling"] = sorted(
         ({"run": k, "samples": v["samples"], "assistant_turns": v.get("assistant_turns"), "tokens": v["tokens"],
           "steps": v["steps"],

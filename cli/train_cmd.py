@@ -12,7 +12,7 @@ import click
 
 from cli.cache_cmd import store_mirror_option
 from dflash.errors import ConfigError
-from dflash.train.config import ANCHOR_POSITIONS, LOSS_NORMALIZATIONS, OBJECTIVES, TrainConfig, field_docs
+from dflash.train.config import ANCHOR_POSITIONS, ARCHS, LOSS_NORMALIZATIONS, OBJECTIVES, TrainConfig, field_docs
 
 FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr", "batch_tokens": "--batch-tokens",
          "grad_accum": "--grad-accum", "seed": "--seed", "num_anchors": "--num-anchors", "num_layers": "--layers",
@@ -22,9 +22,11 @@ FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr
          "eval_every": "--eval-every", "eval_limit": "--eval-limit", "loss_normalization": "--loss-normalization",
          "anchor_positions": "--anchor-positions", "step_samples": "--step-samples", "objective": "--objective",
          "prefix_weight_base": "--prefix-weight-base", "layer_types": "--layer-types",
-         "sliding_window": "--sliding-window", "causal": "--causal", "report_to": "--report-to"}
+         "sliding_window": "--sliding-window", "causal": "--causal", "report_to": "--report-to", "arch": "--arch",
+         "selector_weight": "--selector-weight"}
 """TrainConfig fields offered as flags (the rest: --config YAML), and their flag names."""
-CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS, "objective": OBJECTIVES}
+CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS, "objective": OBJECTIVES,
+           "arch": ARCHS}
 """String fields whose flag takes one of a fixed set of values."""
 NAMES = {"online_storage": "STORAGE", "report_to": "tensorboard,wandb"}
 """String fields that are names, not paths (the config checks them), and their metavar."""

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from dflash.drafter.config import AUTO_MAP, DrafterConfig
 from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.registry import build_drafter, config_from_hf
 from dflash.dtypes import dtype_name
 from dflash.durable import apply_umask, fsync_dir, refuse_nonempty
 from dflash.errors import ConfigError, ModelNotFoundError
@@ -91,7 +92,7 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
     except json.JSONDecodeError as e:
         raise ModelNotFoundError(f"{str(cfg_path)!r} is not valid JSON: {e}") from e
     try:
-        return DrafterConfig.from_hf_config(hf)
+        return config_from_hf(hf)
     except ConfigError as e:
         raise ModelNotFoundError(f"{str(p)!r} is not a usable DFlash drafter: {e}") from e
 
@@ -105,7 +106,7 @@ def load_drafter(path: str | os.PathLike, *, device: torch.device | str = "cpu",
     if not weights.is_file():
         raise ModelNotFoundError(f"{str(p)!r} has a drafter config but no {WEIGHTS_NAME}")
     with torch.device("meta"):
-        model = DFlashDrafter(cfg)
+        model = build_drafter(cfg)
     expected = set(model.state_dict())
     state = {}
     with safe_open(str(weights), framework="pt", device=str(device)) as f:

@@ -133,12 +133,15 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Trainable part of a DFlash drafter; parameter names match the published checkpoints."""
 
+    decoder_layer_cls = DFlashDecoderLayer
+    """The draft layer (DFlash 2's subclass wraps its sublayers in convolutions: drafter/dflash2.py)."""
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.elementwise_compiled = False
         """compile_elementwise() was called: training compiles its LM-head CE epilogue too (train.fused_ce)."""
-        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_cls(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

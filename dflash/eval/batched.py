@@ -161,6 +161,19 @@ def chunk_index(chunk: AnchorChunk, *, device: torch.device) -> dict[str, torch.
     return dict(zip(parts, torch.split(flat, [len(v) for v in parts.values()])))
 
 
+def block_drafts(drafter, out_JBD: torch.Tensor, *, anchor_ids_J: torch.Tensor, lm_head_VD: torch.Tensor,
+                 rows_per_chunk: int) -> torch.Tensor:
+    """The tokens a drafter proposes for each block's slots 1..B-1 (int64 [J, B-1]) from its final-normed
+    outputs: the drafter's own rule when it has one (DFlash 2: the selector's path from the anchor,
+    DFlash2Drafter.draft_tokens), else the per-slot argmax of the LM head (DFlash)."""
+    own = getattr(drafter, "draft_tokens", None)
+    if own is not None:
+        return own(out_JBD, anchor_ids_J=anchor_ids_J, lm_head_VD=lm_head_VD, rows_per_chunk=rows_per_chunk)
+    J, B, D = out_JBD.shape
+    return draft_argmax(out_JBD[:, 1:].reshape(J * (B - 1), D), lm_head_VD, rows_per_chunk=rows_per_chunk
+                        ).view(J, B - 1)
+
+
 def chunk_accept_lengths(drafter, chunk: AnchorChunk, *, hidden_TKD: torch.Tensor, input_ids_T: torch.Tensor,
                          embed_VD: torch.Tensor, lm_head_VD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """L per block of `chunk` (int64 [J] on the device, no host sync). hidden_TKD / input_ids_T: the chunk's
@@ -175,8 +188,8 @@ def chunk_accept_lengths(drafter, chunk: AnchorChunk, *, hidden_TKD: torch.Tenso
                      mask=layout)
     J = chunk.num_blocks
     rows = max(1, ARGMAX_BYTES // (lm_head_VD.shape[0] * out_QD.element_size()))
-    draft_JW = draft_argmax(out_QD.view(J, B, -1)[:, 1:].reshape(J * (B - 1), -1), lm_head_VD,
-                            rows_per_chunk=rows).view(J, B - 1)
+    draft_JW = block_drafts(drafter, out_QD.view(J, B, -1), anchor_ids_J=input_ids_T[ix["anchor_row"]],
+                            lm_head_VD=lm_head_VD, rows_per_chunk=rows)
     k_W = torch.arange(1, B, device=input_ids_T.device)
     inside_JW = ix["anchor"][:, None] + k_W < ix["end"][:, None]
     ref_JW = torch.where(inside_JW, input_ids_T[(ix["anchor_row"][:, None] + k_W).clamp(max=input_ids_T.shape[0] - 1)],

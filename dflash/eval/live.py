@@ -35,7 +35,8 @@ import torch
 
 from dflash.drafter.blocks import block_input_ids
 from dflash.errors import ConfigError
-from dflash.eval.draft import draft_argmax, leading_matches
+from dflash.eval.batched import block_drafts
+from dflash.eval.draft import leading_matches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +112,8 @@ def speculative_generate(target, drafter, *, embed_VD: torch.Tensor, lm_head_VD:
         kv_pos = torch.cat([torch.arange(pos, device=device), q_pos])
         block = block_input_ids(torch.tensor(bonus, device=device), block_size=B, mask_token_id=cfg.mask_token_id)
         hidden_BD = drafter(embed[block], ctx_TD, q_pos=q_pos, kv_pos=kv_pos, mask=None)
-        draft_W = draft_argmax(hidden_BD[1:], lm_head_VD)                 # [B-1]
+        draft_W = block_drafts(drafter, hidden_BD[None], anchor_ids_J=block[:1], lm_head_VD=lm_head_VD,
+                               rows_per_chunk=1024)[0]                   # [B-1], as offline tau drafts
         # 2. verify [bonus, d_1..d_{B-1}] at positions pos..pos+B-1
         verify = torch.cat([block[:1], draft_W])[None]
         out = target(input_ids=verify, use_cache=True, output_hidden_states=True, **{cache_kw: cache})

@@ -74,7 +74,8 @@ class Ranking:
     """How the runs of a sweep rank on one metric."""
 
     criterion: str
-    """'tau' (every finished run evaluated), 'final_loss', or 'none' (no run has a result yet)."""
+    """'tau' (every finished run evaluated), 'final_loss', 'none' (no run has a result yet) or
+    'none_mixed_losses' (no tau, and the runs' losses are of different methods: arch or objective varies)."""
     leaders: tuple[str, ...] = ()
     """The names of the runs at the best value, in spec order: one name is a best run, several are a tie."""
     value: float | None = None
@@ -88,6 +89,9 @@ class Ranking:
     def describe(self) -> str:
         """One sentence for results.md and the CLI."""
         crit = self.criterion.replace("_", " ")
+        if self.criterion == "none_mixed_losses":
+            return ("No ranking: the runs train different losses (arch or objective), so their final losses do not "
+                    "compare; give the sweep an eval cache to rank them by tau.")
         if not self.leaders:
             return "No run has results yet."
         if self.best is not None:
@@ -97,11 +101,15 @@ class Ranking:
 
 
 def rank_runs(rows: list[dict]) -> Ranking:
-    """By tau if every finished run has one (higher is better), else by the final loss (lower is better);
-    every run within TIE_REL_TOL of the best value is a leader."""
+    """By tau if every finished run has one (higher is better), else by the final loss (lower is better) when the
+    runs train the same loss (rows vary no arch or objective); every run within TIE_REL_TOL of the best value is a
+    leader."""
     done = [r for r in rows if r["finished"]] or rows
     if done and all(r["tau"] is not None and not math.isnan(r["tau"]) for r in done):
         key, scored, sign = "tau", done, -1.0
+    elif len({(r.get("arch", "dflash"), r.get("objective")) for r in done}) > 1:
+        # a DFlash 2 loss carries the selector term: losses of different methods are different quantities
+        return Ranking(criterion="none_mixed_losses")
     else:
         key, sign = "final_loss", 1.0
         scored = [r for r in done if r["final_loss"] is not None and not math.isnan(r["final_loss"])]

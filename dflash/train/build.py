@@ -8,6 +8,7 @@ wrote into the cache fingerprint.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -78,6 +79,10 @@ class ResolvedDrafter:
     reasons: tuple[str, ...]
 
 
+DFLASH2_FIELDS = ("selector_weight", "selector_rank", "selector_top_k", "conv_group_size")
+"""TrainConfig fields that only an --arch dflash2 run uses."""
+
+
 def build_drafter_config(cfg: Any, *, hidden_size: int, taps: Sequence[int], num_target_layers: int,
                          mask_token_id: int, vocab_size: int) -> ResolvedDrafter:
     """DrafterConfig of a TrainConfig: hidden size from the cache, taps and mask from the resolution above."""
@@ -102,4 +107,17 @@ def build_drafter_config(cfg: Any, *, hidden_size: int, taps: Sequence[int], num
         reasons.append("layer attention: " + ", ".join(
             f"{t} ({'window ' + str(a.window) + ', ' if a.window else ''}{'causal' if a.causal else 'bidirectional'})"
             for t, a in ((dc.layer_types[i], dc.layer_attention(i)) for i in range(dc.num_hidden_layers))))
+    if cfg.arch == "dflash2":
+        from dflash.drafter.dflash2 import DFlash2Config
+
+        dc = DFlash2Config.from_base(dc, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
+                                     selector_top_k=cfg.selector_top_k)
+        reasons.append(f"arch dflash2: two-tap in-block convolution (groups of {cfg.conv_group_size} channels), "
+                       f"selector rank {cfg.selector_rank} over the top {cfg.selector_top_k} candidates, "
+                       f"selector_weight {cfg.selector_weight}")
+    else:
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        ignored = [k for k in DFLASH2_FIELDS if getattr(cfg, k) != defaults[k]]
+        if ignored:
+            reasons.append(f"{', '.join(ignored)} ignored: they size and train DFlash 2's modules (--arch dflash2)")
     return ResolvedDrafter(config=dc, reasons=tuple(reasons))

@@ -23,6 +23,8 @@ OBJECTIVES = ("dflash", "variable_prefix")
 """TrainConfig.objective's values (train.prefix: the blocks' visible prefixes of each)."""
 ANCHOR_POSITIONS = ("response", "full_blocks")
 """TrainConfig.anchor_positions' values (objective.sample_anchors' full_block)."""
+ARCHS = ("dflash", "dflash2")
+"""TrainConfig.arch's values: the names of dflash.drafter.registry.ARCHS (not imported here: it imports torch)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +83,19 @@ class TrainConfig:
     mask_token_id: int | None = None
     """Id whose frozen target embedding fills the masked slots. None = the tokenizer's mask token if it has
     one, else its pad token if that is not also eos; otherwise set it (e.g. an unused id). Qwen3: 151669."""
+    arch: str = "dflash"
+    """Drafter architecture: dflash = the paper's drafter (DFlashDraftModel); dflash2 = DFlash 2
+    (DFlash2DraftModel: a two-tap dynamic convolution around every draft sublayer and a pairwise path selector
+    over each slot's top-k candidates, trained by loss = block CE + selector_weight x selector CE; docs/dflash2.md)."""
+    selector_weight: float = 1.0
+    """arch dflash2: weight of the selector's CE (over the top-k candidates, given the true predecessor) in the
+    loss; 0 trains the backbone only."""
+    selector_rank: int = 256
+    """arch dflash2: rank of the selector's codebooks ([vocab, rank] each) and hidden projection."""
+    selector_top_k: int = 16
+    """arch dflash2: candidates per drafted slot the selector chooses among."""
+    conv_group_size: int = 16
+    """arch dflash2: channels sharing one dynamic convolution coefficient (must divide the hidden size)."""
     gamma: float | None = None
     """Loss decay exp(-(k-1)/gamma) per block position; None = 7 for B=16, 5 for B=10, 4 for B=8, else 7B/16."""
     objective: str = "dflash"
@@ -243,6 +258,11 @@ class TrainConfig:
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ConfigError(f"loss_normalization={self.loss_normalization!r}: "
                               f"choose {', '.join(LOSS_NORMALIZATIONS[:-1])} or {LOSS_NORMALIZATIONS[-1]}")
+        if self.arch not in ARCHS:
+            raise ConfigError(f"arch={self.arch!r}: choose {' or '.join(ARCHS)}")
+        if self.selector_weight < 0:
+            raise ConfigError(f"selector_weight={self.selector_weight}: must be >= 0")
+        _positive(self, "selector_rank", "selector_top_k", "conv_group_size")
         if self.anchor_positions not in ANCHOR_POSITIONS:
             raise ConfigError(f"anchor_positions={self.anchor_positions!r}: choose {' or '.join(ANCHOR_POSITIONS)}")
         if self.loss_impl not in ("fused", "fused_eager", "checkpoint"):
@@ -423,6 +443,6 @@ def field_docs() -> dict[str, str]:
     return out
 
 
-__all__ = ["LOSS_NORMALIZATIONS", "OBJECTIVES",
+__all__ = ["ARCHS", "LOSS_NORMALIZATIONS", "OBJECTIVES",
            "TrainConfig", "load_train_config", "config_from_dict", "check_resume_compatible",
            "RESUME_MUTABLE", "field_docs"]

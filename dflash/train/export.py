@@ -31,21 +31,17 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
                       ) -> ExportResult:
     """drafter_name: how the card's serving commands name the drafter (its Hub id); None = the output folder."""
     from dflash.drafter.card import heldout_from_metrics, write_model_card
-    from dflash.drafter.config import DrafterConfig
     from dflash.drafter.export import export_drafter
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.registry import build_drafter, config_from_json
+    from dflash.train.prefix import DEFAULT_PREFIX_WEIGHT_BASE, objective_config_fields
 
     src = pathlib.Path(checkpoint)
     if src.is_dir():
         src = latest_checkpoint(src) or src  # load_checkpoint names the missing checkpoint
     state = load_checkpoint(src)
-    d = dict(state["drafter_config"])
-    d["target_layer_ids"] = tuple(d["target_layer_ids"])
-    cfg = DrafterConfig(**d)
-    model = DFlashDrafter(cfg)
+    cfg = config_from_json(state["drafter_config"])
+    model = build_drafter(cfg)
     model.load_state_dict(state["model"])
-    from dflash.train.prefix import DEFAULT_PREFIX_WEIGHT_BASE, objective_config_fields
-
     recipe = dict(state.get("train_config") or {})
     extra = objective_config_fields(recipe.get("objective", "dflash"),
                                     recipe.get("prefix_weight_base", DEFAULT_PREFIX_WEIGHT_BASE))

@@ -209,8 +209,7 @@ class DrafterSetup:
 def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
                   resume_state: dict | None) -> DrafterSetup:
     """The drafter of one run: taps, config (from the checkpoint when resuming), init seeded by cfg.seed."""
-    from dflash.drafter.config import DrafterConfig
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.registry import build_drafter, config_from_json
 
     reasons: list[str] = []
     reader = target.reader
@@ -229,8 +228,7 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
     if wanted is None:
         reasons.append(f"taps: all of the cache's taps {list(taps)}")
     if resume_state is not None:
-        dc = DrafterConfig(**{**resume_state["drafter_config"],
-                              "target_layer_ids": tuple(resume_state["drafter_config"]["target_layer_ids"])})
+        dc = config_from_json(resume_state["drafter_config"])
         reasons.append("drafter config: from the checkpoint being resumed")
     elif init is not None:
         dc = init.config
@@ -246,7 +244,7 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
         dc = resolved.config
         reasons.extend(resolved.reasons)
     torch.manual_seed(cfg.seed)  # identical init on every rank (built on the CPU, then moved)
-    drafter = DFlashDrafter(dc).to(info.device)
+    drafter = build_drafter(dc).to(info.device)
     if init is not None:
         drafter.load_state_dict(init.state, strict=True)
     if compile_wanted(cfg.compile_elementwise, info.device):

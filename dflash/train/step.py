@@ -18,6 +18,7 @@ instead of the step's own weight sum.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -118,7 +119,8 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *, embed_VD: torch.Tensor,
                      lm_head_VD: torch.Tensor, mask_token_id: int, gamma: float, loss_chunk_blocks: int,
-                     loss_impl: str = "fused", loss_normalization: str = "token") -> "CELoss":
+                     loss_impl: str = "fused", loss_normalization: str = "token",
+                     selector_weight: float = 0.0) -> "CELoss":
     """Forward of one non-empty micro-batch with this drafter's anchors `hb` -> objective.CELoss (tensors only,
     no host sync).
 
@@ -126,7 +128,8 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
     host-side HostBlocks.supervised_tokens, so no sync; its elementwise epilogue torch.compile'd when the
     drafter's is, TrainConfig.compile_elementwise), "fused_eager" (the same, never compiled) or "checkpoint"
     (objective.chunked_ce_loss). loss_normalization: TrainConfig.loss_normalization (sequence: the weights of
-    objective.per_sample_mean_weights, so the step's global weight sum counts samples)."""
+    objective.per_sample_mean_weights, so the step's global weight sum counts samples). A drafter with a
+    candidate selector (DFlash 2) adds selector_weight x its selector CE sum (train.selector) to the loss sums."""
     cfg = drafter.cfg
     B = cfg.block_size
     device = mb.input_ids_T.device
@@ -146,11 +149,23 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
         weights_JB = per_sample_mean_weights(weights_JB, hb.blocks_per_sample)
     labels_Q, weights_Q = blk.labels_JB.reshape(-1), weights_JB.reshape(-1)
     if loss_impl in ("fused", "fused_eager"):
-        return fused_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B,
-                             num_supervised=hb.supervised_tokens,
-                             compiled=loss_impl == "fused" and drafter.elementwise_compiled)
-    assert loss_impl == "checkpoint", loss_impl
-    return chunked_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B)
+        terms = fused_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B,
+                              num_supervised=hb.supervised_tokens,
+                              compiled=loss_impl == "fused" and drafter.elementwise_compiled)
+    else:
+        assert loss_impl == "checkpoint", loss_impl
+        terms = chunked_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B)
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is not None and selector_weight > 0:
+        from dflash.train.selector import selector_ce_sum
+
+        sel_sum, _ = selector_ce_sum(selector, hidden_QD, lm_head_VD=lm_head_VD, labels_JB=blk.labels_JB,
+                                     weights_Q=weights_Q, num_supervised=hb.supervised_tokens,
+                                     chunk=loss_chunk_blocks * B)
+        ce_sum = terms.weighted_ce_sum + selector_weight * sel_sum
+        terms = dataclasses.replace(terms, weighted_ce_sum=ce_sum,
+                                    loss=ce_sum / terms.weight_sum.clamp(min=torch.finfo(torch.float32).tiny))
+    return terms
 
 
 class GradSync:

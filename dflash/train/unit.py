@@ -186,7 +186,8 @@ class DrafterUnit:
             terms = micro_batch_loss(self.drafter, mb, hb, embed_VD=self.embed_VD, lm_head_VD=self.lm_head_VD,
                                      mask_token_id=self.dc.mask_token_id, gamma=self.gamma,
                                      loss_chunk_blocks=self.cfg.loss_chunk_blocks, loss_impl=self.cfg.loss_impl,
-                                     loss_normalization=self.cfg.loss_normalization)
+                                     loss_normalization=self.cfg.loss_normalization,
+                                     selector_weight=self.cfg.selector_weight)
         terms.weighted_ce_sum.backward()
         self.sync.add(terms)
         self._step_flops += self.flops.step_flops(

@@ -1,0 +1,37 @@
+"""bench_reference.py --methods (the DFlash / DFlash 2 / variable-prefix comparison, methods_h200.json) on CPU:
+its plan, that a run's method reaches its TrainConfig, and the summary of methods and seed spreads."""
+
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+import bench_reference as br  # noqa: E402
+
+
+def test_methods_plan_config_and_summary(tmp_path):
+    args = br.parse_args(["--methods"])
+    plan = br.runs_plan(args)
+    assert [(p[0], p[1]) for p in plan] == [(name, "train_fp8") for name in br.METHOD_RUNS]
+    over = dict((p[0], p[2]) for p in plan)
+    assert over["all_dflash2"] == {"arch": "dflash2"} and over["all_dflash2_vp"]["objective"] == "variable_prefix"
+    assert [p[0] for p in br.runs_plan(br.parse_args(["--methods", "--skip", "all_dflash_vp,all_dflash2_vp"]))] == [
+        "all_dflash", "all_dflash_seed1", "all_dflash2", "all_dflash2_seed1"]
+    cfg = br.train_config(args, model="m", cache=tmp_path / "c", out=tmp_path / "o", device="cpu", steps=None,
+                          eval_cache=None, eval_every=500, log_every=None, **over["all_dflash2_seed1"])
+    assert (cfg.arch, cfg.seed, cfg.block_size, cfg.num_anchors, cfg.epochs) == ("dflash2", 1, 16, 512, 6)
+
+    def run(mt, he, sg, **over):
+        return {"tau_mtbench": mt, "tau_humaneval": he, "tau_sharegpt": sg, "step_time_s_median": 0.2,
+                "samples": 1, "tokens": 1, "steps": 1, "final_train_accept_len": None, **over}
+
+    result = {"reference_storage": "fp8", "runs": {
+        "all_dflash": run(2.0, 2.5, 1.6), "all_dflash_seed1": run(2.02, 2.45, 1.6, seed=1),
+        "all_dflash2": run(2.4, 2.5, 2.0, arch="dflash2"), "all_dflash2_seed1": run(2.4, 2.55, 2.0, arch="dflash2",
+                                                                                     seed=1)}}
+    br.summarise(result)
+    m = result["methods"]
+    assert set(m) == {"all_dflash", "all_dflash_seed1", "all_dflash2", "all_dflash2_seed1"}
+    assert m["all_dflash2"]["arch"] == "dflash2" and abs(m["all_dflash2"]["rel_to_dflash_mtbench"] - 0.2) < 1e-12
+    assert abs(result["methods_seed_spread"]["all_dflash"]["mtbench"] - 0.01) < 1e-12
+    assert abs(result["methods_seed_spread"]["all_dflash2"]["humaneval"] - 0.02) < 1e-12
