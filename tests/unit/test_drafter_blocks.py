@@ -51,6 +51,10 @@ def test_no_other_module_builds_the_block_input():
     for path in sorted((ROOT / "dflash").rglob("*.py")):
         if path.name == "blocks.py" and path.parent.name == "drafter":
             continue
+        # the exported stand-alone modeling file may not import dflash: it restates the rule, and
+        # tests/unit/test_drafter_remote_code.py holds its forward and drafts equal to dflash's
+        if path.name == "modeling_dflash.py" and path.parent.name == "drafter":
+            continue
         lines = _full_with_mask(ast.parse(path.read_text()))
         if lines:
             found[str(path.relative_to(ROOT))] = lines
