@@ -61,8 +61,11 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterConfig, out_dir: str | os.P
         with open(tmp / CONFIG_NAME, "w") as f:
             json.dump(hf, f, indent=2, sort_keys=True)
             f.write("\n")
-        shutil.copyfile(MODELING_TEMPLATE, tmp / MODELING_NAME)
-        for name in (WEIGHTS_NAME, CONFIG_NAME, MODELING_NAME):
+        written = [WEIGHTS_NAME, CONFIG_NAME]
+        if "auto_map" in hf:  # the module auto_map names (a DFlash 2 config names none: engines build it)
+            shutil.copyfile(MODELING_TEMPLATE, tmp / MODELING_NAME)
+            written.append(MODELING_NAME)
+        for name in written:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         apply_umask(tmp)   # safetensors writes 0600 and mkdtemp makes 0700: readable like any other file

@@ -137,6 +137,13 @@ class DFlashDraftModel(PreTrainedModel):
         dflash_config = dict(getattr(config, "dflash_config", None) or {})
         if "target_layer_ids" not in dflash_config or "mask_token_id" not in dflash_config:
             raise ValueError("config.dflash_config needs target_layer_ids and mask_token_id: not a DFlash drafter")
+        # this file implements full-attention, bidirectional layers only: a windowed or causal drafter would
+        # load and draft wrongly here, so it is refused (vLLM and SGLang serve those layouts)
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        if any(t != "full_attention" for t in layer_types) or dflash_config.get("causal"):
+            raise ValueError(f"layer_types={layer_types}, causal={dflash_config.get('causal')}: this stand-alone "
+                             "file implements full-attention, bidirectional drafters only; serve this drafter "
+                             "with vLLM or SGLang")
         self.target_layer_ids = [int(i) for i in dflash_config["target_layer_ids"]]
         self.mask_token_id = int(dflash_config["mask_token_id"])
         self.block_size = int(getattr(config, "block_size", 16))

@@ -113,3 +113,26 @@ def _yaml(tmp_path):
     p = tmp_path / "small.yaml"
     p.write_text("selector_rank: 8\nselector_top_k: 4\nconv_group_size: 8\nintermediate_size: 64\n")
     return p
+
+
+def test_dflash2_with_variable_prefix_and_a_sliding_window_layer(assets, tmp_path):
+    """The three methods options compose: a DFlash 2 drafter of one sliding-window and one full layer trained with
+    the variable-prefix objective resumes bit for bit, differs from the same run without the window, and exports
+    every field a serving engine reads."""
+    import json
+
+    model, cache = assets
+    combo = dict(cache=cache, model=model, **{**DFLASH2, "steps": 4}, num_layers=2,
+                 layer_types=("sliding_attention", "full_attention"), sliding_window=3, objective="variable_prefix")
+    train(tiny_config(output=str(tmp_path / "ref"), **combo), device="cpu")
+    ref = _steps_and_losses(tmp_path / "ref")
+    assert _cut_and_resume_losses(tmp_path / "cut", combo, cut=2) == ref[1]
+    plain = {**combo, "layer_types": ("full_attention", "full_attention"), "sliding_window": None}
+    train(tiny_config(output=str(tmp_path / "plain"), **plain), device="cpu")
+    assert _steps_and_losses(tmp_path / "plain")[1] != ref[1]
+    hf = json.loads((tmp_path / "ref" / "drafter" / "config.json").read_text())
+    assert hf["architectures"] == ["DFlash2DraftModel"]
+    assert hf["layer_types"] == ["sliding_attention", "full_attention"] and hf["sliding_window"] == 3
+    assert hf["dflash_config"]["training_mode"] == "vp_drafter"
+    # DFlash 2 has no remote-code module (its config names no auto_map), so the folder carries none
+    assert "auto_map" not in hf and not (tmp_path / "ref" / "drafter" / "dflash.py").exists()

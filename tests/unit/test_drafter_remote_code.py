@@ -91,3 +91,14 @@ def test_automodel_loads_the_export(tmp_path):
     assert set(state) == set(ours.state_dict())
     for name, t in ours.state_dict().items():
         assert torch.equal(state[name], t), name
+
+
+def test_a_sliding_window_export_is_refused_by_the_stand_alone_file(tmp_path):
+    """The stand-alone file implements full-attention, bidirectional layers: a windowed drafter loaded through it
+    would draft wrongly, so it refuses with the engines to use instead."""
+    from transformers import AutoModel
+
+    cfg = tiny_config(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+    out = export_drafter(DFlashDrafter(cfg), cfg, tmp_path / "d", dtype=torch.float32)
+    with pytest.raises(ValueError, match="full-attention, bidirectional drafters only; serve this drafter with vLLM"):
+        AutoModel.from_pretrained(out, trust_remote_code=True)
