@@ -180,10 +180,14 @@ def test_fingerprint_mismatch_names_the_field(qwen_dir, data_path, tmp_path):
                          (["--taps", "0,2,4", "--max-length", "256", "--no-thinking"], "template_kwargs")):
         res = _cli(*common, *extra)
         assert res.exit_code == 1 and f"requested {field} " in res.output, res.output
-    res = _cli("--model", qwen_dir, "--data", data_path[1], "--output", str(out), "--dtype", "float32",
-               "--taps", "0,2,4", "--max-length", "256")
-    assert res.exit_code == 1 and "requested sources " in res.output, res.output
     assert sorted(p.name for p in (out / "shards").iterdir()) == before
     # the same settings resume: nothing left to do
     res = _cli(*common, "--taps", "0,2,4", "--max-length", "256", "--batch-tokens", "512", "--no-progress")
     assert res.exit_code == 0 and "0 to extract" in res.output
+    # another data source with the cache's settings grows the cache (tests/e2e/test_cache_grow.py holds it equal
+    # to a cache of the union): the stored samples are kept and the new ones come as new shards
+    res = _cli("--model", qwen_dir, "--data", data_path[1], "--output", str(out), "--dtype", "float32",
+               "--taps", "0,2,4", "--max-length", "256", "--no-progress")
+    assert res.exit_code == 0 and "already in the cache" in res.output, res.output
+    after = sorted(p.name for p in (out / "shards").iterdir())
+    assert set(before) < set(after)
