@@ -75,12 +75,13 @@ def heldout_table(heldout: Sequence[Mapping]) -> list[str]:
 
 
 def serving_lines(*, target: str, drafter: str, block_size: int) -> list[str]:
-    """How to serve the drafter next to its target: vLLM and SGLang (z-lab dflash README, 2026)."""
-    spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1})
-    return ["```bash", f"vllm serve {target} \\", f"  --speculative-config '{spec}'", "```", "", "```bash",
-            "python -m sglang.launch_server \\", f"    --model-path {target} \\",
-            "    --speculative-algorithm DFLASH \\", f"    --speculative-draft-model-path {drafter} \\",
-            f"    --speculative-num-draft-tokens {block_size}", "```"]
+    """How to serve the drafter next to its target: vLLM and SGLang, the commands of dflash.drafter.serving
+    (the vLLM one is what `dflash serve-check` launches)."""
+    from dflash.drafter.serving import shell_command, sglang_server_argv, vllm_server_argv
+
+    args = dict(target=target, drafter=drafter, block_size=block_size)
+    return ["```bash", shell_command(vllm_server_argv(**args)), "```", "", "```bash",
+            shell_command(sglang_server_argv(**args)), "```"]
 
 
 def render_card(*, config: Mapping, heldout: Sequence[Mapping], data: Mapping, recipe: Mapping,
