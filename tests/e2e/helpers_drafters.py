@@ -10,7 +10,7 @@ import torch
 
 
 def overfit_drafter(cache_dir, model, out_dir, *, block_size=8, num_layers=1, intermediate_size=512, steps=120,
-                    lr=3e-3, mask_token_id=16, seed=0):
+                    lr=3e-3, mask_token_id=16, seed=0, num_attention_heads=4, num_key_value_heads=2):
     """Train a drafter of this shape on every anchor of the cache's responses; export it (float32) to out_dir."""
     from dflash.cache import CacheReader
     from dflash.drafter.config import DrafterConfig
@@ -25,7 +25,8 @@ def overfit_drafter(cache_dir, model, out_dir, *, block_size=8, num_layers=1, in
     B = block_size
     cfg = DrafterConfig(hidden_size=576, intermediate_size=intermediate_size, target_layer_ids=taps,
                         num_target_layers=30, mask_token_id=mask_token_id, vocab_size=49152,
-                        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
+                        num_key_value_heads=num_key_value_heads, head_dim=64,
                         block_size=B)
     dr = DFlashDrafter(cfg)
     embed, head, _ = embedding_and_head(model, dtype=torch.float32)
