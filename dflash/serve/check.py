@@ -122,12 +122,15 @@ def cache_requests(cache_dir: str, *, limit: int | None = None) -> list[CheckReq
         reader.close()
 
 
-def serve_check(*, drafter_dir: str, cache_dir: str, model: str, url: str | None = None, launch=None,
+def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, responses: str | None = None,
+                url: str | None = None, launch=None,
                 workdir: str | Path | None = None, port: int | None = None, tolerance: float = 0.0,
                 limit: int | None = None, eval_dtype: str = "float32", chunk_anchors: int | None = None,
                 echo=print) -> ServeCheckResult:
     """Run the check against the server at `url`, or one started with `launch` (a server.LaunchConfig) in
-    `workdir` (its log and caches). eval_dtype: the dtype of `dflash eval`'s side (float32 for the exact check)."""
+    `workdir` (its log and caches), on the responses of an eval cache (`cache_dir`) or of a `dflash generate`
+    file (`responses`: the target runs here for the features, dflash.serve.responses). eval_dtype: the dtype
+    of dflash eval's side (float32 for the exact check)."""
     import tempfile
 
     from dflash.drafter.export import read_drafter_config
@@ -137,15 +140,26 @@ def serve_check(*, drafter_dir: str, cache_dir: str, model: str, url: str | None
 
     if (url is None) == (launch is None):
         raise ValueError("give exactly one of url and launch")
+    if (cache_dir is None) == (responses is None):
+        raise ValueError("give exactly one of cache_dir and responses")
     seconds: dict[str, float] = {}
     block = read_drafter_config(drafter_dir).block_size
     K = block - 1
     t0 = time.perf_counter()
-    res = evaluate_cache(drafter_dir=drafter_dir, cache_dir=cache_dir, model=model,
-                         cfg=EvalConfig(dtype=eval_dtype, limit=limit, chunk_anchors=chunk_anchors), progress=False)
+    if cache_dir is not None:
+        res = evaluate_cache(drafter_dir=drafter_dir, cache_dir=cache_dir, model=model,
+                             cfg=EvalConfig(dtype=eval_dtype, limit=limit, chunk_anchors=chunk_anchors),
+                             progress=False)
+        step_counts, offline_tau = res.overall.step_counts, res.overall.tau
+        requests = cache_requests(cache_dir, limit=limit)
+    else:
+        from dflash.serve.responses import offline_step_counts, read_responses
+
+        requests = read_responses(responses, limit=limit)
+        step_counts, offline_tau = offline_step_counts(drafter_dir=drafter_dir, model=model, requests=requests,
+                                                       dtype=eval_dtype)
     seconds["dflash_eval"] = time.perf_counter() - t0
-    offline = counts_from_steps(res.overall.step_counts, num_speculative_tokens=K)
-    requests = cache_requests(cache_dir, limit=limit)
+    offline = counts_from_steps(step_counts, num_speculative_tokens=K)
 
     def run(base_url: str, server_desc: str) -> ServeCheckResult:
         name = srv.served_model(base_url)
@@ -160,7 +174,7 @@ def serve_check(*, drafter_dir: str, cache_dir: str, model: str, url: str | None
         seconds["requests"] = time.perf_counter() - t1
         served = vllm_counts(srv.metrics_text(base_url), num_speculative_tokens=K).minus(before)
         diffs = compare_counts(served, offline, tolerance=tolerance, text_mismatches=len(mismatches))
-        return ServeCheckResult(served=served, offline=offline, offline_tau=res.overall.tau,
+        return ServeCheckResult(served=served, offline=offline, offline_tau=offline_tau,
                                 text_mismatches=mismatches, differences=diffs, tolerance=tolerance,
                                 num_requests=len(requests), server=server_desc, seconds=seconds)
 

@@ -17,6 +17,8 @@ FORBIDDEN = {
     # train -> eval: the training driver evaluates held-out tau (dflash.eval.heldout); eval never imports train
     "train": {"extract", "sweep"},
     "eval": {"extract", "train", "sweep"},
+    # serve-check replays an eval cache on a server and reads dflash eval; it trains nothing
+    "serve": {"extract", "train", "sweep"},
 }
 
 

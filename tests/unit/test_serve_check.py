@@ -140,3 +140,27 @@ def test_cli_help_and_argument_errors(tmp_path):
     res = CliRunner().invoke(cli, ["serve-check", "--drafter", str(tmp_path), "--cache", str(tmp_path), "--model",
                                    "m"], prog_name="dflash")
     assert res.exit_code == 1 and "--url of a running vLLM server or --vllm-python" in res.output
+
+
+def test_read_responses(tmp_path):
+    from dflash.errors import DataError
+    from dflash.serve.responses import read_responses
+
+    def rec(prompt, resp, greedy=True):
+        return json.dumps({"input_ids": prompt + resp, "dflash_generate": {
+            "greedy": greedy, "num_prompt_tokens": len(prompt), "response_ids": resp}})
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(rec([1, 2], [3, 4, 5]) + "\n" + rec([1], [9]) + "\n")   # a 1-token response: no step, skipped
+    b.write_text("\n" + rec([7, 8, 9], [10, 11]) + "\n")
+    got = read_responses([a, b])
+    assert [(r.sample_id, r.prompt_ids, r.response_ids) for r in got] == [(0, [1, 2], [3, 4, 5]),
+                                                                          (2, [7, 8, 9], [10, 11])]
+    assert [r.sample_id for r in read_responses([a, b], limit=2)] == [0]
+    a.write_text(rec([1, 2], [3, 4], greedy=False) + "\n")
+    with pytest.raises(DataError, match="not generated greedily"):
+        read_responses(a)
+    a.write_text(json.dumps({"input_ids": [1, 2, 3], "dflash_generate": {
+        "greedy": True, "num_prompt_tokens": 1, "response_ids": [5, 6]}}) + "\n")
+    with pytest.raises(DataError, match="do not follow the prompt"):
+        read_responses(a)
