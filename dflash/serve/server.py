@@ -69,9 +69,9 @@ def launch_env(cfg: LaunchConfig, *, cache_root: Path, base: dict[str, str] | No
     env["VLLM_CACHE_ROOT"] = str(cache_root)
     if cfg.cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kvcache_gib))
-        iomp = Path(cfg.python).resolve().parent.parent / "lib" / "libiomp5.so"
-        if not iomp.exists():   # a venv's bin/python is a symlink: look beside the link, not its target
-            iomp = Path(cfg.python).parent.parent / "lib" / "libiomp5.so"
+        # VENV/lib/libiomp5.so (intel-openmp's wheel puts it there); beside the link, not the resolved python:
+        # a venv's bin/python links to the base interpreter
+        iomp = Path(cfg.python).parent.parent / "lib" / "libiomp5.so"
         if iomp.exists():
             env["LD_PRELOAD"] = " ".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
     return env

@@ -164,3 +164,21 @@ def test_read_responses(tmp_path):
         "greedy": True, "num_prompt_tokens": 1, "response_ids": [5, 6]}}) + "\n")
     with pytest.raises(DataError, match="do not follow the prompt"):
         read_responses(a)
+
+
+def test_launch_env_cpu_settings(tmp_path):
+    from dflash.serve.server import LaunchConfig, launch_argv, launch_env
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    py = str(venv / "bin" / "python")
+    env = launch_env(LaunchConfig(python=py), cache_root=tmp_path / "c", base={"LD_PRELOAD": "/x/libother.so"})
+    assert env["LD_PRELOAD"] == f"{venv / 'lib' / 'libiomp5.so'} /x/libother.so"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CACHE_ROOT"] == str(tmp_path / "c")
+    gpu = LaunchConfig(python=py, cpu=False, dtype="bfloat16")
+    env = launch_env(gpu, cache_root=tmp_path / "c", base={})
+    assert "LD_PRELOAD" not in env and "VLLM_CPU_KVCACHE_SPACE" not in env
+    argv = launch_argv(gpu, target="t", drafter="d", block_size=4, port=1)
+    assert "--enforce-eager" not in argv and argv[argv.index("--dtype") + 1] == "bfloat16"
