@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "extract_cmd",
     "generate_cmd",
     "eval_cmd",
+    "serve_check_cmd",
     "train_cmd",
     "export_cmd",
     "sweep_cmd",

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dflash.drafter.serving import sglang_command, shell_line, vllm_command
+from dflash.drafter.serving import sglang_command, shell_line, vllm_server_argv
 from dflash.durable import replace_text
 from dflash.errors import ModelNotFoundError
 
@@ -79,8 +79,9 @@ def heldout_table(heldout: Sequence[Mapping]) -> list[str]:
 
 
 def serving_lines(*, target: str, drafter: str, block_size: int) -> list[str]:
-    """How to serve the drafter next to its target: vLLM and SGLang (the commands of dflash.drafter.serving)."""
-    vllm = shell_line(vllm_command(target=target, drafter=drafter, block_size=block_size))
+    """How to serve the drafter next to its target: vLLM and SGLang, the commands of dflash.drafter.serving (the
+    vLLM one is what `dflash serve-check` launches)."""
+    vllm = shell_line(vllm_server_argv(target=target, drafter=drafter, block_size=block_size))
     sglang = shell_line(sglang_command(target=target, drafter=drafter, block_size=block_size))
     return ["vLLM (K = block size - 1 drafted tokens per step):", "", "```bash", vllm, "```", "",
             "SGLang (--speculative-num-draft-tokens is the block size):", "", "```bash", sglang, "```", "",

@@ -15,7 +15,8 @@ import json
 import shlex
 from collections.abc import Sequence
 
-__all__ = ["VLLM_API_SERVER", "VLLM_SERVE", "vllm_speculative_config", "vllm_command", "sglang_command", "shell_line"]
+__all__ = ["VLLM_API_SERVER", "VLLM_SERVE", "vllm_speculative_config", "vllm_command", "vllm_server_argv",
+           "sglang_command", "shell_line"]
 
 VLLM_SERVE = ("vllm", "serve")
 """vLLM's console entry point; it takes the target as its first argument."""
@@ -39,6 +40,14 @@ def vllm_command(*, target: str, drafter: str, block_size: int, launcher: Sequen
     spec = json.dumps(vllm_speculative_config(drafter=drafter, block_size=block_size))
     model = [str(target)] if tuple(launcher[-2:]) == VLLM_SERVE else ["--model", str(target)]
     return [*launcher, *model, "--speculative-config", spec, *extra]
+
+
+def vllm_server_argv(*, target: str, drafter: str, block_size: int, python: str = "python",
+                     extra: Sequence[str] = ()) -> list[str]:
+    """The vLLM command the model card shows and `dflash serve-check` launches (with the vLLM venv's python): the
+    api_server module, which starts in every vLLM build, the CPU one from PyPI included."""
+    return vllm_command(target=target, drafter=drafter, block_size=block_size,
+                        launcher=(python, *VLLM_API_SERVER[1:]), extra=extra)
 
 
 def sglang_command(*, target: str, drafter: str, block_size: int, python: str = "python",

@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import cli
+from tests.e2e.helpers_drafters import overfit_drafter
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24
@@ -27,51 +28,6 @@ def _invoke(args):
     res = CliRunner().invoke(cli, args, prog_name="dflash")
     assert res.exit_code == 0, res.output
     return res
-
-
-def _overfit_drafter(cache_dir, model, out_dir, *, steps=120):
-    from dflash.cache import CacheReader
-    from dflash.drafter.config import DrafterConfig
-    from dflash.drafter.export import export_drafter
-    from dflash.drafter.model import DFlashDrafter
-    from dflash.target.head import embedding_and_head
-    from dflash.train.objective import build_blocks, packed_layout
-
-    reader = CacheReader(cache_dir)
-    taps = reader.tap_layer_ids
-    torch.manual_seed(0)
-    B, mask_id = 8, 16
-    cfg = DrafterConfig(hidden_size=576, intermediate_size=512, target_layer_ids=taps, num_target_layers=30,
-                        mask_token_id=mask_id, vocab_size=49152, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=64, block_size=B)
-    dr = DFlashDrafter(cfg)
-    embed, head, _ = embedding_and_head(model, dtype=torch.float32)
-    packed = reader.read_many(list(range(len(reader))), dequantize=True)
-    ids = torch.from_numpy(packed.input_ids.astype(np.int64))
-    mask = torch.from_numpy(packed.loss_mask.astype(np.uint8))
-    lengths = packed.lengths.tolist()
-    offs = np.concatenate([[0], np.cumsum(lengths)])
-    anchors, blocks = [], []
-    for i, n in enumerate(lengths):
-        m = mask[offs[i]: offs[i + 1]]
-        a = torch.arange(int(m.nonzero()[0]), n - 1)
-        anchors.append(a)
-        blocks.append(build_blocks(ids[offs[i]: offs[i + 1]], m, a, block_size=B, mask_token_id=mask_id))
-    lay = packed_layout(lengths=lengths, anchors=anchors, block_size=B)
-    block_ids = torch.cat([b.block_ids_JB for b in blocks]).flatten()
-    labels = torch.cat([b.labels_JB for b in blocks]).flatten()
-    w = torch.cat([b.weights_JB for b in blocks]).flatten()
-    target_dir = torch.nn.functional.normalize(head[labels.clamp(min=0)], dim=-1)
-    feats = packed.hidden.float()
-    opt = torch.optim.AdamW(dr.parameters(), lr=3e-3)
-    for _ in range(steps):
-        out = dr(embed[block_ids], dr.context(feats), q_pos=lay.q_pos_Q, kv_pos=lay.kv_pos_K, mask=lay)
-        loss = ((1 - (torch.nn.functional.normalize(out, dim=-1) * target_dir).sum(-1)) * w).sum() / w.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    reader.close()
-    return export_drafter(dr.eval(), cfg, out_dir, dtype=torch.float32)
 
 
 def test_generate_extract_eval_matches_live(smollm2_greedy_eval, tmp_path):
@@ -88,7 +44,7 @@ def test_generate_extract_eval_matches_live(smollm2_greedy_eval, tmp_path):
     assert smollm2_greedy_eval.max_new_tokens == MAX_NEW
     manifest = json.loads((root / "cache" / "manifest.json").read_text())
     assert manifest["fingerprint"]["target_greedy"] is True
-    drafter_dir = _overfit_drafter(root / "cache", model, tmp_path / "drafter")
+    drafter_dir = overfit_drafter(root / "cache", model, tmp_path / "drafter")
 
     res = _invoke(["eval", "--drafter", str(drafter_dir), "--cache", str(root / "cache"), "--model", model, "--json",
                    "--device", "cpu", "--chunk-anchors", "16"])

@@ -58,7 +58,11 @@ def test_card_written_and_read_back(tmp_path):
     assert f"| {target} | 6 | {manifest['totals']['tokens']} | {manifest['totals']['loss_tokens']} | bf16 |" in text
     assert "| steps | 1200 |" in text and '| noise | {"noise_start": 0.0} |' in text
     assert text.index("| steps |") < text.index("| zeta |")  # the known recipe keys first
-    assert "vllm serve" in text and '"num_speculative_tokens": 3' in text
+    from dflash.drafter.serving import shell_line, vllm_server_argv
+
+    # the very command `dflash serve-check` launches (dflash.drafter.serving), K = block_size - 1
+    assert shell_line(vllm_server_argv(target=target, drafter=str(ddir), block_size=4)) in text
+    assert "python -m vllm.entrypoints.openai.api_server" in text and '"num_speculative_tokens": 3' in text
     assert "--speculative-algorithm DFLASH" in text and f"--speculative-draft-model-path {ddir}" in text
     back = read_card_data(ddir)
     assert back["heldout"][0]["tau"] == mt.tau and back["data"]["samples"] == 6 and back["recipe"] == recipe

@@ -19,7 +19,7 @@ from cli.main import cli  # noqa: E402
 from dflash.drafter.card import read_card_data, render_card, target_hub_id  # noqa: E402
 from dflash.drafter.export import MODELING_TEMPLATE  # noqa: E402
 from dflash.drafter.serving import (VLLM_API_SERVER, shell_line, sglang_command, vllm_command,  # noqa: E402
-                                    vllm_speculative_config)
+                                    vllm_server_argv, vllm_speculative_config)
 from dflash.train.metrics import read_metrics  # noqa: E402
 
 FRONT = "---\nlibrary_name: transformers\ntags:\n- dflash\n- speculative-decoding\n---\n"
@@ -66,7 +66,7 @@ def test_card_front_matter_names_the_base_model():
                            "- speculative-decoding\n---\n")
     assert "license" not in text.split("\n---\n", 1)[0]
     # the commands serve the Hub target, which is what a reader of a published card has
-    assert shell_line(vllm_command(target="Qwen/Qwen3-8B", drafter="me/d", block_size=16)) in text
+    assert shell_line(vllm_server_argv(target="Qwen/Qwen3-8B", drafter="me/d", block_size=16)) in text
     assert shell_line(sglang_command(target="Qwen/Qwen3-8B", drafter="me/d", block_size=16)) in text
 
 
@@ -114,7 +114,7 @@ def test_train_and_export_write_the_same_card(tmp_path, monkeypatch):
         assert card["recipe"]["steps"] == 4 and card["recipe"]["eval_every"] == 2
         assert card["data"]["samples"] == 12
     exported_text = (exported / "README.md").read_text()
-    assert shell_line(vllm_command(target=str(target), drafter="me/tiny-dflash", block_size=4)) in exported_text
+    assert shell_line(vllm_server_argv(target=str(target), drafter="me/tiny-dflash", block_size=4)) in exported_text
     assert shell_line(sglang_command(target=str(target), drafter="me/tiny-dflash", block_size=4)) in exported_text
     assert '"num_speculative_tokens": 3' in exported_text and "--speculative-num-draft-tokens 4" in exported_text
     assert f"--speculative-draft-model-path {trained}" in (trained / "README.md").read_text()
