@@ -124,16 +124,56 @@ def committed_train_data(args) -> list[str]:
     return list(args.train_data) if args.train_data else bq.committed_regenerated_files()
 
 
+PROBE_SHARD = 1500
+"""Records per specforge_probe.py process: it tokenizes one record at a time (~70 ms each on the GPU machine's
+CPU: 83 s for 1,200 on 2026-12-02), so 12,000 run as shards side by side."""
+
+
 def specforge_probe(args, *, model: str, data, out: pathlib.Path, steps: int, recipe):
-    """Run benchmarks/peer/specforge_probe.py in SpecForge's environment."""
+    """Run benchmarks/peer/specforge_probe.py in SpecForge's environment (more than PROBE_SHARD records: in
+    shards, one process each, at most one per core, merged into `out` in order)."""
     if data is None:
         data = out.with_suffix(".empty.jsonl")
         data.write_text("")
-    cmd = [sys.executable, str(REPO / "benchmarks" / "peer" / "specforge_probe.py"), "--model", model,
-           "--data", str(data), "--out", str(out), "--max-length", str(recipe.max_length), "--steps", str(steps),
-           "--warmup-ratio", str(recipe.warmup_ratio), "--lr", str(recipe.lr)]
-    subprocess.run(cmd, check=True, env=peer_env.specforge_env(args.peers["specforge"], cpu=args.cpu),
-                   stdout=subprocess.DEVNULL if not args.verbose else None)
+    lines = [ln for ln in pathlib.Path(data).read_text(encoding="utf-8").splitlines(keepends=True) if ln.strip()]
+    shards = [lines[i:i + PROBE_SHARD] for i in range(0, len(lines), PROBE_SHARD)] or [[]]
+    env = peer_env.specforge_env(args.peers["specforge"], cpu=args.cpu)
+
+    def cmd(shard_data: pathlib.Path, shard_out: pathlib.Path, shard_steps: int) -> list[str]:
+        return [sys.executable, str(REPO / "benchmarks" / "peer" / "specforge_probe.py"), "--model", model,
+                "--data", str(shard_data), "--out", str(shard_out), "--max-length", str(recipe.max_length),
+                "--steps", str(shard_steps), "--warmup-ratio", str(recipe.warmup_ratio), "--lr", str(recipe.lr)]
+
+    if len(shards) == 1:
+        subprocess.run(cmd(pathlib.Path(data), out, steps), check=True, env=env,
+                       stdout=subprocess.DEVNULL if not args.verbose else None)
+        return peer_data.read_probe(out)
+    import numpy as np
+
+    paths = []
+    for k, shard in enumerate(shards):
+        sd, so = out.with_suffix(f".shard{k}.jsonl"), out.with_suffix(f".shard{k}.npz")
+        sd.write_text("".join(shard), encoding="utf-8")
+        paths.append((sd, so))
+    pending, procs = list(enumerate(paths)), []
+    while pending or procs:
+        while pending and len(procs) < max(1, (os.cpu_count() or 2) - 1):
+            k, (sd, so) = pending.pop(0)
+            procs.append(subprocess.Popen(cmd(sd, so, steps if k == 0 else 0), env=env,
+                                          stdout=subprocess.DEVNULL if not args.verbose else None))
+        procs[0].wait()
+        if procs[0].returncode:
+            raise SystemExit(f"specforge_probe.py failed (rc {procs[0].returncode}): {procs[0].args}")
+        procs.pop(0)
+    parts = [np.load(so) for _, so in paths]
+    offsets = [np.zeros(1, np.int64)]
+    for z in parts:
+        offsets.append(z["offsets"][1:] + offsets[-1][-1])
+    np.savez(out, ids=np.concatenate([z["ids"] for z in parts]), masks=np.concatenate([z["masks"] for z in parts]),
+             offsets=np.concatenate(offsets), lr=parts[0]["lr"])
+    for sd, so in paths:
+        sd.unlink()
+        so.unlink()
     return peer_data.read_probe(out)
 
 
@@ -164,9 +204,19 @@ class MetricsClock:
         return self.stamps
 
 
+def extract_train(args, *, model: str, work: pathlib.Path, device: str, dtype: str) -> dict:
+    """Stage f_extract: `dflash extract` of the training set (--dflash-storage), its wall time the first part of
+    stage f's (a stage of its own so that f's training fits one call at --scale x10)."""
+    t0 = time.perf_counter()
+    ext = bq.extract(model, work / "train_dflash.jsonl", work / "cache_train", storage=args.dflash_storage,
+                     device=device, dtype=dtype, args=args)
+    return {**ext, "storage": args.dflash_storage, "wall_s": round(time.perf_counter() - t0, 2)}
+
+
 def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, device: str, dtype: str,
-                 seed: int | None = None, epochs: int | None = None, variant: str | None = None) -> dict:
-    """Stage f: extract + train, timed together; held-out tau on the MT-Bench cache with wall-time stamps.
+                seed: int | None = None, epochs: int | None = None, variant: str | None = None,
+                extraction: dict | None = None) -> dict:
+    """Stage f: extract (stage f_extract, `extraction`) + train, timed together; held-out tau on the MT-Bench cache with wall-time stamps.
     With `seed` (another seed of the same recipe, for the seed-to-seed spread), `epochs` (the recipe trained
     that many epochs: --dflash-time-epochs) or `variant` (a --dflash-variants name: the recipe with that variant's
     TrainConfig fields): training alone, from stage f's cache, into its own run folder, its stamps counted from
@@ -178,11 +228,11 @@ def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, dev
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
     alone = seed is not None or epochs is not None or variant is not None
-    ext = None if alone else bq.extract(model, work / "train_dflash.jsonl", work / "cache_train",
-                                        storage=args.dflash_storage, device=device, dtype=dtype, args=args)
-    t_extract = time.perf_counter() - t0
+    # stage f's clock starts at its extraction (stage f_extract, `extraction`): its held-out stamps include it
+    ext = None if alone else extraction
+    t_extract = 0.0 if ext is None else ext["wall_s"]
+    t0 = time.perf_counter() - t_extract
     steps = data["steps"] if epochs is None else data["steps"] * epochs // recipe.epochs
     if variant is not None:
         drafter = result_variant_drafter(work, variant)
@@ -309,7 +359,9 @@ def extra_seeds(args, runs: int) -> list[int]:
 def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, seed: int | None = None,
                    segments: list | None = None) -> dict:
     """Stage g: SpecForge's own trainer under torchrun; on CPU first as on the GPU (records why it stops).
-    With `seed` (GPU only): another run of the same recipe with that seed, for SpecForge's seed-to-seed spread."""
+    With `seed` (GPU only): another run of the same recipe with that seed, for SpecForge's seed-to-seed spread.
+    `segments`: the earlier segments of this run (cut by a call's limit), appended to."""
+    segments = [] if segments is None else segments
     if seed is not None:
         recipe = dataclasses.replace(recipe, seed=seed)
     dc = peer_recipe.drafter_config(recipe, target_config=json.loads((pathlib.Path(model) / "config.json").read_text()),
@@ -331,47 +383,26 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, 
     if args.cpu:
         # Each CPU blocker shown by a run that stops at it: as on the GPU (nccl), with the gloo/cpu-mesh patches
         # (FSDP), with FSDP passed through too but flex attention (its backward), then with sdpa (runs).
-        tries = {"as_on_gpu": ("none", recipe), "gloo": ("gloo", recipe), "no_fsdp_flex": ("full", recipe)}
-        blockers = {}
-        for name, (level, r) in tries.items():
-            t = run_specforge(args, model=model, work=work, recipe=r, draft=draft, name=name, level=level,
-                              timeout=args.blocker_timeout)
-            blockers[name] = {"returncode": t["returncode"], "wall_s": t["wall_s"], "log": t["log"],
-                              "timed_out": t["timed_out"], "train_losses": t["train_losses"],
-                              "stopped_at": cpu_failure_reason(pathlib.Path(t["log"]).read_text(errors="replace"))
-                              if t["returncode"] else None}
-        out["specforge_cpu"] = {"runs_on_cpu_unmodified": blockers["as_on_gpu"]["returncode"] == 0,
-                                "blockers": blockers}
-        run = run_specforge(args, model=model, work=work, recipe=dataclasses.replace(recipe, attention_backend="sdpa"),
-                            draft=draft, name="cpu_patched", level="full")
+        if args.cpu_blockers and not segments:
+            tries = {"as_on_gpu": ("none", recipe), "gloo": ("gloo", recipe), "no_fsdp_flex": ("full", recipe)}
+            blockers = {}
+            for name, (level, r) in tries.items():
+                t = run_specforge(args, model=model, work=work, recipe=r, draft=draft, name=name, level=level,
+                                  timeout=args.blocker_timeout)
+                blockers[name] = {"returncode": t["returncode"], "wall_s": t["wall_s"], "log": t["log"],
+                                  "timed_out": t["timed_out"], "train_losses": t["train_losses"],
+                                  "stopped_at": cpu_failure_reason(pathlib.Path(t["log"]).read_text(errors="replace"))
+                                  if t["returncode"] else None}
+            out["specforge_cpu"] = {"runs_on_cpu_unmodified": blockers["as_on_gpu"]["returncode"] == 0,
+                                    "blockers": blockers}
+        run = segmented_specforge(args, model=model, work=work, draft=draft, name="cpu_patched", level="full",
+                                  recipe=dataclasses.replace(recipe, attention_backend="sdpa"), segments=segments)
         out["cpu_patches"] = list(specforge_entry.CPU_DIST_PATCHES) + [
             "--attention-backend sdpa (flex attention: no CPU backward in torch 2.13)",
             "target in bf16 on CPU (SpecForge hard-codes torch.bfloat16; dflash's CPU runs use float32)"]
     else:
-        name = seeded("run", seed)
-        outdir = work / f"run_specforge_{name}"
-        restored = None
-        if latest_specforge_checkpoint(outdir) is None and args.specforge_parts and segments:
-            restored = restore_checkpoint(pathlib.Path(args.specforge_parts), outdir, segments[-1]["end_step"])
-        start = latest_specforge_checkpoint(outdir)
-        if start is None and segments and segments[-1]["end_step"] == 0:
-            segments.clear()   # cut before its first checkpoint: it starts again, as if never run
-        if start is None and segments:
-            raise SystemExit(f"SpecForge's run stopped at micro-step {segments[-1]['end_step']} in an earlier call "
-                             f"but its checkpoint is neither in {outdir} nor given as --specforge-parts")
-        start_step = checkpoint_step(start) if start is not None else 0
-        if segments and start_step != segments[-1]["end_step"]:
-            raise SystemExit(f"{start.name} is not where SpecForge's last segment ended "
-                             f"(micro-step {segments[-1]['end_step']})")
-        run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name=name, level="none",
-                            timeout=args.specforge_timeout, save_interval=args.specforge_save_interval,
-                            resume=start is not None)
-        last = latest_specforge_checkpoint(outdir)
-        seg = segment_record(run, start_step=start_step, end_step=checkpoint_step(last) if last else start_step)
-        segments.append({**seg, "restored_from_parts": restored})
-        if run["timed_out"] and args.specforge_pack and last is not None:
-            seg["packed"] = pack_checkpoint(last, pathlib.Path(args.specforge_pack), work=work)
-            segments[-1]["packed"] = seg["packed"]
+        run = segmented_specforge(args, model=model, work=work, draft=draft, name=seeded("run", seed), level="none",
+                                  recipe=recipe, segments=segments)
     if run["timed_out"]:
         progress = tqdm_progress(pathlib.Path(run["log"]).read_text(errors="replace"))
         raise SpecForgeCut({"wall_s_at_cut": run["wall_s"], "epochs": recipe.epochs, **(progress or {}),
@@ -380,7 +411,7 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, 
         raise SystemExit(f"SpecForge failed (rc {run['returncode']}):\n{run['log_tail']}")
     name = "cpu_patched" if args.cpu else seeded("run", seed)
     ckpts = sorted((work / f"run_specforge_{name}").glob("epoch_*_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
-    if not args.cpu and segments:
+    if segments:
         # its wall time: the sum of its segments' (the restarts' start-up and the work lost at each cut apart)
         import parts as peer_parts
 
@@ -390,6 +421,38 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, 
     out.update(run=run, drafter=str(ckpts[-1]), checkpoints=[p.name for p in ckpts],
                tokens_per_s=data["tokens"] * recipe.epochs / run["wall_s"] if run["wall_s"] else None)
     return out
+
+
+def segmented_specforge(args, *, model: str, work: pathlib.Path, draft: pathlib.Path, name: str, level: str, recipe,
+                        segments: list) -> dict:
+    """One segment of SpecForge's run: from the run folder's newest checkpoint (or one restored from
+    --specforge-parts) when an earlier segment was cut, else from the start; recorded in `segments`; a cut one's
+    newest checkpoint packed into --specforge-pack."""
+    outdir = work / f"run_specforge_{name}"
+    restored = None
+    if latest_specforge_checkpoint(outdir) is None and args.specforge_parts and segments \
+            and segments[-1]["end_step"] > 0:
+        restored = restore_checkpoint(pathlib.Path(args.specforge_parts), outdir, segments[-1]["end_step"])
+    start = latest_specforge_checkpoint(outdir)
+    if start is None and segments and segments[-1]["end_step"] == 0:
+        segments.clear()   # cut before its first checkpoint: it starts again, as if never run
+    if start is None and segments:
+        raise SystemExit(f"SpecForge's run stopped at micro-step {segments[-1]['end_step']} in an earlier call "
+                         f"but its checkpoint is neither in {outdir} nor given as --specforge-parts")
+    start_step = checkpoint_step(start) if start is not None else 0
+    if segments and start_step != segments[-1]["end_step"]:
+        raise SystemExit(f"{start.name} is not where SpecForge's last segment ended "
+                         f"(micro-step {segments[-1]['end_step']})")
+    run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name=name, level=level,
+                        timeout=None if args.cpu else args.specforge_timeout,
+                        save_interval=args.specforge_save_interval, resume=start is not None)
+    last = latest_specforge_checkpoint(outdir)
+    seg = segment_record(run, start_step=start_step, end_step=checkpoint_step(last) if last else start_step)
+    seg["restored_from_parts"] = restored
+    if run["timed_out"] and args.specforge_pack and last is not None:
+        seg["packed"] = pack_checkpoint(last, pathlib.Path(args.specforge_pack), work=work)
+    segments.append(seg)
+    return run
 
 
 CKPT_TAR = "specforge_ckpt.tar"
@@ -494,7 +557,7 @@ def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathli
     with logf.open("w") as f:
         # its own session: on a timeout the whole torchrun group (agent + worker) is ended, nothing else
         proc = subprocess.Popen(cmd, cwd=sf, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        watch = LogWatch(logf, outdir, t)
+        watch = LogWatch(logf, outdir, t, cut_after_saves=args.specforge_cut_after_saves)
         timed_out = False
         try:
             while True:
@@ -505,12 +568,16 @@ def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathli
                     el = time.perf_counter() - t
                     # stopped at the limit, or right after a checkpoint when the next would land past it (the
                     # work after the last checkpoint would be thrown away)
-                    if timeout is not None and (el >= timeout or watch.next_save_too_late(timeout)):
+                    if (timeout is not None and el >= timeout) or watch.should_stop(timeout):
                         timed_out = True
                         os.killpg(proc.pid, signal.SIGTERM)
                         rc = proc.wait()
                         f.write(f"\nbench_peer: stopped after {el:.0f} s of {timeout} s (timeout)\n")
                         break
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)   # this call is being stopped: SpecForge with it
+            proc.wait()
+            raise
         finally:
             events = watch.stop()
     dt = time.perf_counter() - t
@@ -542,8 +609,8 @@ class LogWatch:
     """Polls a SpecForge log (0.5 s): the seconds at which training began ("Starting training from") and at which
     each checkpoint was complete ("Saved checkpoint to"), from the run's start; keeps only the newest checkpoint."""
 
-    def __init__(self, log_path: pathlib.Path, outdir: pathlib.Path, t0: float) -> None:
-        self.path, self.outdir, self.t0 = log_path, outdir, t0
+    def __init__(self, log_path: pathlib.Path, outdir: pathlib.Path, t0: float, cut_after_saves: int | None = None):
+        self.path, self.outdir, self.t0, self.cut_after_saves = log_path, outdir, t0, cut_after_saves
         self.started_s, self.saves, self._seen, self._stop = None, [], 0, threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -558,17 +625,22 @@ class LogWatch:
         now = round(time.perf_counter() - self.t0, 2)
         if self.started_s is None and "Starting training from" in text:
             self.started_s = now
-        for m in list(re.finditer(r"Saved checkpoint to (\S+)", text))[self._seen:]:
+        new = list(re.finditer(r"Saved checkpoint to (\S+)", text))[self._seen:]
+        for m in new:
             self._seen += 1
             self.saves.append({"s": now, "checkpoint": pathlib.Path(m.group(1)).name})
+        if new:
             for old in self.outdir.glob("epoch_*_step_*"):
                 if old.name != self.saves[-1]["checkpoint"] and CKPT_NAME.search(old.name):
                     shutil.rmtree(old, ignore_errors=True)
 
-    def next_save_too_late(self, limit: float) -> bool:
+    def should_stop(self, limit: float | None) -> bool:
         """Whether the checkpoint after the newest one would be written after `limit` seconds (the interval
-        between the last two, or since training began, with 15% to spare)."""
-        if not self.saves or self.started_s is None:
+        between the last two, or since training began, with 15% to spare), or this call has written its
+        cut_after_saves checkpoints (the CPU check of the cut and resume)."""
+        if self.cut_after_saves and len(self.saves) >= self.cut_after_saves:
+            return True
+        if not self.saves or self.started_s is None or limit is None:
             return False
         before = self.saves[-2]["s"] if len(self.saves) > 1 else self.started_s
         return self.saves[-1]["s"] + 1.15 * (self.saves[-1]["s"] - before) > limit
@@ -811,6 +883,10 @@ def parse_args(argv=None):
                     "parts with a manifest here (benchmarks/peer/parts.py), for the next session")
     ap.add_argument("--specforge-parts", metavar="DIR", help="the parts and manifest of --specforge-pack carried "
                     "back in: joined, checked and unpacked when the run folder has no checkpoint of its own")
+    ap.add_argument("--specforge-cut-after-saves", type=int, metavar="N", help="stop SpecForge right after its "
+                    "N-th checkpoint of this call, as a cut at the limit does (the CPU check of cut and resume)")
+    ap.add_argument("--no-cpu-blockers", dest="cpu_blockers", action="store_false", help="CPU: skip the runs that "
+                    "show where SpecForge stops unpatched (~3 of the --tiny run's ~20 minutes)")
     ap.add_argument("--drop-train-cache", action="store_true", help="remove dflash's training cache before "
                     "SpecForge runs (disk for its checkpoints; --scale x10 sets it)")
     ap.add_argument("--evals", type=int, help="held-out evaluations during dflash training")
@@ -824,7 +900,7 @@ def parse_args(argv=None):
                     "is stopped and how far it got is recorded as specforge_cut (run_h200.sh: what its call has left)")
     ap.add_argument("--blocker-timeout", type=float, default=900, help="CPU only: seconds each SpecForge run that "
                     "shows a CPU blocker may take before it is stopped")
-    ap.add_argument("--stop-after", choices=["generate", "sets", "dflash", "specforge"], help="end the call after that stage "
+    ap.add_argument("--stop-after", choices=["generate", "sets", "extract", "dflash", "specforge"], help="end the call after that stage "
                     "(the GPU run is two calls under the 10-minute limit: --stop-after dflash, then --resume)")
     ap.add_argument("--verbose", action="store_true", help="show the SpecForge probe's output")
     args = ap.parse_args(argv)
@@ -895,7 +971,11 @@ def main(argv=None) -> dict:
     result["config"] = {k: v for k, v in result["config"].items() if k not in ("peers",)}
     earlier = bq.earlier_result(args, out_json)
     result["calls"] = bq.call_history(earlier, result["date"], result["command"])
+    if args.scale:
+        result["scale_note"] = (f"--scale {args.scale}: one SpecForge seed (its ~50 min run spans sessions); the "
+                                "seed-to-seed spread is dflash's (--dflash-seeds)")
     st = bq.Stages(result, out_json, earlier=earlier)
+    bq.exit_on_sigterm()  # a call cut by `timeout` still records what it did and stops SpecForge (finally blocks)
     try:
         # valid(): a later session carries the JSON in on a fresh machine; the cheap deterministic stages whose
         # files are gone are redone there, a finished training run never is (its evals were taken when it ended)
@@ -940,18 +1020,23 @@ def main(argv=None) -> dict:
             result.setdefault("eval", {})[who] = {ds: st.run(f"h_eval_{who}_{ds}", lambda ds=ds: bq.evaluate(
                 str(ddir), work / f"cache_{ds}", model, device, per_sequence=True)) for ds in ("mtbench", "humaneval")}
 
-        def train_cache() -> None:
-            """The runs after stage f read its cache: on a fresh machine it is extracted again (untimed)."""
-            if not (work / "cache_train").is_dir():
-                st.run("f_cache_train_again", lambda: bq.extract(
-                    model, work / "train_dflash.jsonl", work / "cache_train", storage=args.dflash_storage,
-                    device=device, dtype=dtype, args=args), valid=lambda r: (work / "cache_train").is_dir())
+        def train_cache() -> dict:
+            """Stage f's extraction; the runs after it read the cache, on a fresh machine extracted again (its
+            stage record then says this session's time; stage f's recorded wall time keeps the first)."""
+            return st.run("f_extract", lambda: extract_train(args, model=model, work=work, device=device, dtype=dtype),
+                          valid=lambda r: (work / "cache_train").is_dir())
 
         def stop() -> bool:
             return args.one_run and bool(ran)
 
+        extraction = None
+        if not st.done("f_dflash"):
+            extraction = train_cache()
+            if args.stop_after == "extract":
+                return result
         result["dflash"] = train_stage("f_dflash", lambda: dflash_side(args, model=model, work=work, recipe=recipe,
-                                                                      data=data, device=device, dtype=dtype))
+                                                                      data=data, device=device, dtype=dtype,
+                                                                      extraction=extraction))
         if not st.done("h_eval_untrained_mtbench") or not st.done("h_eval_untrained_humaneval"):
             untrained = bq.untrained_drafter(result["dflash"]["drafter"], work / "untrained", args.seed)
         else:
@@ -1024,6 +1109,8 @@ def main(argv=None) -> dict:
             return result
         summarise(result)
     finally:
+        if result.get("eval"):
+            summarise(result)   # what the scored drafters give so far, also in a call that stops early
         bq.close_run(st, work=work, own_work=own_work)
     print(format_table(result), flush=True)
     log(f"written {out_json}")
