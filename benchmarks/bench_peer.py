@@ -80,12 +80,7 @@ def build_training_set(args, *, model: str, work: pathlib.Path, recipe) -> dict:
 
     from dflash.data import end_of_turn_ids
 
-    if args.train_source == "sharegpt":
-        convs = peer_data.from_sharegpt(args.train_prompts, max_chars=args.max_prompt_chars)
-    elif args.train_source == "committed":
-        convs = peer_data.from_regenerated_conversations(committed_train_data(args), args.train_prompts)
-    else:
-        convs = peer_data.from_greedy_records(work / "train_greedy.jsonl")
+    convs = candidates(args, work)
     cand_d, cand_s = work / "candidates_dflash.jsonl", work / "candidates_specforge.jsonl"
     peer_data.write_both(convs, dflash_path=cand_d, specforge_path=cand_s)
     tok = AutoTokenizer.from_pretrained(model)
@@ -110,13 +105,32 @@ def build_training_set(args, *, model: str, work: pathlib.Path, recipe) -> dict:
     lr_diff = max(abs(a - recipe.lr * b) for a, b in zip(sf_lr, ours_lr)) / recipe.lr
     log(f"training set: {len(kept)} of {len(convs)} conversations agree and qualify; {steps} steps, dflash "
         f"batch_tokens {batch_tokens}; lr schedules differ by at most {lr_diff:.4f} x peak")
-    return {"agreement": agree.to_json(), "samples": len(kept), "tokens": int(sum(lengths)),
+    return {"agreement": agree.to_json(), "samples": len(kept), "kept_indices": [int(i) for i in keep],
+            "tokens": int(sum(lengths)),
             "loss_tokens": int(sum(int(theirs[i][1].sum()) for i in keep)), "steps": steps,
             "dropped_to_multiple_of_seqs_per_step": len(agree.kept) - len(keep),
             "dflash_trains_on": "SpecForge's ids and loss masks as pre-tokenized records (train_dflash.jsonl)",
             "mean_tokens_per_step": sum(lengths) * recipe.epochs / steps, "dflash_batch_tokens": batch_tokens,
             "lr_max_abs_diff_over_peak": lr_diff, "lr_specforge_first": list(sf_lr[:3]),
             "lr_dflash_first": [recipe.lr * x for x in ours_lr[:3]]}
+
+
+def candidates(args, work: pathlib.Path) -> list[list[dict]]:
+    """Stage d's candidate conversations (--train-source), in order."""
+    if args.train_source == "sharegpt":
+        return peer_data.from_sharegpt(args.train_prompts, max_chars=args.max_prompt_chars)
+    if args.train_source == "committed":
+        return peer_data.from_regenerated_conversations(committed_train_data(args), args.train_prompts)
+    return peer_data.from_greedy_records(work / "train_greedy.jsonl")
+
+
+def specforge_files_again(args, work: pathlib.Path, data: dict) -> dict:
+    """SpecForge's training file (and the conversations) rebuilt from stage d's kept indices, without the two
+    tokenizations: a session that has only SpecForge left needs no more (its sha256 must be the recorded one)."""
+    convs = candidates(args, work)
+    peer_data.write_both([convs[i] for i in data["kept_indices"]], dflash_path=work / "train_conversations.jsonl",
+                         specforge_path=work / "train_specforge.jsonl")
+    return {"samples": len(data["kept_indices"])}
 
 
 def committed_train_data(args) -> list[str]:
@@ -202,6 +216,13 @@ class MetricsClock:
         self._thread.join()
         self._read()
         return self.stamps
+
+
+def dflash_stages(args) -> list[str]:
+    """The names of the dflash training stages this run has (stage f and the runs after it)."""
+    names = ["f_dflash", *(seeded("f_dflash", s) for s in extra_seeds(args, args.dflash_seeds)),
+             *(f"f_{variant_run(n)}" for n in args.dflash_variants)]
+    return names + ([f"f_{long_run(args.dflash_time_epochs)}"] if args.dflash_time_epochs else [])
 
 
 def extract_train(args, *, model: str, work: pathlib.Path, device: str, dtype: str) -> dict:
@@ -708,10 +729,10 @@ def same_training_set(work: pathlib.Path, data: dict, earlier: dict | None) -> N
 
     sha = {f: peer_parts.sha256_file(work / f) for f in TRAINING_FILES if (work / f).is_file()}
     before = (earlier or {}).get("sha256") or data.get("sha256")
-    if before and before != sha:
-        diff = [f for f in sha if before.get(f) != sha[f]]
+    diff = [f for f in sha if before and f in before and before[f] != sha[f]]
+    if diff:
         raise SystemExit(f"the training set built again differs from the earlier session's: {', '.join(diff)}")
-    data["sha256"] = sha
+    data["sha256"] = {**(before or {}), **sha}
 
 
 def first_at_or_above(heldout: list[dict], tau: float) -> dict | None:
@@ -994,8 +1015,16 @@ def main(argv=None) -> dict:
         if args.stop_after == "generate":
             return result
         earlier_data = st.earlier.get("training_set")
+        # a session with only SpecForge left rebuilds its file from the kept indices (seconds, not minutes)
+        only_specforge = (st.done("d_training_set") and all(st.done(n) for n in dflash_stages(args))
+                          and "kept_indices" in st.earlier["stage_out"]["d_training_set"]
+                          and args.train_source != "regen")
+        if only_specforge and not (work / "train_specforge.jsonl").is_file():
+            st.run("d_specforge_file_again", lambda: specforge_files_again(
+                args, work, st.earlier["stage_out"]["d_training_set"]), resumable=False)
         data = st.run("d_training_set", lambda: build_training_set(args, model=model, work=work, recipe=recipe),
-                      valid=lambda r: all((work / f).is_file() for f in TRAINING_FILES))
+                      valid=lambda r: all((work / f).is_file() for f in (
+                          ("train_specforge.jsonl",) if only_specforge else TRAINING_FILES)))
         same_training_set(work, data, earlier_data)
         result["training_set"] = data
         for ds in ("mtbench", "humaneval"):
