@@ -38,6 +38,9 @@ GPU (four calls on one warm machine, each under the 10-minute limit; the result 
   .whl holds SpecForge's extra packages (env.WHEELS): pip download --no-deps --only-binary=:all:
   --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 yunchang==0.6.4
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 pandas==3.1.1 python-dateutil==4.0.0 -d .whl
+10x the samples over several sessions (--scale x10; run_h200.sh peerx): benchmarks/README.md, "The peer at 10x".
+  Each drafter is scored (stage h, its load check, z-lab's loop) right after it trains; SpecForge is cut into
+  segments at its checkpoints, carried between sessions as parts (benchmarks/peer/parts.py).
 CPU:  python benchmarks/bench_peer.py --tiny --model ~/.cache/dflash/smollm2-135m-instruct --workdir DIR
   (about 20 minutes on a loaded 2-core box; a SpecForge micro-step takes 1-1.5 min there: its bf16 CPU target)
 """
@@ -942,7 +945,7 @@ def parse_args(argv=None):
         # before the call's limit
         bq.fill_unset(args, dict(train_prompts=12000, dflash_storage="fp8", specforge_seeds=1, dflash_time_epochs=3,
                                  dflash_variants=SCALE_VARIANTS, specforge_save_interval=480, log_every=20,
-                                 zlab_prompts=20))
+                                 zlab_prompts=5))   # z-lab's loop: ~7 s a prompt and drafter
         args.drop_train_cache = True
     bq.fill_unset(args, tiny if args.tiny else gpu)
     if args.dflash_storage is None:
