@@ -467,8 +467,17 @@ def segmented_specforge(args, *, model: str, work: pathlib.Path, draft: pathlib.
     if segments and start_step != segments[-1]["end_step"]:
         raise SystemExit(f"{start.name} is not where SpecForge's last segment ended "
                          f"(micro-step {segments[-1]['end_step']})")
+    timeout = None if args.cpu else args.specforge_timeout
+    if args.specforge_deadline is not None:
+        # the call's own clock: whatever the stages before took, SpecForge stops (and its checkpoint is packed)
+        # before the call's limit
+        left = args.specforge_deadline - (time.perf_counter() - bq.T0)
+        if left < 120:
+            raise SystemExit(f"{left:.0f} s left before --specforge-deadline: too little for a SpecForge segment "
+                             "(its start-up is ~1-1.5 min); the next call continues")
+        timeout = left if timeout is None else min(timeout, left)
     run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name=name, level=level,
-                        timeout=None if args.cpu else args.specforge_timeout,
+                        timeout=timeout,
                         save_interval=args.specforge_save_interval, resume=start is not None)
     last = latest_specforge_checkpoint(outdir)
     seg = segment_record(run, start_step=start_step, end_step=checkpoint_step(last) if last else start_step)
@@ -596,7 +605,8 @@ def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathli
                         timed_out = True
                         os.killpg(proc.pid, signal.SIGTERM)
                         rc = proc.wait()
-                        f.write(f"\nbench_peer: stopped after {el:.0f} s of {timeout} s (timeout)\n")
+                        f.write(f"\nbench_peer: stopped after {el:.0f} s (limit {timeout} s, "
+                                f"{len(watch.saves)} checkpoints) (timeout)\n")
                         break
         except BaseException:
             os.killpg(proc.pid, signal.SIGTERM)   # this call is being stopped: SpecForge with it
@@ -907,6 +917,8 @@ def parse_args(argv=None):
                     "parts with a manifest here (benchmarks/peer/parts.py), for the next session")
     ap.add_argument("--specforge-parts", metavar="DIR", help="the parts and manifest of --specforge-pack carried "
                     "back in: joined, checked and unpacked when the run folder has no checkpoint of its own")
+    ap.add_argument("--specforge-deadline", type=float, metavar="S", help="SpecForge stops by S seconds after this "
+                    "process started, whatever the stages before it took (run_h200.sh peerx: 530 of the call's 570)")
     ap.add_argument("--specforge-cut-after-saves", type=int, metavar="N", help="stop SpecForge right after its "
                     "N-th checkpoint of this call, as a cut at the limit does (the CPU check of cut and resume)")
     ap.add_argument("--no-cpu-blockers", dest="cpu_blockers", action="store_false", help="CPU: skip the runs that "
@@ -1083,7 +1095,8 @@ def main(argv=None) -> dict:
             return result
         result["dflash_seeds"] = {}
         for s_ in extra_seeds(args, args.dflash_seeds):
-            train_cache()
+            if not st.done(seeded("f_dflash", s_)):
+                train_cache()
             result["dflash_seeds"][str(s_)] = train_stage(seeded("f_dflash", s_), lambda s_=s_: dflash_side(
                 args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, seed=s_))
             scored(seeded("dflash", s_), result_dflash_drafter(work, s_))
@@ -1091,7 +1104,8 @@ def main(argv=None) -> dict:
                 return result
         result["dflash_variants"] = {}
         for name, over in args.dflash_variants.items():
-            train_cache()
+            if not st.done(f"f_{variant_run(name)}"):
+                train_cache()
             result["dflash_variants"][name] = {"overrides": over, **train_stage(
                 f"f_{variant_run(name)}", lambda name=name: dflash_side(args, model=model, work=work, recipe=recipe,
                                                                         data=data, device=device, dtype=dtype,
@@ -1101,7 +1115,8 @@ def main(argv=None) -> dict:
                 return result
         if args.dflash_time_epochs:
             n = args.dflash_time_epochs
-            train_cache()
+            if not st.done(f"f_{long_run(n)}"):
+                train_cache()
             result["dflash_long"] = {"epochs": n, **train_stage(f"f_{long_run(n)}", lambda: dflash_side(
                 args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, epochs=n))}
             scored(long_run(n), result_long_drafter(work, n))
