@@ -1073,11 +1073,11 @@ def main(argv=None) -> dict:
         def stop() -> bool:
             return args.one_run and bool(ran)
 
-        extraction = None
-        if not st.done("f_dflash"):
-            extraction = train_cache()
-            if args.stop_after == "extract":
-                return result
+        if args.stop_after == "extract":   # the set-up call of a session: dflash's cache when a run still needs it
+            if not all(st.done(n) for n in dflash_stages(args)):
+                train_cache()
+            return result
+        extraction = train_cache() if not st.done("f_dflash") else None
         result["dflash"] = train_stage("f_dflash", lambda: dflash_side(args, model=model, work=work, recipe=recipe,
                                                                       data=data, device=device, dtype=dtype,
                                                                       extraction=extraction))
