@@ -484,6 +484,8 @@ def segmented_specforge(args, *, model: str, work: pathlib.Path, draft: pathlib.
     seg["restored_from_parts"] = restored
     if run["timed_out"] and args.specforge_pack and last is not None:
         seg["packed"] = pack_checkpoint(last, pathlib.Path(args.specforge_pack), work=work)
+    elif not run["timed_out"] and args.specforge_pack:
+        shutil.rmtree(args.specforge_pack, ignore_errors=True)   # finished: no earlier cut's parts to bring back
     segments.append(seg)
     return run
 
