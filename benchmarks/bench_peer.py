@@ -240,7 +240,8 @@ def extract_train(args, *, model: str, work: pathlib.Path, device: str, dtype: s
 def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, device: str, dtype: str,
                 seed: int | None = None, epochs: int | None = None, variant: str | None = None,
                 extraction: dict | None = None) -> dict:
-    """Stage f: extract (stage f_extract, `extraction`) + train, timed together; held-out tau on the MT-Bench cache with wall-time stamps.
+    """Stage f: extract (stage f_extract, `extraction`) + train, timed together;
+    held-out tau on the MT-Bench cache with wall-time stamps.
     With `seed` (another seed of the same recipe, for the seed-to-seed spread), `epochs` (the recipe trained
     that many epochs: --dflash-time-epochs) or `variant` (a --dflash-variants name: the recipe with that variant's
     TrainConfig fields): training alone, from stage f's cache, into its own run folder, its stamps counted from
@@ -938,8 +939,9 @@ def parse_args(argv=None):
                     "is stopped and how far it got is recorded as specforge_cut (run_h200.sh: what its call has left)")
     ap.add_argument("--blocker-timeout", type=float, default=900, help="CPU only: seconds each SpecForge run that "
                     "shows a CPU blocker may take before it is stopped")
-    ap.add_argument("--stop-after", choices=["generate", "sets", "extract", "dflash", "specforge"], help="end the call after that stage "
-                    "(the GPU run is two calls under the 10-minute limit: --stop-after dflash, then --resume)")
+    ap.add_argument("--stop-after", choices=["generate", "sets", "extract", "dflash", "specforge"],
+                    help="end the call after that stage (sets: a-e; extract: and dflash's cache when a dflash run "
+                    "is left; the 1,175-sample GPU run is two calls: --stop-after dflash, then --resume)")
     ap.add_argument("--verbose", action="store_true", help="show the SpecForge probe's output")
     args = ap.parse_args(argv)
     tiny = dict(train_source="sharegpt", train_prompts=4, max_prompt_chars=300, eval_prompts=2, max_new_tokens=32,
@@ -1091,7 +1093,8 @@ def main(argv=None) -> dict:
             scored(who, ddir)
         result["loading"] = {"dflash": st.run("h_load_dflash", lambda: load_check(result["dflash"]["drafter"]))}
         zlab = {"dflash": st.run("i_zlab_dflash", lambda: zlab_stage(
-            args, model=model, work=work, drafters={"dflash": result["dflash"]["drafter"]}, device=device, dtype=dtype))}
+            args, model=model, work=work, drafters={"dflash": result["dflash"]["drafter"]}, device=device,
+            dtype=dtype))}
         result["zlab"] = merge_zlab(zlab)
         if stop():
             return result

@@ -4,7 +4,6 @@ as one record, the training set rebuilt on a fresh machine, and SpecForge's toke
 
 import argparse
 import importlib.util
-import json
 import pathlib
 import sys
 
