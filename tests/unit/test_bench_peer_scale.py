@@ -140,3 +140,10 @@ def test_probe_in_shards_gives_the_one_process_result(bench, smollm2_dir, tmp_pa
         assert np.array_equal(one[i][0], sharded[i][0]) and np.array_equal(one[i][1], sharded[i][1])
     assert np.array_equal(lr1, lr3) and len(lr1) == 4
     assert not list(tmp_path.glob("*.shard*"))
+
+
+def test_dflash_stages_name_every_training_run_before_specforge(bench):
+    a = bench.parse_args(["--scale", "x10"])
+    assert bench.dflash_stages(a) == ["f_dflash", "f_dflash_seed1", "f_dflash_seed2", "f_dflash_sequence",
+                                      "f_dflash_fullblocks", "f_dflash_steps8", "f_dflash_epochs3"]
+    assert bench.dflash_stages(bench.parse_args(["--tiny"])) == ["f_dflash", "f_dflash_seed1"]
