@@ -1017,6 +1017,10 @@ def main(argv=None) -> dict:
                               recipe=dataclasses.asdict(recipe), peers={k: str(v) for k, v in args.peers.items()})
     result["config"] = {k: v for k, v in result["config"].items() if k not in ("peers",)}
     earlier = bq.earlier_result(args, out_json)
+    changed = changed_recipe(earlier, args)
+    if changed:
+        raise SystemExit(f"--resume with another recipe than the run it continues: {changed} (pass the same flags "
+                         "in every call)")
     result["calls"] = bq.call_history(earlier, result["date"], result["command"])
     if args.scale:
         result["scale_note"] = (f"--scale {args.scale}: one SpecForge seed (its ~50 min run spans sessions); the "
@@ -1174,6 +1178,19 @@ def main(argv=None) -> dict:
     print(format_table(result), flush=True)
     log(f"written {out_json}")
     return result
+
+
+RECIPE_FLAGS = ("scale", "epochs", "train_prompts", "train_source", "dflash_storage", "seqs_per_step", "layers",
+                "max_length", "lr", "seed")
+"""Flags a --resume call must share with the run it continues (its finished stages were made with them)."""
+
+
+def changed_recipe(earlier: dict | None, args) -> dict:
+    """RECIPE_FLAGS whose value differs from the earlier call's: {flag: (earlier, now)}."""
+    if not earlier:
+        return {}
+    before = earlier.get("config", {})
+    return {k: (before[k], getattr(args, k)) for k in RECIPE_FLAGS if k in before and before[k] != getattr(args, k)}
 
 
 def zlab_stage(args, *, model: str, work: pathlib.Path, drafters: dict, device: str, dtype: str) -> dict:

@@ -147,3 +147,11 @@ def test_dflash_stages_name_every_training_run_before_specforge(bench):
     assert bench.dflash_stages(a) == ["f_dflash", "f_dflash_seed1", "f_dflash_seed2", "f_dflash_sequence",
                                       "f_dflash_fullblocks", "f_dflash_steps8", "f_dflash_epochs3"]
     assert bench.dflash_stages(bench.parse_args(["--tiny"])) == ["f_dflash", "f_dflash_seed1"]
+
+
+def test_a_resumed_call_must_keep_the_recipe(bench):
+    a = bench.parse_args(["--scale", "x10", "--epochs", "1"])
+    earlier = {"config": {"scale": "x10", "epochs": 1, "train_prompts": 12000, "dflash_storage": "fp8"}}
+    assert bench.changed_recipe(earlier, a) == {}
+    assert bench.changed_recipe(earlier, bench.parse_args(["--scale", "x10"])) == {"epochs": (1, 2)}
+    assert bench.changed_recipe(None, a) == {}
