@@ -487,6 +487,15 @@ def segmented_specforge(args, *, model: str, work: pathlib.Path, draft: pathlib.
     run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name=name, level=level,
                         timeout=timeout,
                         save_interval=args.specforge_save_interval, resume=start is not None)
+    if run["timed_out"]:
+        # a checkpoint is whole once its "Saved checkpoint" line is out: one the stop caught half written goes (its
+        # --resume would load it: SpecForge takes the newest folder)
+        saves = run.get("checkpoints_saved") or []
+        kept = checkpoint_order(saves[-1]["checkpoint"]) if saves else (
+            checkpoint_order(start.name) if start is not None else (-1, -1))
+        for p in outdir.glob("epoch_*_step_*"):
+            if CKPT_NAME.search(p.name) and checkpoint_order(p.name) > kept:
+                shutil.rmtree(p, ignore_errors=True)
     last = latest_specforge_checkpoint(outdir)
     seg = segment_record(run, start_step=start_step, end_step=checkpoint_step(last) if last else start_step)
     seg["restored_from_parts"] = restored
@@ -642,11 +651,18 @@ def checkpoint_step(path) -> int:
     return int(CKPT_NAME.search(str(path)).group(2))
 
 
+def checkpoint_order(name: str) -> tuple[int, int]:
+    """(micro-step, epoch) of a checkpoint folder name: the final save (epoch N) follows a periodic one at the
+    same step."""
+    m = CKPT_NAME.search(name)
+    return int(m.group(2)), int(m.group(1))
+
+
 def latest_specforge_checkpoint(outdir: pathlib.Path) -> pathlib.Path | None:
     """The newest complete checkpoint in a SpecForge run folder (its weights and training state both written)."""
     done = [p for p in outdir.glob("epoch_*_step_*") if CKPT_NAME.search(p.name)
             and (p / "training_state.pt").is_file() and any(p.glob("*.safetensors"))]
-    return max(done, key=lambda p: (checkpoint_step(p), int(CKPT_NAME.search(p.name).group(1))), default=None)
+    return max(done, key=lambda p: checkpoint_order(p.name), default=None)
 
 
 class LogWatch:
@@ -674,8 +690,11 @@ class LogWatch:
             self._seen += 1
             self.saves.append({"s": now, "checkpoint": pathlib.Path(m.group(1)).name})
         if new:
+            # only older ones: the next may be being written already (its final save follows a periodic one at
+            # the same step)
+            newest = checkpoint_order(self.saves[-1]["checkpoint"])
             for old in self.outdir.glob("epoch_*_step_*"):
-                if old.name != self.saves[-1]["checkpoint"] and CKPT_NAME.search(old.name):
+                if CKPT_NAME.search(old.name) and checkpoint_order(old.name) < newest:
                     shutil.rmtree(old, ignore_errors=True)
 
     def should_stop(self, limit: float | None) -> bool:

@@ -76,6 +76,14 @@ def test_log_watch_stamps_training_and_keeps_only_the_newest_checkpoint(bench, t
     assert ev["training_started_s"] is not None
     assert [s["checkpoint"] for s in ev["checkpoints_saved"]] == ["epoch_0_step_8", "epoch_0_step_16"]
     assert sorted(p.name for p in tmp_path.glob("epoch_*")) == ["epoch_0_step_16"]
+    # the final save (epoch 2) at the step of a periodic one (epoch 1) is being written when the periodic one is
+    # reported: it stays
+    (tmp_path / "epoch_1_step_24").mkdir()
+    (tmp_path / "epoch_2_step_24").mkdir()
+    logf.write_text(logf.read_text() + "Saved checkpoint to /x/epoch_1_step_24\n")
+    w = bench.LogWatch(logf, tmp_path, 0.0)
+    w.stop()
+    assert sorted(p.name for p in tmp_path.glob("epoch_*")) == ["epoch_1_step_24", "epoch_2_step_24"]
 
 
 def test_newest_complete_checkpoint(bench, tmp_path):
