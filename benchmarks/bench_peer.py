@@ -38,6 +38,9 @@ GPU (four calls on one warm machine, each under the 10-minute limit; the result 
   .whl holds SpecForge's extra packages (env.WHEELS): pip download --no-deps --only-binary=:all:
   --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 yunchang==0.6.4
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 pandas==3.1.1 python-dateutil==4.0.0 -d .whl
+10x the samples over several sessions (--scale x10; run_h200.sh peerx): benchmarks/README.md, "The peer at 10x".
+  Each drafter is scored (stage h, its load check, z-lab's loop) right after it trains; SpecForge is cut into
+  segments at its checkpoints, carried between sessions as parts (benchmarks/peer/parts.py).
 CPU:  python benchmarks/bench_peer.py --tiny --model ~/.cache/dflash/smollm2-135m-instruct --workdir DIR
   (about 20 minutes on a loaded 2-core box; a SpecForge micro-step takes 1-1.5 min there: its bf16 CPU target)
 """
@@ -80,17 +83,19 @@ def build_training_set(args, *, model: str, work: pathlib.Path, recipe) -> dict:
 
     from dflash.data import end_of_turn_ids
 
-    if args.train_source == "sharegpt":
-        convs = peer_data.from_sharegpt(args.train_prompts, max_chars=args.max_prompt_chars)
-    elif args.train_source == "committed":
-        convs = peer_data.from_regenerated_conversations(committed_train_data(args), args.train_prompts)
-    else:
-        convs = peer_data.from_greedy_records(work / "train_greedy.jsonl")
+    convs = candidates(args, work)
     cand_d, cand_s = work / "candidates_dflash.jsonl", work / "candidates_specforge.jsonl"
     peer_data.write_both(convs, dflash_path=cand_d, specforge_path=cand_s)
     tok = AutoTokenizer.from_pretrained(model)
-    ours = peer_data.dflash_tokenization(cand_d, tok)
-    theirs, _ = specforge_probe(args, model=model, data=cand_s, out=work / "probe_tokens.npz", steps=0, recipe=recipe)
+    # SpecForge's probe runs in processes of its own (12,000 records: ~2 min in shards) while this one tokenizes
+    # dflash's way (~80 s): side by side
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        probe = pool.submit(specforge_probe, args, model=model, data=cand_s, out=work / "probe_tokens.npz", steps=0,
+                            recipe=recipe)
+        ours = peer_data.dflash_tokenization(cand_d, tok)
+        theirs, _ = probe.result()
     agree = peer_data.compare_tokenizations(ours=ours, theirs=theirs, max_length=recipe.max_length,
                                             min_loss_tokens=2 * recipe.block_size, eot_ids=end_of_turn_ids(tok))
     # SpecForge steps the optimizer when its global micro-step count is a multiple of --accumulation-steps, so the
@@ -110,7 +115,8 @@ def build_training_set(args, *, model: str, work: pathlib.Path, recipe) -> dict:
     lr_diff = max(abs(a - recipe.lr * b) for a, b in zip(sf_lr, ours_lr)) / recipe.lr
     log(f"training set: {len(kept)} of {len(convs)} conversations agree and qualify; {steps} steps, dflash "
         f"batch_tokens {batch_tokens}; lr schedules differ by at most {lr_diff:.4f} x peak")
-    return {"agreement": agree.to_json(), "samples": len(kept), "tokens": int(sum(lengths)),
+    return {"agreement": agree.to_json(), "samples": len(kept), "kept_indices": [int(i) for i in keep],
+            "tokens": int(sum(lengths)),
             "loss_tokens": int(sum(int(theirs[i][1].sum()) for i in keep)), "steps": steps,
             "dropped_to_multiple_of_seqs_per_step": len(agree.kept) - len(keep),
             "dflash_trains_on": "SpecForge's ids and loss masks as pre-tokenized records (train_dflash.jsonl)",
@@ -119,21 +125,79 @@ def build_training_set(args, *, model: str, work: pathlib.Path, recipe) -> dict:
             "lr_dflash_first": [recipe.lr * x for x in ours_lr[:3]]}
 
 
+def candidates(args, work: pathlib.Path) -> list[list[dict]]:
+    """Stage d's candidate conversations (--train-source), in order."""
+    if args.train_source == "sharegpt":
+        return peer_data.from_sharegpt(args.train_prompts, max_chars=args.max_prompt_chars)
+    if args.train_source == "committed":
+        return peer_data.from_regenerated_conversations(committed_train_data(args), args.train_prompts)
+    return peer_data.from_greedy_records(work / "train_greedy.jsonl")
+
+
+def specforge_files_again(args, work: pathlib.Path, data: dict) -> dict:
+    """SpecForge's training file (and the conversations) rebuilt from stage d's kept indices, without the two
+    tokenizations: a session that has only SpecForge left needs no more (its sha256 must be the recorded one)."""
+    convs = candidates(args, work)
+    peer_data.write_both([convs[i] for i in data["kept_indices"]], dflash_path=work / "train_conversations.jsonl",
+                         specforge_path=work / "train_specforge.jsonl")
+    return {"samples": len(data["kept_indices"])}
+
+
 def committed_train_data(args) -> list[str]:
     """--train-data, else the committed whole conversations (bench_reference's training set)."""
     return list(args.train_data) if args.train_data else bq.committed_regenerated_files()
 
 
+PROBE_SHARD = 1500
+"""Records per specforge_probe.py process: it tokenizes one record at a time (~70 ms each on the GPU machine's
+CPU: 83 s for 1,200 on 2026-12-02), so 12,000 run as shards side by side."""
+
+
 def specforge_probe(args, *, model: str, data, out: pathlib.Path, steps: int, recipe):
-    """Run benchmarks/peer/specforge_probe.py in SpecForge's environment."""
+    """Run benchmarks/peer/specforge_probe.py in SpecForge's environment (more than PROBE_SHARD records: in
+    shards, one process each, at most one per core, merged into `out` in order)."""
     if data is None:
         data = out.with_suffix(".empty.jsonl")
         data.write_text("")
-    cmd = [sys.executable, str(REPO / "benchmarks" / "peer" / "specforge_probe.py"), "--model", model,
-           "--data", str(data), "--out", str(out), "--max-length", str(recipe.max_length), "--steps", str(steps),
-           "--warmup-ratio", str(recipe.warmup_ratio), "--lr", str(recipe.lr)]
-    subprocess.run(cmd, check=True, env=peer_env.specforge_env(args.peers["specforge"], cpu=args.cpu),
-                   stdout=subprocess.DEVNULL if not args.verbose else None)
+    lines = [ln for ln in pathlib.Path(data).read_text(encoding="utf-8").splitlines(keepends=True) if ln.strip()]
+    shards = [lines[i:i + PROBE_SHARD] for i in range(0, len(lines), PROBE_SHARD)] or [[]]
+    env = peer_env.specforge_env(args.peers["specforge"], cpu=args.cpu)
+
+    def cmd(shard_data: pathlib.Path, shard_out: pathlib.Path, shard_steps: int) -> list[str]:
+        return [sys.executable, str(REPO / "benchmarks" / "peer" / "specforge_probe.py"), "--model", model,
+                "--data", str(shard_data), "--out", str(shard_out), "--max-length", str(recipe.max_length),
+                "--steps", str(shard_steps), "--warmup-ratio", str(recipe.warmup_ratio), "--lr", str(recipe.lr)]
+
+    if len(shards) == 1:
+        subprocess.run(cmd(pathlib.Path(data), out, steps), check=True, env=env,
+                       stdout=subprocess.DEVNULL if not args.verbose else None)
+        return peer_data.read_probe(out)
+    import numpy as np
+
+    paths = []
+    for k, shard in enumerate(shards):
+        sd, so = out.with_suffix(f".shard{k}.jsonl"), out.with_suffix(f".shard{k}.npz")
+        sd.write_text("".join(shard), encoding="utf-8")
+        paths.append((sd, so))
+    pending, procs = list(enumerate(paths)), []
+    while pending or procs:
+        while pending and len(procs) < max(1, (os.cpu_count() or 2) - 1):
+            k, (sd, so) = pending.pop(0)
+            procs.append(subprocess.Popen(cmd(sd, so, steps if k == 0 else 0), env=env,
+                                          stdout=subprocess.DEVNULL if not args.verbose else None))
+        procs[0].wait()
+        if procs[0].returncode:
+            raise SystemExit(f"specforge_probe.py failed (rc {procs[0].returncode}): {procs[0].args}")
+        procs.pop(0)
+    parts = [np.load(so) for _, so in paths]
+    offsets = [np.zeros(1, np.int64)]
+    for z in parts:
+        offsets.append(z["offsets"][1:] + offsets[-1][-1])
+    np.savez(out, ids=np.concatenate([z["ids"] for z in parts]), masks=np.concatenate([z["masks"] for z in parts]),
+             offsets=np.concatenate(offsets), lr=parts[0]["lr"])
+    for sd, so in paths:
+        sd.unlink()
+        so.unlink()
     return peer_data.read_probe(out)
 
 
@@ -164,9 +228,27 @@ class MetricsClock:
         return self.stamps
 
 
+def dflash_stages(args) -> list[str]:
+    """The names of the dflash training stages this run has (stage f and the runs after it)."""
+    names = ["f_dflash", *(seeded("f_dflash", s) for s in extra_seeds(args, args.dflash_seeds)),
+             *(f"f_{variant_run(n)}" for n in args.dflash_variants)]
+    return names + ([f"f_{long_run(args.dflash_time_epochs)}"] if args.dflash_time_epochs else [])
+
+
+def extract_train(args, *, model: str, work: pathlib.Path, device: str, dtype: str) -> dict:
+    """Stage f_extract: `dflash extract` of the training set (--dflash-storage), its wall time the first part of
+    stage f's (a stage of its own so that f's training fits one call at --scale x10)."""
+    t0 = time.perf_counter()
+    ext = bq.extract(model, work / "train_dflash.jsonl", work / "cache_train", storage=args.dflash_storage,
+                     device=device, dtype=dtype, args=args)
+    return {**ext, "storage": args.dflash_storage, "wall_s": round(time.perf_counter() - t0, 2)}
+
+
 def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, device: str, dtype: str,
-                 seed: int | None = None, epochs: int | None = None, variant: str | None = None) -> dict:
-    """Stage f: extract + train, timed together; held-out tau on the MT-Bench cache with wall-time stamps.
+                seed: int | None = None, epochs: int | None = None, variant: str | None = None,
+                extraction: dict | None = None) -> dict:
+    """Stage f: extract (stage f_extract, `extraction`) + train, timed together;
+    held-out tau on the MT-Bench cache with wall-time stamps.
     With `seed` (another seed of the same recipe, for the seed-to-seed spread), `epochs` (the recipe trained
     that many epochs: --dflash-time-epochs) or `variant` (a --dflash-variants name: the recipe with that variant's
     TrainConfig fields): training alone, from stage f's cache, into its own run folder, its stamps counted from
@@ -178,11 +260,11 @@ def dflash_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, dev
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
     alone = seed is not None or epochs is not None or variant is not None
-    ext = None if alone else bq.extract(model, work / "train_dflash.jsonl", work / "cache_train",
-                                        storage="bf16", device=device, dtype=dtype, args=args)
-    t_extract = time.perf_counter() - t0
+    # stage f's clock starts at its extraction (stage f_extract, `extraction`): its held-out stamps include it
+    ext = None if alone else extraction
+    t_extract = 0.0 if ext is None else ext["wall_s"]
+    t0 = time.perf_counter() - t_extract
     steps = data["steps"] if epochs is None else data["steps"] * epochs // recipe.epochs
     if variant is not None:
         drafter = result_variant_drafter(work, variant)
@@ -245,6 +327,11 @@ update has one size and token-budget steps weigh a sample by 1 / its step's samp
 normalization."""
 
 
+SCALE_VARIANTS = ("sequence=loss_normalization:sequence;fullblocks=anchor_positions:full_blocks;"
+                  "steps8=step_samples:8,batch_tokens:16384")
+"""--scale x10's variants: DEFAULT_VARIANTS without token normalization (one run fewer, ~5 device-minutes)."""
+
+
 def variant_run(name: str) -> str:
     """The name of a --dflash-variants run (its stage f_NAME, folder run_NAME and eval entry): dflash_<name>."""
     return f"dflash_{name}"
@@ -301,9 +388,12 @@ def extra_seeds(args, runs: int) -> list[int]:
     return [args.seed + k for k in range(1, runs)]
 
 
-def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, seed: int | None = None) -> dict:
+def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, seed: int | None = None,
+                   segments: list | None = None) -> dict:
     """Stage g: SpecForge's own trainer under torchrun; on CPU first as on the GPU (records why it stops).
-    With `seed` (GPU only): another run of the same recipe with that seed, for SpecForge's seed-to-seed spread."""
+    With `seed` (GPU only): another run of the same recipe with that seed, for SpecForge's seed-to-seed spread.
+    `segments`: the earlier segments of this run (cut by a call's limit), appended to."""
+    segments = [] if segments is None else segments
     if seed is not None:
         recipe = dataclasses.replace(recipe, seed=seed)
     dc = peer_recipe.drafter_config(recipe, target_config=json.loads((pathlib.Path(model) / "config.json").read_text()),
@@ -311,9 +401,12 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, 
                                                                        steps=1, batch_tokens=1))
     from dflash.drafter.export import read_drafter_config
 
-    ours = read_drafter_config(result_dflash_drafter(work))
-    if ours != dc:
-        raise SystemExit(f"the drafter config for SpecForge {dc} is not dflash's trained one {ours}")
+    # dflash's drafter may have been trained in an earlier session, its folder gone: then the config is checked
+    # against the one its stage recorded
+    if result_dflash_drafter(work).is_dir():
+        ours = read_drafter_config(result_dflash_drafter(work))
+        if ours != dc:
+            raise SystemExit(f"the drafter config for SpecForge {dc} is not dflash's trained one {ours}")
     draft = work / "specforge_draft" / "config.json"
     draft.parent.mkdir(parents=True, exist_ok=True)
     draft.write_text(json.dumps(dc.to_hf_config(), indent=2) + "\n")
@@ -322,25 +415,26 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, 
     if args.cpu:
         # Each CPU blocker shown by a run that stops at it: as on the GPU (nccl), with the gloo/cpu-mesh patches
         # (FSDP), with FSDP passed through too but flex attention (its backward), then with sdpa (runs).
-        tries = {"as_on_gpu": ("none", recipe), "gloo": ("gloo", recipe), "no_fsdp_flex": ("full", recipe)}
-        blockers = {}
-        for name, (level, r) in tries.items():
-            t = run_specforge(args, model=model, work=work, recipe=r, draft=draft, name=name, level=level,
-                              timeout=args.blocker_timeout)
-            blockers[name] = {"returncode": t["returncode"], "wall_s": t["wall_s"], "log": t["log"],
-                              "timed_out": t["timed_out"], "train_losses": t["train_losses"],
-                              "stopped_at": cpu_failure_reason(pathlib.Path(t["log"]).read_text(errors="replace"))
-                              if t["returncode"] else None}
-        out["specforge_cpu"] = {"runs_on_cpu_unmodified": blockers["as_on_gpu"]["returncode"] == 0,
-                                "blockers": blockers}
-        run = run_specforge(args, model=model, work=work, recipe=dataclasses.replace(recipe, attention_backend="sdpa"),
-                            draft=draft, name="cpu_patched", level="full")
+        if args.cpu_blockers and not segments:
+            tries = {"as_on_gpu": ("none", recipe), "gloo": ("gloo", recipe), "no_fsdp_flex": ("full", recipe)}
+            blockers = {}
+            for name, (level, r) in tries.items():
+                t = run_specforge(args, model=model, work=work, recipe=r, draft=draft, name=name, level=level,
+                                  timeout=args.blocker_timeout)
+                blockers[name] = {"returncode": t["returncode"], "wall_s": t["wall_s"], "log": t["log"],
+                                  "timed_out": t["timed_out"], "train_losses": t["train_losses"],
+                                  "stopped_at": cpu_failure_reason(pathlib.Path(t["log"]).read_text(errors="replace"))
+                                  if t["returncode"] else None}
+            out["specforge_cpu"] = {"runs_on_cpu_unmodified": blockers["as_on_gpu"]["returncode"] == 0,
+                                    "blockers": blockers}
+        run = segmented_specforge(args, model=model, work=work, draft=draft, name="cpu_patched", level="full",
+                                  recipe=dataclasses.replace(recipe, attention_backend="sdpa"), segments=segments)
         out["cpu_patches"] = list(specforge_entry.CPU_DIST_PATCHES) + [
             "--attention-backend sdpa (flex attention: no CPU backward in torch 2.13)",
             "target in bf16 on CPU (SpecForge hard-codes torch.bfloat16; dflash's CPU runs use float32)"]
     else:
-        run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name=seeded("run", seed),
-                            level="none", timeout=args.specforge_timeout)
+        run = segmented_specforge(args, model=model, work=work, draft=draft, name=seeded("run", seed), level="none",
+                                  recipe=recipe, segments=segments)
     if run["timed_out"]:
         progress = tqdm_progress(pathlib.Path(run["log"]).read_text(errors="replace"))
         raise SpecForgeCut({"wall_s_at_cut": run["wall_s"], "epochs": recipe.epochs, **(progress or {}),
@@ -349,9 +443,112 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, 
         raise SystemExit(f"SpecForge failed (rc {run['returncode']}):\n{run['log_tail']}")
     name = "cpu_patched" if args.cpu else seeded("run", seed)
     ckpts = sorted((work / f"run_specforge_{name}").glob("epoch_*_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    if segments:
+        # its wall time: the sum of its segments' (the restarts' start-up and the work lost at each cut apart)
+        import parts as peer_parts
+
+        run = {**run, "last_segment_wall_s": run["wall_s"], "segments": list(segments),
+               "totals": peer_parts.segment_totals(segments)}
+        run["wall_s"] = run["totals"]["wall_s"]
     out.update(run=run, drafter=str(ckpts[-1]), checkpoints=[p.name for p in ckpts],
                tokens_per_s=data["tokens"] * recipe.epochs / run["wall_s"] if run["wall_s"] else None)
     return out
+
+
+def segmented_specforge(args, *, model: str, work: pathlib.Path, draft: pathlib.Path, name: str, level: str, recipe,
+                        segments: list) -> dict:
+    """One segment of SpecForge's run: from the run folder's newest checkpoint (or one restored from
+    --specforge-parts) when an earlier segment was cut, else from the start; recorded in `segments`; a cut one's
+    newest checkpoint packed into --specforge-pack."""
+    outdir = work / f"run_specforge_{name}"
+    restored = None
+    if latest_specforge_checkpoint(outdir) is None and args.specforge_parts and segments \
+            and segments[-1]["end_step"] > 0:
+        restored = restore_checkpoint(pathlib.Path(args.specforge_parts), outdir, segments[-1]["end_step"])
+    start = latest_specforge_checkpoint(outdir)
+    if start is None and segments and segments[-1]["end_step"] == 0:
+        segments.clear()   # cut before its first checkpoint: it starts again, as if never run
+    if start is None and segments:
+        raise SystemExit(f"SpecForge's run stopped at micro-step {segments[-1]['end_step']} in an earlier call "
+                         f"but its checkpoint is neither in {outdir} nor given as --specforge-parts")
+    start_step = checkpoint_step(start) if start is not None else 0
+    if segments and start_step != segments[-1]["end_step"]:
+        raise SystemExit(f"{start.name} is not where SpecForge's last segment ended "
+                         f"(micro-step {segments[-1]['end_step']})")
+    timeout = None if args.cpu else args.specforge_timeout
+    if args.specforge_deadline is not None:
+        # the call's own clock: whatever the stages before took, SpecForge stops (and its checkpoint is packed)
+        # before the call's limit
+        left = args.specforge_deadline - (time.perf_counter() - bq.T0)
+        if left < 120:
+            raise SystemExit(f"{left:.0f} s left before --specforge-deadline: too little for a SpecForge segment "
+                             "(its start-up is ~1-1.5 min); the next call continues")
+        timeout = left if timeout is None else min(timeout, left)
+    run = run_specforge(args, model=model, work=work, recipe=recipe, draft=draft, name=name, level=level,
+                        timeout=timeout,
+                        save_interval=args.specforge_save_interval, resume=start is not None)
+    if run["timed_out"]:
+        # a checkpoint is whole once its "Saved checkpoint" line is out: one the stop caught half written goes (its
+        # --resume would load it: SpecForge takes the newest folder)
+        saves = run.get("checkpoints_saved") or []
+        kept = checkpoint_order(saves[-1]["checkpoint"]) if saves else (
+            checkpoint_order(start.name) if start is not None else (-1, -1))
+        for p in outdir.glob("epoch_*_step_*"):
+            if CKPT_NAME.search(p.name) and checkpoint_order(p.name) > kept:
+                shutil.rmtree(p, ignore_errors=True)
+    last = latest_specforge_checkpoint(outdir)
+    seg = segment_record(run, start_step=start_step, end_step=checkpoint_step(last) if last else start_step)
+    seg["restored_from_parts"] = restored
+    if run["timed_out"] and args.specforge_pack and last is not None:
+        seg["packed"] = pack_checkpoint(last, pathlib.Path(args.specforge_pack), work=work)
+    elif not run["timed_out"] and args.specforge_pack:
+        shutil.rmtree(args.specforge_pack, ignore_errors=True)   # finished: no earlier cut's parts to bring back
+    segments.append(seg)
+    return run
+
+
+CKPT_TAR = "specforge_ckpt.tar"
+
+
+def pack_checkpoint(ckpt: pathlib.Path, dest: pathlib.Path, *, work: pathlib.Path) -> dict:
+    """A cut run's newest checkpoint as a tar split into parts (benchmarks/peer/parts.py) in `dest`, earlier
+    parts removed; run_h200.sh's peerout brings them back a few per call."""
+    import tarfile
+
+    import parts as peer_parts
+
+    shutil.rmtree(dest, ignore_errors=True)
+    tar = work / CKPT_TAR
+    with tarfile.open(tar, "w") as tf:
+        tf.add(ckpt, arcname=ckpt.name)
+    m = peer_parts.split_file(tar, dest, checkpoint=ckpt.name, step=checkpoint_step(ckpt))
+    tar.unlink()
+    log(f"SpecForge checkpoint {ckpt.name} packed: {len(m['parts'])} parts, {m['bytes'] / 2**20:.0f} MiB in {dest}")
+    return {"checkpoint": ckpt.name, "step": m["step"], "parts": len(m["parts"]), "bytes": m["bytes"],
+            "manifest": str(peer_parts.manifest_path(dest, CKPT_TAR))}
+
+
+def restore_checkpoint(folder: pathlib.Path, outdir: pathlib.Path, step: int) -> dict:
+    """The checkpoint packed by an earlier session, joined from its parts in `folder`, checked against its
+    manifest, unpacked into the run folder: it must be the one at `step` (where the last segment ended)."""
+    import tarfile
+
+    import parts as peer_parts
+
+    mpath = peer_parts.manifest_path(folder, CKPT_TAR)
+    if not mpath.is_file():
+        raise SystemExit(f"--specforge-parts {folder}: no {mpath.name} (carry it with the parts)")
+    m = json.loads(mpath.read_text())
+    if m["step"] != step:
+        raise SystemExit(f"--specforge-parts {folder}: the checkpoint at micro-step {m['step']}, but SpecForge's "
+                         f"last segment ended at {step}")
+    outdir.mkdir(parents=True, exist_ok=True)
+    tar = peer_parts.join_parts(m, folder, outdir / CKPT_TAR)
+    with tarfile.open(tar) as tf:
+        tf.extractall(outdir, filter="data")
+    tar.unlink()
+    log(f"SpecForge checkpoint {m['checkpoint']} restored from {len(m['parts'])} parts")
+    return {"checkpoint": m["checkpoint"], "step": m["step"], "parts": len(m["parts"]), "sha256": m["sha256"]}
 
 
 class SpecForgeCut(SystemExit):
@@ -386,8 +583,11 @@ def result_dflash_drafter(work: pathlib.Path, seed: int | None = None) -> pathli
 
 
 def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathlib.Path, name: str,
-                  level: str, timeout: float | None = None) -> dict:
-    """One torchrun of train_dflash.py; `level` = specforge_entry's CPU patches: none, gloo, full."""
+                  level: str, timeout: float | None = None, save_interval: int = 10**9, resume: bool = False) -> dict:
+    """One torchrun of train_dflash.py; `level` = specforge_entry's CPU patches: none, gloo, full. With `resume`
+    it continues from the run folder's latest checkpoint (its dataset cache kept: same file, same path). The log
+    is watched meanwhile: when training began, when each checkpoint was complete (all but the newest are removed:
+    ~300 MB each at the GPU scale)."""
     sf = args.peers["specforge"]
     outdir, report = work / f"run_specforge_{name}", work / f"specforge_{name}_report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
@@ -395,33 +595,140 @@ def run_specforge(args, *, model: str, work: pathlib.Path, recipe, draft: pathli
            *peer_recipe.specforge_args(recipe, target=model, draft_config=str(draft),
                                        data=str(work / "train_specforge.jsonl"), output=str(outdir),
                                        cache=str(work / f"specforge_cache_{name}"), log_interval=args.log_every,
-                                       num_workers=0 if args.cpu else 2, num_proc=1 if args.cpu else 8)]
+                                       num_workers=0 if args.cpu else 2, num_proc=1 if args.cpu else 8,
+                                       save_interval=save_interval, resume=resume)]
     env = peer_env.specforge_env(sf, cpu=args.cpu)
     env["PEER_CPU_DIST"] = level
-    # SpecForge reuses a processed dataset keyed by the data file's path, not its content: a rerun in this work
-    # folder would train on the earlier file's samples
-    shutil.rmtree(work / f"specforge_cache_{name}", ignore_errors=True)
-    shutil.rmtree(outdir, ignore_errors=True)
+    if not resume:
+        # SpecForge reuses a processed dataset keyed by the data file's path, not its content: a rerun in this work
+        # folder would train on the earlier file's samples
+        shutil.rmtree(work / f"specforge_cache_{name}", ignore_errors=True)
+        shutil.rmtree(outdir, ignore_errors=True)
     logf = work / f"specforge_{name}.log"
     t = time.perf_counter()
     with logf.open("w") as f:
         # its own session: on a timeout the whole torchrun group (agent + worker) is ended, nothing else
         proc = subprocess.Popen(cmd, cwd=sf, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        watch = LogWatch(logf, outdir, t, cut_after_saves=args.specforge_cut_after_saves)
         timed_out = False
         try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGTERM)
-            rc = proc.wait()
-            f.write(f"\nbench_peer: stopped after {timeout} s (timeout)\n")
+            while True:
+                try:
+                    rc = proc.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    el = time.perf_counter() - t
+                    # stopped at the limit, or right after a checkpoint when the next would land past it (the
+                    # work after the last checkpoint would be thrown away)
+                    if (timeout is not None and el >= timeout) or watch.should_stop(timeout):
+                        timed_out = True
+                        os.killpg(proc.pid, signal.SIGTERM)
+                        rc = proc.wait()
+                        f.write(f"\nbench_peer: stopped after {el:.0f} s (limit {timeout} s, "
+                                f"{len(watch.saves)} checkpoints) (timeout)\n")
+                        break
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)   # this call is being stopped: SpecForge with it
+            proc.wait()
+            raise
+        finally:
+            events = watch.stop()
     dt = time.perf_counter() - t
     lines = [ln for ln in logf.read_text(errors="replace").splitlines() if not ln.startswith("[ERROR]")]
     log(f"SpecForge {name}: rc {rc} in {dt:.1f} s (log {logf})")
     rep = json.loads(report.read_text()) if report.is_file() else {}
     losses = [ln.split("Loss: ")[1].split(",")[0] for ln in lines if "Train - Step" in ln and "Loss: " in ln]
     return {"command": " ".join(cmd), "returncode": rc, "timed_out": timed_out, "wall_s": round(dt, 2), "report": rep,
-            "train_losses": [float(x) for x in losses], "log": str(logf), "log_tail": "\n".join(lines[-25:])}
+            "train_losses": [float(x) for x in losses], "log": str(logf), "log_tail": "\n".join(lines[-25:]),
+            "resumed": resume, "save_interval": save_interval, **events}
+
+
+CKPT_NAME = re.compile(r"epoch_(\d+)_step_(\d+)$")
+
+
+def checkpoint_step(path) -> int:
+    """The micro-step of a SpecForge checkpoint folder epoch_E_step_S."""
+    return int(CKPT_NAME.search(str(path)).group(2))
+
+
+def checkpoint_order(name: str) -> tuple[int, int]:
+    """(micro-step, epoch) of a checkpoint folder name: the final save (epoch N) follows a periodic one at the
+    same step."""
+    m = CKPT_NAME.search(name)
+    return int(m.group(2)), int(m.group(1))
+
+
+def latest_specforge_checkpoint(outdir: pathlib.Path) -> pathlib.Path | None:
+    """The newest complete checkpoint in a SpecForge run folder (its weights and training state both written)."""
+    done = [p for p in outdir.glob("epoch_*_step_*") if CKPT_NAME.search(p.name)
+            and (p / "training_state.pt").is_file() and any(p.glob("*.safetensors"))]
+    return max(done, key=lambda p: checkpoint_order(p.name), default=None)
+
+
+class LogWatch:
+    """Polls a SpecForge log (0.5 s): the seconds at which training began ("Starting training from") and at which
+    each checkpoint was complete ("Saved checkpoint to"), from the run's start; keeps only the newest checkpoint."""
+
+    def __init__(self, log_path: pathlib.Path, outdir: pathlib.Path, t0: float, cut_after_saves: int | None = None):
+        self.path, self.outdir, self.t0, self.cut_after_saves = log_path, outdir, t0, cut_after_saves
+        self.started_s, self.saves, self._seen, self._stop = None, [], 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._read()
+            self._stop.wait(0.5)
+
+    def _read(self) -> None:
+        text = self.path.read_text(errors="replace") if self.path.is_file() else ""
+        now = round(time.perf_counter() - self.t0, 2)
+        if self.started_s is None and "Starting training from" in text:
+            self.started_s = now
+        new = list(re.finditer(r"Saved checkpoint to (\S+)", text))[self._seen:]
+        for m in new:
+            self._seen += 1
+            self.saves.append({"s": now, "checkpoint": pathlib.Path(m.group(1)).name})
+        if new:
+            # only older ones: the next may be being written already (its final save follows a periodic one at
+            # the same step)
+            newest = checkpoint_order(self.saves[-1]["checkpoint"])
+            for old in self.outdir.glob("epoch_*_step_*"):
+                if CKPT_NAME.search(old.name) and checkpoint_order(old.name) < newest:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def should_stop(self, limit: float | None) -> bool:
+        """Whether the checkpoint after the newest one would be written after `limit` seconds (the interval
+        between the last two, or since training began, with 15% to spare), or this call has written its
+        cut_after_saves checkpoints (the CPU check of the cut and resume)."""
+        if self.cut_after_saves and len(self.saves) >= self.cut_after_saves:
+            return True
+        if not self.saves or self.started_s is None or limit is None:
+            return False
+        before = self.saves[-2]["s"] if len(self.saves) > 1 else self.started_s
+        return self.saves[-1]["s"] + 1.15 * (self.saves[-1]["s"] - before) > limit
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self._read()
+        return {"training_started_s": self.started_s, "checkpoints_saved": self.saves}
+
+
+def segment_record(run: dict, *, start_step: int, end_step: int) -> dict:
+    """One segment of SpecForge's run (benchmarks/peer/parts.py segment_totals): start-up until training began,
+    training until the last checkpoint it kept (all of it when it finished), the rest lost to the cut."""
+    wall, began = run["wall_s"], run.get("training_started_s")
+    if began is None:
+        return {"start_step": start_step, "end_step": start_step, "startup_s": wall, "train_s": 0.0, "lost_s": 0.0,
+                "wall_s": wall, "finished": False}
+    if not run["timed_out"]:
+        return {"start_step": start_step, "end_step": end_step, "startup_s": began, "train_s": round(wall - began, 2),
+                "lost_s": 0.0, "wall_s": wall, "finished": True}
+    saves = run.get("checkpoints_saved") or []
+    kept = saves[-1]["s"] if saves else began
+    return {"start_step": start_step, "end_step": end_step, "startup_s": began, "train_s": round(kept - began, 2),
+            "lost_s": round(wall - kept, 2), "wall_s": wall, "finished": False}
 
 
 def cpu_failure_reason(log: str) -> str:
@@ -435,18 +742,39 @@ def cpu_failure_reason(log: str) -> str:
     return errs[-1] if errs else (lines[-1] if lines else "")
 
 
-def load_checks(*, specforge_dir: str, dflash_dir: str) -> dict:
-    """Does dflash's loader read SpecForge's checkpoint as it is (same tensor names, config parses)?"""
+def load_check(drafter_dir: str) -> dict:
+    """Does dflash's loader read the checkpoint as it is (same tensor names, config parses)? SpecForge's too."""
     from dflash.drafter.export import load_drafter
 
-    out = {}
-    for name, d in (("specforge", specforge_dir), ("dflash", dflash_dir)):
-        try:
-            load_drafter(d)
-            out[name] = {"dflash_load_drafter": "ok"}
-        except Exception as err:  # noqa: BLE001  (recorded: the result says why it did not load)
-            out[name] = {"dflash_load_drafter": f"{type(err).__name__}: {err}"}
-    return out
+    try:
+        load_drafter(drafter_dir)
+        return {"dflash_load_drafter": "ok"}
+    except Exception as err:  # noqa: BLE001  (recorded: the result says why it did not load)
+        return {"dflash_load_drafter": f"{type(err).__name__}: {err}"}
+
+
+def merge_zlab(runs: dict) -> dict:
+    """z-lab's loop run once per drafter (each right after it trained, maybe in another session) as one record."""
+    first = next(iter(runs.values()))
+    return {**{k: v for k, v in first.items() if k != "drafters"},
+            "drafters": {name: r for run in runs.values() for name, r in run.get("drafters", {}).items()}}
+
+
+TRAINING_FILES = ("train_specforge.jsonl", "train_dflash.jsonl", "train_conversations.jsonl")
+"""Stage d's files (both trainers' data): redone on a fresh machine, they must be the same bytes."""
+
+
+def same_training_set(work: pathlib.Path, data: dict, earlier: dict | None) -> None:
+    """Record the sha256 of stage d's files; a later session that built them again must get the same ones (its
+    dflash runs and SpecForge's first segments trained on the earlier files)."""
+    import parts as peer_parts
+
+    sha = {f: peer_parts.sha256_file(work / f) for f in TRAINING_FILES if (work / f).is_file()}
+    before = (earlier or {}).get("sha256") or data.get("sha256")
+    diff = [f for f in sha if before and f in before and before[f] != sha[f]]
+    if diff:
+        raise SystemExit(f"the training set built again differs from the earlier session's: {', '.join(diff)}")
+    data["sha256"] = {**(before or {}), **sha}
 
 
 def first_at_or_above(heldout: list[dict], tau: float) -> dict | None:
@@ -604,6 +932,28 @@ def parse_args(argv=None):
                     "dflash_NAME, one seed, scored with the others: what part of a tau difference a field explains "
                     f"(GPU default \"{DEFAULT_VARIANTS}\": the other two normalizations, SpecForge's anchor "
                     "bound and its 8-sequence steps; \"none\": no variants)")
+    ap.add_argument("--dflash-storage", choices=["bf16", "fp8", "int4"], help="dflash's training cache (default "
+                    "bf16; --scale x10: fp8, as a bf16 cache of its ~12M tokens is ~68 GB, more than the 64 GiB disk)")
+    ap.add_argument("--scale", choices=["x10"], help="GPU: x10 = ~10x the samples of the 1,175-sample run "
+                    "(--train-prompts 12000 whole conversations, fp8 cache, one SpecForge seed resumed across calls "
+                    "and sessions with checkpoints, variants sequence/fullblocks/steps8, --dflash-time-epochs 3): "
+                    "benchmarks/README.md, 'The peer at 10x'")
+    ap.add_argument("--one-run", action="store_true", help="end the call after one training run that it did (a "
+                    "dflash run with its evals): each fits one call at --scale x10")
+    ap.add_argument("--specforge-save-interval", type=int, help="SpecForge's --save-interval in micro-steps (a "
+                    "multiple of --seqs-per-step; --scale x10: ~45 s of its training) so that a cut loses little")
+    ap.add_argument("--specforge-pack", metavar="DIR", help="on a cut, SpecForge's newest checkpoint is packed into "
+                    "parts with a manifest here (benchmarks/peer/parts.py), for the next session")
+    ap.add_argument("--specforge-parts", metavar="DIR", help="the parts and manifest of --specforge-pack carried "
+                    "back in: joined, checked and unpacked when the run folder has no checkpoint of its own")
+    ap.add_argument("--specforge-deadline", type=float, metavar="S", help="SpecForge stops by S seconds after this "
+                    "process started, whatever the stages before it took (run_h200.sh peerx: 530 of the call's 570)")
+    ap.add_argument("--specforge-cut-after-saves", type=int, metavar="N", help="stop SpecForge right after its "
+                    "N-th checkpoint of this call, as a cut at the limit does (the CPU check of cut and resume)")
+    ap.add_argument("--no-cpu-blockers", dest="cpu_blockers", action="store_false", help="CPU: skip the runs that "
+                    "show where SpecForge stops unpatched (~3 of the --tiny run's ~20 minutes)")
+    ap.add_argument("--drop-train-cache", action="store_true", help="remove dflash's training cache before "
+                    "SpecForge runs (disk for its checkpoints; --scale x10 sets it)")
     ap.add_argument("--evals", type=int, help="held-out evaluations during dflash training")
     ap.add_argument("--zlab-prompts", type=int, help="prompts per eval set in z-lab's loop")
     ap.add_argument("--wheels", help="folder of wheels for SpecForge's extra packages (offline install)")
@@ -615,8 +965,9 @@ def parse_args(argv=None):
                     "is stopped and how far it got is recorded as specforge_cut (run_h200.sh: what its call has left)")
     ap.add_argument("--blocker-timeout", type=float, default=900, help="CPU only: seconds each SpecForge run that "
                     "shows a CPU blocker may take before it is stopped")
-    ap.add_argument("--stop-after", choices=["generate", "dflash", "specforge"], help="end the call after that stage "
-                    "(the GPU run is two calls under the 10-minute limit: --stop-after dflash, then --resume)")
+    ap.add_argument("--stop-after", choices=["generate", "sets", "extract", "dflash", "specforge"],
+                    help="end the call after that stage (sets: a-e; extract: and dflash's cache when a dflash run "
+                    "is left; the 1,175-sample GPU run is two calls: --stop-after dflash, then --resume)")
     ap.add_argument("--verbose", action="store_true", help="show the SpecForge probe's output")
     args = ap.parse_args(argv)
     tiny = dict(train_source="sharegpt", train_prompts=4, max_prompt_chars=300, eval_prompts=2, max_new_tokens=32,
@@ -628,7 +979,24 @@ def parse_args(argv=None):
                block_size=16, num_anchors=512, seqs_per_step=8, epochs=2, log_every=10, evals=10, zlab_prompts=10,
                dflash_seeds=3, specforge_seeds=2, dflash_time_epochs=6,
                dflash_variants=DEFAULT_VARIANTS)
+    if args.scale == "x10":
+        if args.tiny:
+            ap.error("--scale x10 is a GPU run")
+        # ~11,750 samples agree of 12,000 (1,175 of 1,200 before); SpecForge at ~7.9 sequences/s takes ~50 min
+        # for its 2 epochs: checkpoints every 480 micro-steps (~60 s), the run stopped right after the last that lands
+        # before the call's limit
+        bq.fill_unset(args, dict(train_prompts=12000, dflash_storage="fp8", specforge_seeds=1, dflash_time_epochs=3,
+                                 dflash_variants=SCALE_VARIANTS, specforge_save_interval=480, log_every=20,
+                                 zlab_prompts=5))   # z-lab's loop: ~7 s a prompt and drafter
+        args.drop_train_cache = True
     bq.fill_unset(args, tiny if args.tiny else gpu)
+    if args.dflash_storage is None:
+        args.dflash_storage = "bf16"
+    if args.specforge_save_interval is None:
+        args.specforge_save_interval = 10**9
+    if args.specforge_save_interval % args.seqs_per_step:
+        ap.error(f"--specforge-save-interval {args.specforge_save_interval}: a multiple of --seqs-per-step "
+                 f"({args.seqs_per_step}), else a checkpoint drops the gradient accumulated so far")
     try:
         args.dflash_variants = parse_variants(args.dflash_variants)
     except ValueError as err:
@@ -668,10 +1036,21 @@ def main(argv=None) -> dict:
                               recipe=dataclasses.asdict(recipe), peers={k: str(v) for k, v in args.peers.items()})
     result["config"] = {k: v for k, v in result["config"].items() if k not in ("peers",)}
     earlier = bq.earlier_result(args, out_json)
+    changed = changed_recipe(earlier, args)
+    if changed:
+        raise SystemExit(f"--resume with another recipe than the run it continues: {changed} (pass the same flags "
+                         "in every call)")
     result["calls"] = bq.call_history(earlier, result["date"], result["command"])
+    if args.scale:
+        result["scale_note"] = (f"--scale {args.scale}: one SpecForge seed (its ~50 min run spans sessions); the "
+                                "seed-to-seed spread is dflash's (--dflash-seeds)")
     st = bq.Stages(result, out_json, earlier=earlier)
+    bq.exit_on_sigterm()  # a call cut by `timeout` still records what it did and stops SpecForge (finally blocks)
     try:
-        model = args.model or st.run("a_target", lambda: bq.target_folder(args, work))
+        # valid(): a later session carries the JSON in on a fresh machine; the cheap deterministic stages whose
+        # files are gone are redone there, a finished training run never is (its evals were taken when it ended)
+        model = args.model or st.run("a_target", lambda: bq.target_folder(args, work),
+                                     valid=lambda r: pathlib.Path(r).is_dir())
         result["target"] = model
         # only the regen source generates training responses: the others need no ShareGPT prompt file (the GPU
         # machine has no asset package)
@@ -679,75 +1058,158 @@ def main(argv=None) -> dict:
                          else bq.eval_prompt_files(args), resumable=False)
         earlier_sha = st.earlier.get("eval_responses_sha256") or {}
         result["generate"] = st.run("c_generate", lambda: bq.eval_responses(
-            args, model, prompts, work, device, dtype, sets=bq.EVAL_SETS, scored=tuple(earlier_sha)))
+            args, model, prompts, work, device, dtype, sets=bq.EVAL_SETS, scored=tuple(earlier_sha)),
+            valid=lambda r: all((work / f"{ds}_greedy.jsonl").is_file() for ds in bq.EVAL_SETS))
         result["eval_responses_sha256"] = bq.same_eval_responses(work, earlier_sha, sets=bq.EVAL_SETS)
         if args.stop_after == "generate":
             return result
-        data = st.run("d_training_set", lambda: build_training_set(args, model=model, work=work, recipe=recipe))
+        earlier_data = st.earlier.get("training_set")
+        # a session with only SpecForge left rebuilds its file from the kept indices (seconds, not minutes)
+        only_specforge = (st.done("d_training_set") and all(st.done(n) for n in dflash_stages(args))
+                          and "kept_indices" in st.earlier["stage_out"]["d_training_set"]
+                          and args.train_source != "regen")
+        if only_specforge and not (work / "train_specforge.jsonl").is_file():
+            st.run("d_specforge_file_again", lambda: specforge_files_again(
+                args, work, st.earlier["stage_out"]["d_training_set"]), resumable=False)
+        data = st.run("d_training_set", lambda: build_training_set(args, model=model, work=work, recipe=recipe),
+                      valid=lambda r: all((work / f).is_file() for f in (
+                          ("train_specforge.jsonl",) if only_specforge else TRAINING_FILES)))
+        same_training_set(work, data, earlier_data)
         result["training_set"] = data
         for ds in ("mtbench", "humaneval"):
             st.run(f"e_eval_cache_{ds}", lambda ds=ds: bq.extract(model, work / f"{ds}_greedy.jsonl",
                                                                   work / f"cache_{ds}", storage="bf16", device=device,
-                                                                  dtype=dtype, args=args))
-        result["dflash"] = st.run("f_dflash", lambda: dflash_side(args, model=model, work=work, recipe=recipe,
-                                                                  data=data, device=device, dtype=dtype))
-        result["dflash_seeds"] = {
-            str(s): st.run(seeded("f_dflash", s), lambda s=s: dflash_side(args, model=model, work=work, recipe=recipe,
-                                                                         data=data, device=device, dtype=dtype, seed=s))
-            for s in extra_seeds(args, args.dflash_seeds)}
+                                                                  dtype=dtype, args=args),
+                   valid=lambda r, ds=ds: (work / f"cache_{ds}").is_dir())
+        if args.stop_after == "sets":
+            return result
+        ran = []   # the training runs this call did (--one-run: the call ends after one)
+
+        def train_stage(stage: str, fn):
+            fresh = not st.done(stage)
+            out = st.run(stage, fn)
+            if fresh:
+                ran.append(stage)
+            return out
+
+        def scored(who: str, ddir) -> None:
+            """`dflash eval` of a drafter on both eval caches right after it trained (stage h entries): only the
+            JSON needs to survive the session."""
+            result.setdefault("eval", {})[who] = {ds: st.run(f"h_eval_{who}_{ds}", lambda ds=ds: bq.evaluate(
+                str(ddir), work / f"cache_{ds}", model, device, per_sequence=True)) for ds in ("mtbench", "humaneval")}
+
+        def train_cache() -> dict:
+            """Stage f's extraction; the runs after it read the cache, on a fresh machine extracted again (its
+            stage record then says this session's time; stage f's recorded wall time keeps the first)."""
+            return st.run("f_extract", lambda: extract_train(args, model=model, work=work, device=device, dtype=dtype),
+                          valid=lambda r: (work / "cache_train").is_dir())
+
+        def stop() -> bool:
+            return args.one_run and bool(ran)
+
+        if args.stop_after == "extract":   # the set-up call of a session: dflash's cache when a run still needs it
+            if not all(st.done(n) for n in dflash_stages(args)):
+                train_cache()
+            return result
+        extraction = train_cache() if not st.done("f_dflash") else None
+        result["dflash"] = train_stage("f_dflash", lambda: dflash_side(args, model=model, work=work, recipe=recipe,
+                                                                      data=data, device=device, dtype=dtype,
+                                                                      extraction=extraction))
+        if not st.done("h_eval_untrained_mtbench") or not st.done("h_eval_untrained_humaneval"):
+            untrained = bq.untrained_drafter(result["dflash"]["drafter"], work / "untrained", args.seed)
+        else:
+            untrained = work / "untrained"
+        for who, ddir in (("dflash", result["dflash"]["drafter"]), ("untrained", untrained)):
+            scored(who, ddir)
+        result["loading"] = {"dflash": st.run("h_load_dflash", lambda: load_check(result["dflash"]["drafter"]))}
+        zlab = {"dflash": st.run("i_zlab_dflash", lambda: zlab_stage(
+            args, model=model, work=work, drafters={"dflash": result["dflash"]["drafter"]}, device=device,
+            dtype=dtype))}
+        result["zlab"] = merge_zlab(zlab)
+        if stop():
+            return result
+        result["dflash_seeds"] = {}
+        for s_ in extra_seeds(args, args.dflash_seeds):
+            if not st.done(seeded("f_dflash", s_)):
+                train_cache()
+            result["dflash_seeds"][str(s_)] = train_stage(seeded("f_dflash", s_), lambda s_=s_: dflash_side(
+                args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, seed=s_))
+            scored(seeded("dflash", s_), result_dflash_drafter(work, s_))
+            if stop():
+                return result
+        result["dflash_variants"] = {}
+        for name, over in args.dflash_variants.items():
+            if not st.done(f"f_{variant_run(name)}"):
+                train_cache()
+            result["dflash_variants"][name] = {"overrides": over, **train_stage(
+                f"f_{variant_run(name)}", lambda name=name: dflash_side(args, model=model, work=work, recipe=recipe,
+                                                                        data=data, device=device, dtype=dtype,
+                                                                        variant=name))}
+            scored(variant_run(name), result_variant_drafter(work, name))
+            if stop():
+                return result
         if args.dflash_time_epochs:
             n = args.dflash_time_epochs
-            result["dflash_long"] = {"epochs": n, **st.run(f"f_{long_run(n)}", lambda: dflash_side(
+            if not st.done(f"f_{long_run(n)}"):
+                train_cache()
+            result["dflash_long"] = {"epochs": n, **train_stage(f"f_{long_run(n)}", lambda: dflash_side(
                 args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, epochs=n))}
-        result["dflash_variants"] = {
-            name: {"overrides": over, **st.run(f"f_{variant_run(name)}", lambda name=name: dflash_side(
-                args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, variant=name))}
-            for name, over in args.dflash_variants.items()}
+            scored(long_run(n), result_long_drafter(work, n))
+            if stop():
+                return result
         if args.stop_after == "dflash":
             return result
+        if args.drop_train_cache:
+            shutil.rmtree(work / "cache_train", ignore_errors=True)   # the disk SpecForge's checkpoints need
         sf_seeds = [None, *extra_seeds(args, args.specforge_seeds)]
         for seed in sf_seeds:
             stage = seeded("g_specforge", seed)
             fresh = not st.done(stage)
+            segments = result.setdefault(seeded("specforge_segments", seed), [])
             try:
                 out = st.run(stage, lambda seed=seed: specforge_side(args, model=model, work=work, recipe=recipe,
-                                                                     data=data, seed=seed))
+                                                                     data=data, seed=seed, segments=segments))
             except SpecForgeCut as cut:
                 result["specforge_cut"] = cut.info   # saved by close_run; the stage stays undone for a --resume
                 raise
+            result.pop("specforge_cut", None)
+            who = seeded("specforge", seed)
             if seed is None:
                 result["specforge"] = out
             else:
                 result.setdefault("specforge_seeds", {})[str(seed)] = out
+            scored(who, out["drafter"])
+            if seed is None:
+                result["loading"]["specforge"] = st.run("h_load_specforge", lambda: load_check(out["drafter"]))
+                zlab["specforge"] = st.run("i_zlab_specforge", lambda: zlab_stage(
+                    args, model=model, work=work, drafters={"specforge": out["drafter"]}, device=device, dtype=dtype))
+                result["zlab"] = merge_zlab(zlab)
             # one SpecForge run (~5 min) per call: two do not fit the 10-minute limit
             if args.stop_after == "specforge" and fresh and seed != sf_seeds[-1]:
                 return result
         if args.stop_after == "specforge":
             return result
-        drafters = {"dflash": result["dflash"]["drafter"], "specforge": result["specforge"]["drafter"]}
-        result["loading"] = load_checks(specforge_dir=drafters["specforge"], dflash_dir=drafters["dflash"])
-        drafters.update({seeded("dflash", s): str(result_dflash_drafter(work, s))
-                         for s in extra_seeds(args, args.dflash_seeds)})
-        drafters.update({seeded("specforge", s): result["specforge_seeds"][str(s)]["drafter"]
-                         for s in extra_seeds(args, args.specforge_seeds)})
-        if args.dflash_time_epochs:
-            drafters[long_run(args.dflash_time_epochs)] = str(result_long_drafter(work, args.dflash_time_epochs))
-        drafters.update({variant_run(n): str(result_variant_drafter(work, n)) for n in args.dflash_variants})
-        drafters["untrained"] = bq.untrained_drafter(drafters["dflash"], work / "untrained", args.seed)
-        result["eval"] = {}
-        for who, ddir in drafters.items():
-            result["eval"][who] = {ds: st.run(f"h_eval_{who}_{ds}", lambda ddir=ddir, ds=ds: bq.evaluate(
-                ddir, work / f"cache_{ds}", model, device, per_sequence=True)) for ds in ("mtbench", "humaneval")}
-        summarise(result)
-        st.save()
-        result["zlab"] = st.run("i_zlab", lambda: zlab_stage(args, model=model, work=work, drafters=drafters,
-                                                             device=device, dtype=dtype))
         summarise(result)
     finally:
+        if result.get("eval"):
+            summarise(result)   # what the scored drafters give so far, also in a call that stops early
         bq.close_run(st, work=work, own_work=own_work)
     print(format_table(result), flush=True)
     log(f"written {out_json}")
     return result
+
+
+RECIPE_FLAGS = ("scale", "epochs", "train_prompts", "train_source", "dflash_storage", "seqs_per_step", "layers",
+                "max_length", "lr", "seed")
+"""Flags a --resume call must share with the run it continues (its finished stages were made with them)."""
+
+
+def changed_recipe(earlier: dict | None, args) -> dict:
+    """RECIPE_FLAGS whose value differs from the earlier call's: {flag: (earlier, now)}."""
+    if not earlier:
+        return {}
+    before = earlier.get("config", {})
+    return {k: (before[k], getattr(args, k)) for k in RECIPE_FLAGS if k in before and before[k] != getattr(args, k)}
 
 
 def zlab_stage(args, *, model: str, work: pathlib.Path, drafters: dict, device: str, dtype: str) -> dict:

@@ -11,6 +11,11 @@ stash_parts() {
   local f
   for f in .assets/smollm2.gguf.part-*; do [ -f "$f" ] && cp "$f" "$ASSETS/"; done
   echo "GGUF parts on this machine: $(cd "$ASSETS" && ls smollm2.gguf.part-* 2>/dev/null | tr '\n' ' ')"
+  # bench_peer --scale x10: SpecForge checkpoint parts and their manifest carried in from an earlier session
+  if compgen -G ".assets/peer_ckpt/*" > /dev/null; then
+    mkdir -p "$ASSETS/peer_ckpt" && cp .assets/peer_ckpt/* "$ASSETS/peer_ckpt/"
+    echo "SpecForge checkpoint parts on this machine: $(ls "$ASSETS/peer_ckpt" | grep -c part-)"
+  fi
 }
 
 gguf_joined() {  # $GGUF, joined once from the stashed parts and checked, else a one-line error

@@ -568,7 +568,7 @@ section("Generation and evaluation", "SmolLM2-135M-Instruct on one H200 unless m
 section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and dflash on the same 1,168 whole "
         "regenerated conversations (SpecForge's token ids and loss masks), the same drafter and the same target-greedy "
         "eval caches.", [
-    Fig(id="peer-specforge", what="held-out tau MT-Bench / HumanEval, dflash vs SpecForge", file="peer_specforge_h200.json",
+    Fig(id="peer-specforge", what="held-out tau MT-Bench / HumanEval, dflash vs SpecForge", file="peer_specforge_1175_h200.json",
         value="dflash {tau_dflash_mtbench:.3f} / {tau_dflash_humaneval:.3f} (3 seeds: MT-Bench spread "
               "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}%), SpecForge {tau_specforge_mtbench:.3f} / "
               "{tau_specforge_humaneval:.3f}: dflash {=100*(j('tau_dflash_mtbench')/j('tau_specforge_mtbench')-1):+.1f}% / "
@@ -576,13 +576,13 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
         baseline="SpecForge (one run)", target="dflash >= SpecForge - 1%",
         note="both drafters load in z-lab's DFlashDraftModel with no missing or unexpected keys; token ids of "
              "{training_set.agreement.ids_equal:,} of {training_set.agreement.num_candidates:,} conversations agree"),
-    Fig(id="peer-specforge-wall", what="wall time of the same job, dflash vs SpecForge", file="peer_specforge_h200.json",
+    Fig(id="peer-specforge-wall", what="wall time of the same job, dflash vs SpecForge", file="peer_specforge_1175_h200.json",
         value="dflash {dflash.wall_s:.0f} s (extraction {dflash.extract_wall_s:.0f} + training {dflash.train_wall_s:.0f}, "
               "held-out evaluations included), SpecForge {time_to_peer_tau.specforge_wall_s:.0f} s",
         baseline="SpecForge (online HF target, 1 sequence per micro-batch)",
         note="dflash never reached SpecForge's MT-Bench tau, so no time ratio"),
     Fig(id="peer-zlab-loop", what="both drafters in z-lab's own decoding loop (10 prompts per set)",
-        file="peer_specforge_h200.json", value="tau {zlab_loop_tau_dflash:.3f} / {zlab_loop_tau_specforge:.3f} "
+        file="peer_specforge_1175_h200.json", value="tau {zlab_loop_tau_dflash:.3f} / {zlab_loop_tau_specforge:.3f} "
         "(dflash / SpecForge)"),
     Fig(id="peer-seqnorm", what="dflash train --loss-normalization sequence (SpecForge's per-sequence mean), MT-Bench, "
         "3 seeds", file="peer_seqnorm_probe_h200.json",

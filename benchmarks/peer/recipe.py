@@ -140,8 +140,10 @@ def train_config(recipe: PeerRecipe, *, cache: str, model: str, output: str, ste
 
 
 def specforge_args(recipe: PeerRecipe, *, target: str, draft_config: str, data: str, output: str, cache: str,
-                   log_interval: int = 10, num_workers: int = 2, num_proc: int = 1) -> list[str]:
-    """train_dflash.py's arguments for the recipe (HF target backend, online)."""
+                   log_interval: int = 10, num_workers: int = 2, num_proc: int = 1, save_interval: int = 10**9,
+                   resume: bool = False) -> list[str]:
+    """train_dflash.py's arguments for the recipe (HF target backend, online); save_interval in micro-steps (a
+    multiple of seqs_per_step), resume: continue from output's latest epoch_*_step_* checkpoint."""
     return ["--target-model-backend", "hf", "--target-model-path", target, "--draft-config-path", draft_config,
             "--block-size", str(recipe.block_size), "--mask-token-id", str(recipe.mask_token_id),
             "--num-anchors", str(recipe.num_anchors), "--loss-type", "dflash",
@@ -151,8 +153,9 @@ def specforge_args(recipe: PeerRecipe, *, target: str, draft_config: str, data: 
             "--num-epochs", str(recipe.epochs), "--learning-rate", _num(recipe.lr),
             "--warmup-ratio", _num(recipe.warmup_ratio), "--max-grad-norm", "1.0", "--seed", str(recipe.seed),
             "--output-dir", output, "--cache-dir", cache, "--report-to", "none",
-            "--log-interval", str(log_interval), "--save-interval", str(10**9),
-            "--dataloader-num-workers", str(num_workers), "--build-dataset-num-proc", str(num_proc)]
+            "--log-interval", str(log_interval), "--save-interval", str(save_interval),
+            "--dataloader-num-workers", str(num_workers), "--build-dataset-num-proc", str(num_proc),
+            *(["--resume"] if resume else [])]
 
 
 def _num(x: float) -> str:
