@@ -17,8 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflash.cache.format import decode_bf16
-from dflash.cache.reader import CacheReader, PackedBuffers, PackedSamples, SampleIndex
+from dflash.cache.reader import CacheReader, PackedBuffers, PackedSamples, SampleIndex, stored_samples
 from dflash.errors import CacheMismatchError
 
 MIXABLE_FIELDS = ("target_config_hash", "target_weights_hash", "num_target_layers", "hidden_size", "target_dtype",
@@ -97,13 +96,8 @@ class MixedReader:
                                 group_scales=None if out.group_scales is None else out.group_scales[t0:])
             self.readers[c].read_many(idx[a:z] - self.offsets[c], taps=taps, out=sub)
             t0 += int(lengths[a:z].sum())
-        hidden = out.hidden[:T]
-        if self.storage == "bf16":
-            hidden = decode_bf16(hidden)
-        return PackedSamples(sample_ids=self.index.sample_id[idx], lengths=lengths,
-                             input_ids=out.input_ids[:T].numpy(), loss_mask=out.loss_mask[:T].numpy(), hidden=hidden,
-                             scales=out.scales[:T] if self.layout.has_scales else None,
-                             group_scales=out.group_scales[:T] if self.layout.group_width else None)
+        return stored_samples(out, sample_ids=self.index.sample_id[idx], lengths=lengths, storage=self.storage,
+                              layout=self.layout)
 
     def close(self) -> None:
         for r in self.readers:

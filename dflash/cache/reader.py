@@ -90,6 +90,20 @@ class PackedBuffers:
                    group_scales=e((tokens, num_taps, L.group_width), L.group_torch_dtype) if L.group_width else None)
 
 
+def stored_samples(out: PackedBuffers, *, sample_ids: np.ndarray, lengths: np.ndarray, storage: str,
+                   layout) -> PackedSamples:
+    """The first sum(lengths) rows of `out` as read samples, hidden as stored (bf16 bits decoded; fp8 and 4-bit
+    with their scales): what a reader over several caches returns once its sub-reads have filled `out`."""
+    T = int(lengths.sum())
+    hidden = out.hidden[:T]
+    if storage == "bf16":
+        hidden = decode_bf16(hidden)
+    return PackedSamples(sample_ids=sample_ids, lengths=lengths, input_ids=out.input_ids[:T].numpy(),
+                         loss_mask=out.loss_mask[:T].numpy(), hidden=hidden,
+                         scales=out.scales[:T] if layout.has_scales else None,
+                         group_scales=out.group_scales[:T] if layout.group_width else None)
+
+
 class ShardSource(Protocol):
     """Where a reader's cache lives: its manifest, commit records and shard files (a folder or a store)."""
 

@@ -22,8 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dflash.cache.format import decode_bf16
-from dflash.cache.reader import PackedBuffers, PackedSamples
+from dflash.cache.reader import PackedBuffers, PackedSamples, stored_samples
 
 
 @dataclasses.dataclass
@@ -145,13 +144,8 @@ class SharedView:
             out = PackedBuffers.allocate(tokens=T, num_taps=len(self.tap_positions(taps)),
                                          hidden_size=self.hidden_size, storage=self.storage)
         self.shared.read_into(idx, taps, out)
-        hidden = out.hidden[:T]
-        if self.storage == "bf16":
-            hidden = decode_bf16(hidden)
-        return PackedSamples(sample_ids=self.index.sample_id[idx], lengths=lengths,
-                             input_ids=out.input_ids[:T].numpy(), loss_mask=out.loss_mask[:T].numpy(), hidden=hidden,
-                             scales=out.scales[:T] if self.layout.has_scales else None,
-                             group_scales=out.group_scales[:T] if self.layout.group_width else None)
+        return stored_samples(out, sample_ids=self.index.sample_id[idx], lengths=lengths, storage=self.storage,
+                              layout=self.layout)
 
     def close(self) -> None:
         pass
