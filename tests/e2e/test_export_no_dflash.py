@@ -18,7 +18,7 @@ import textwrap
 import numpy as np
 import torch
 from click.testing import CliRunner
-from test_eval_pipeline import _overfit_drafter
+from tests.e2e.helpers_drafters import overfit_drafter
 
 from cli.main import cli
 
@@ -82,7 +82,7 @@ def test_exported_drafter_decodes_without_dflash(smollm2_greedy_eval, tmp_path):
     from dflash.target.load import load_target
 
     root, model, records = smollm2_greedy_eval.root, smollm2_greedy_eval.model, smollm2_greedy_eval.records
-    drafter_dir = _overfit_drafter(root / "cache", model, tmp_path / "drafter")
+    drafter_dir = overfit_drafter(root / "cache", model, tmp_path / "drafter")
     assert (drafter_dir / "dflash.py").is_file()
 
     res = CliRunner().invoke(cli, ["eval", "--drafter", str(drafter_dir), "--cache", str(root / "cache"), "--model",

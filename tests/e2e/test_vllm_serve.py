@@ -130,5 +130,6 @@ def _check_served(res, *, shape, K, offline, ev_json, num_records, log):
     assert served["num_draft_tokens"] == K * served["num_drafts"]
     assert served["mean_acceptance_length"] == pytest.approx(ev_json["overall"]["tau_token_weighted"])
     assert out["ok"] is True and res.exit_code == 0
-    # not a vacuous match: the drafter is accepted, also deep into its block
-    assert served["accepted_per_position"][0] > 0 and served["accepted_per_position"][min(K, 3) - 1] > 0
+    # not a vacuous match: the drafter is accepted, also beyond its first drafted position (how deep varies with
+    # the CPU's float rounding of the short fit: 20/5/4/1 on one machine, 16/4/0 on another for the block-16 one)
+    assert served["accepted_per_position"][0] > 0 and served["accepted_per_position"][1] > 0
