@@ -76,8 +76,9 @@ def _crop_to(cache, length: int) -> None:
         cache.crop(length)
 
 
-def _taps(hidden_states, tap_layer_ids: Sequence[int]) -> torch.Tensor:
-    """[S, K, D] of batch row 0 from HF hidden_states (index 0 = embeddings, k+1 = output of layer k)."""
+def tap_features(hidden_states, tap_layer_ids: Sequence[int]) -> torch.Tensor:
+    """[S, K, D] of batch row 0 from HF hidden_states (index 0 = embeddings, k+1 = output of layer k): the taps
+    extraction stores, from a full forward."""
     return torch.stack([hidden_states[k + 1][0] for k in tap_layer_ids], dim=1)
 
 
@@ -101,7 +102,7 @@ def speculative_generate(target, drafter, *, embed_VD: torch.Tensor, lm_head_VD:
     cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, **{cache_kw: cache})
-    ctx_TD = drafter.context(_taps(out.hidden_states, taps).to(dtype))   # features of positions < pos
+    ctx_TD = drafter.context(tap_features(out.hidden_states, taps).to(dtype))   # features of positions < pos
     bonus = int(out.logits[0, -1].float().argmax())
     pos = prompt.shape[1]                                                 # position of the bonus token
     tokens, steps = [bonus], []
@@ -131,7 +132,7 @@ def speculative_generate(target, drafter, *, embed_VD: torch.Tensor, lm_head_VD:
         if len(kept) < len(new) or kept[-1] in stops:
             break
         # 4. new context = taps at the verified positions pos..pos+L; drop the rejected drafts' K/V
-        ctx_TD = torch.cat([ctx_TD, drafter.context(_taps(out.hidden_states, taps)[: L + 1].to(dtype))])
+        ctx_TD = torch.cat([ctx_TD, drafter.context(tap_features(out.hidden_states, taps)[: L + 1].to(dtype))])
         _crop_to(cache, pos + L + 1)
         pos += L + 1
         bonus = new[-1]

@@ -57,6 +57,7 @@ def offline_step_counts(*, drafter_dir: str, model: str, requests: list[CheckReq
 
     from dflash.drafter.export import load_drafter
     from dflash.dtypes import dtype_of
+    from dflash.eval.live import tap_features
     from dflash.eval.tau import accept_lengths, walk_accept_chain
     from dflash.target.head import embedding_and_head
     from dflash.target.load import load_target
@@ -73,7 +74,7 @@ def offline_step_counts(*, drafter_dir: str, model: str, requests: list[CheckReq
         for r in requests:
             seq = torch.tensor(r.prompt_ids + r.response_ids, device=device)
             hs = target(seq[None], output_hidden_states=True).hidden_states
-            feats = torch.stack([hs[k + 1][0] for k in cfg.target_layer_ids], dim=1)
+            feats = tap_features(hs, cfg.target_layer_ids)
             start, end = len(r.prompt_ids), len(seq)
             L = accept_lengths(drafter, embed_VD=embed, lm_head_VD=head, input_ids_T=seq, hidden_TKD=feats,
                                start=start, end=end, mask_token_id=cfg.mask_token_id)
