@@ -89,7 +89,9 @@ class TrainConfig:
     over each slot's top-k candidates, trained by loss = block CE + selector_weight x selector CE; docs/dflash2.md)."""
     selector_weight: float = 1.0
     """arch dflash2: weight of the selector's CE (over the top-k candidates, given the true predecessor) in the
-    loss; 0 trains the backbone only."""
+    loss; 0 trains the backbone only. 1.0 is NeMo Automodel's default (DFlash2TrainerModule.selector_loss_weight),
+    whose selector term is a mean over the slots with the true token among the candidates; here it shares the
+    block CE's normaliser, so the same weight counts the selector term times the candidate recall."""
     selector_rank: int = 256
     """arch dflash2: rank of the selector's codebooks ([vocab, rank] each) and hidden projection."""
     selector_top_k: int = 16

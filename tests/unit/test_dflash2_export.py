@@ -3,11 +3,14 @@ every tensor name (after the loader's own renaming) with its shape, both ways: n
 missing, nothing we write is something it would skip (SGLang's load_weights silently ignores unknown names).
 
 The lists below were read from the engines' source:
-- SGLang: python/sglang/srt/speculative/dflash_utils.py, parse_dflash_draft_config, at sgl-project/sglang
-  commit 00731f0bc9fa81c39802754fb4b62e9cce967582 (the config keys), and python/sglang/srt/models/dflash.py
-  (DFlash2DraftModel / DFlashDecoderLayer / DFlashGroupedConv / CandidateSelector and load_weights' stacked
-  mapping; the DFlash 2 classes landed with sgl-project/sglang PR #35371, merged 2026-08-18; the copy read
-  was an unattributed snapshot of that file from the search index).
+- SGLang 0.5.23, the PyPI wheel sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl (`pip download sglang==0.5.23
+  --no-deps`): sglang/srt/speculative/dflash_utils.py (RECORD sha256=cicLfU4BAS5LDQSyg9sPVxIL436gyUyCAFatmlqaDVo),
+  parse_dflash_draft_config (the config keys; output_multiplier and final_logit_softcapping are optional, 1.0 and
+  none when absent), and sglang/srt/models/dflash.py (RECORD sha256=HIMHun9j_UH1NDX72r2tjJ6aBIR770lZ8fj8FuptsK4):
+  DFlash2DraftModel in EntryClass, DFlashDecoderLayer's attention_conv / mlp_conv (DFlashGroupedConv: base_kernel
+  [2, taps, hidden] with tap 0 at 1.0, kernel_projection laid out [side, tap, group]), CandidateSelector and
+  load_weights' stacked mapping; unknown names are skipped without a word. The DFlash 2 classes came with
+  sgl-project/sglang PR #35371.
 - vLLM: vllm/model_executor/models/qwen3_dflash2.py at vllm-project/vllm commit
   030da624231c394ea975df15248edd9adc9315da (PR #52816): DFlashGroupedConv, CandidateSelector and the
   dflash_config keys it indexes.
@@ -22,7 +25,7 @@ from safetensors import safe_open
 from dflash.drafter.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash.drafter.export import export_drafter, load_drafter
 
-SGLANG_SOURCE = ("sgl-project/sglang", "00731f0bc9fa81c39802754fb4b62e9cce967582", "PR #35371")
+SGLANG_SOURCE = ("sglang", "0.5.23", "sglang/srt/models/dflash.py sha256=HIMHun9j_UH1NDX72r2tjJ6aBIR770lZ8fj8FuptsK4")
 VLLM_SOURCE = ("vllm-project/vllm", "030da624231c394ea975df15248edd9adc9315da", "PR #52816")
 
 # SGLang DFlashDraftModel.load_weights: (param_name, weight_name) of its stacked_params_mapping
