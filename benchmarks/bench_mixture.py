@@ -33,6 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common import machine_info, package_version  # noqa: E402
+from dflash.cache.reader import sample_contents  # noqa: E402
 
 TAPS = (1, 2)
 MAX_LEN = 256
@@ -56,17 +57,6 @@ def extract(model: str, data: list[str], out: pathlib.Path) -> None:
 
     launch(ExtractConfig(model=model, data=tuple(data), output=str(out), taps=TAPS, max_length=MAX_LEN,
                          batch_tokens=2048, shard_tokens=2048, show_progress=False), num_procs=1, echo=say)
-
-
-def content(path) -> dict:
-    from dflash.cache import CacheReader
-
-    r = CacheReader(str(path))
-    out = {}
-    for i in range(len(r)):
-        s = r.read(i)
-        out[s.sample_id] = (s.input_ids.tobytes(), s.loss_mask.tobytes(), s.hidden.view(torch.uint16).numpy().tobytes())
-    return out
 
 
 def share_run(model: str, a: str, b: str, work: pathlib.Path, steps: int) -> dict:
@@ -144,8 +134,8 @@ def main() -> None:
         shutil.copytree(work / "cache_a", work / "cache_grown")
         extract(model, [b], work / "cache_grown")  # the grow: only B named, A's settings from the cache
         extract_s = time.perf_counter() - t0
-        grown, union = content(work / "cache_grown"), content(work / "cache_union")
-        growth = {"samples_a": len(content(work / "cache_a")), "samples_union": len(union),
+        grown, union = sample_contents(work / "cache_grown"), sample_contents(work / "cache_union")
+        growth = {"samples_a": len(sample_contents(work / "cache_a")), "samples_union": len(union),
                   "samples_grown": len(grown), "grown_equals_union": grown == union, "extract_seconds": extract_s}
         say(f"grown == union: {growth['grown_equals_union']} ({len(grown)} samples)")
         share = share_run(model, str(work / "cache_a"), str(work / "cache_b"), work, args.steps)

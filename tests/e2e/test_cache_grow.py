@@ -7,24 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from cli.main import cli
-from dflash.cache import CacheReader
+from dflash.cache.reader import sample_contents
 from helpers_extract import tiny_target_and_data, write_conversations
 
 COMMON = ["--max-length", "192", "--batch-tokens", "384", "--shard-tokens", "160", "--no-progress"]
-
-
-def _content(path) -> dict:
-    """sample id -> (input_ids, loss_mask, hidden bits) bytes; reading checks every chunk's crc32c."""
-    r = CacheReader(str(path))
-    out = {}
-    for i in range(len(r)):
-        s = r.read(i)
-        out[s.sample_id] = (s.input_ids.tobytes(), s.loss_mask.tobytes(), s.hidden.view(torch.uint16).numpy().tobytes())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +40,13 @@ def test_grown_cache_equals_the_union_extracted_in_one_run(data, tmp_path):
     grown = tmp_path / "grown"
     _extract("--model", model, "--data", a, "--output", str(grown), "--taps", "0,2", *COMMON)
     old_shards = sorted(p.name for p in (grown / "shards").iterdir())
-    before = _content(grown)
+    before = sample_contents(grown)
     assert len(before) == 10
     # the grow names only the new data and none of the cache's settings: they come from the cache
     out = _extract("--model", model, "--data", b, "--output", str(grown), "--no-progress")
     assert "10 already in the cache" in out and "duplicate" in out, out
     assert set(old_shards) < {p.name for p in (grown / "shards").iterdir()}  # new shards beside the old ones
-    got, want = _content(grown), _content(union)
+    got, want = sample_contents(grown), sample_contents(union)
     assert len(want) == 18 and got == want
     assert {k: got[k] for k in before} == before
     info = json.loads(CliRunner().invoke(cli, ["cache", "info", "--json", str(grown)]).output)
@@ -118,8 +107,8 @@ def test_a_grow_killed_mid_run_resumes_to_the_union(data, tmp_path):
     os.kill(p.pid, signal.SIGKILL)
     assert p.wait() == -signal.SIGKILL
     time.sleep(0.5)
-    partial = _content(grown)
+    partial = sample_contents(grown)
     assert 10 < len(partial) < 50
     out = _extract("--model", model, "--data", str(big), "--output", str(grown), *COMMON)
     assert f"{len(partial)} already in the cache" in out, out
-    assert _content(grown) == _content(union)
+    assert sample_contents(grown) == sample_contents(union)
