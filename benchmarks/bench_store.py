@@ -45,7 +45,7 @@ before and after is in the JSON. --split-cores gives each its own half of the ph
 stay on one side): on 2 cores one each; on the GPU machine's 16 (benchmarks/run_h200.sh storegpu) eight each, so
 that neither side's work waits for the other's. Each read step's CPU seconds of the client and of the weed process
 (medians, `cpu_seconds`) say how busy each side's cores were; `cpus` has the cores each thread of both may run on,
-as read at the end. --beside keeps an earlier result's read ratios in this one's JSON (the CPU figure beside the GPU
+as read at the end, and the machine's hyperthread siblings. --beside keeps an earlier result's read ratios in this one's JSON (the CPU figure beside the GPU
 machine's). Result: benchmarks/results/store_s3_cpu.json (--out: the GPU machine's store_s3_gpu.json); the last
 stdout line is that JSON.
 """
@@ -367,7 +367,7 @@ def main() -> None:
                 step()
         pool.shutdown()
         cpus = {"client_threads": thread_cpus(os.getpid()), "server_threads": thread_cpus(server.proc.pid),
-                "process_at_start": sorted(allowed)}
+                "process_at_start": sorted(allowed), "cores": sorted(set(core_siblings(allowed).values()))}
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
