@@ -40,7 +40,7 @@ GPU (four calls on one warm machine, each under the 10-minute limit; the result 
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 pandas==3.1.1 python-dateutil==4.0.0 -d .whl
 10x the samples over several sessions (--scale x10; run_h200.sh peerx): benchmarks/README.md, "The peer at 10x".
   Each drafter is scored (stage h, its load check, z-lab's loop) right after it trains; SpecForge is cut into
-  segments at its checkpoints, carried between sessions as parts (benchmarks/peer/parts.py).
+  segments at its checkpoints, carried between sessions as parts (benchmarks/parts.py).
 CPU:  python benchmarks/bench_peer.py --tiny --model ~/.cache/dflash/smollm2-135m-instruct --workdir DIR
   (about 20 minutes on a loaded 2-core box; a SpecForge micro-step takes 1-1.5 min there: its bf16 CPU target)
 """
@@ -445,10 +445,10 @@ def specforge_side(args, *, model: str, work: pathlib.Path, recipe, data: dict, 
     ckpts = sorted((work / f"run_specforge_{name}").glob("epoch_*_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
     if segments:
         # its wall time: the sum of its segments' (the restarts' start-up and the work lost at each cut apart)
-        import parts as peer_parts
+        import parts
 
         run = {**run, "last_segment_wall_s": run["wall_s"], "segments": list(segments),
-               "totals": peer_parts.segment_totals(segments)}
+               "totals": parts.segment_totals(segments)}
         run["wall_s"] = run["totals"]["wall_s"]
     out.update(run=run, drafter=str(ckpts[-1]), checkpoints=[p.name for p in ckpts],
                tokens_per_s=data["tokens"] * recipe.epochs / run["wall_s"] if run["wall_s"] else None)
@@ -511,42 +511,30 @@ CKPT_TAR = "specforge_ckpt.tar"
 
 
 def pack_checkpoint(ckpt: pathlib.Path, dest: pathlib.Path, *, work: pathlib.Path) -> dict:
-    """A cut run's newest checkpoint as a tar split into parts (benchmarks/peer/parts.py) in `dest`, earlier
-    parts removed; run_h200.sh's peerout brings them back a few per call."""
-    import tarfile
-
-    import parts as peer_parts
+    """A cut run's newest checkpoint as a tar split into parts (benchmarks/parts.py) in `dest`, earlier parts
+    removed; run_h200.sh's peerout brings them back a few per call."""
+    import parts
 
     shutil.rmtree(dest, ignore_errors=True)
-    tar = work / CKPT_TAR
-    with tarfile.open(tar, "w") as tf:
-        tf.add(ckpt, arcname=ckpt.name)
-    m = peer_parts.split_file(tar, dest, checkpoint=ckpt.name, step=checkpoint_step(ckpt))
-    tar.unlink()
+    m = parts.pack_tar({ckpt.name: ckpt}, work / CKPT_TAR, dest, checkpoint=ckpt.name, step=checkpoint_step(ckpt))
     log(f"SpecForge checkpoint {ckpt.name} packed: {len(m['parts'])} parts, {m['bytes'] / 2**20:.0f} MiB in {dest}")
     return {"checkpoint": ckpt.name, "step": m["step"], "parts": len(m["parts"]), "bytes": m["bytes"],
-            "manifest": str(peer_parts.manifest_path(dest, CKPT_TAR))}
+            "manifest": str(parts.manifest_path(dest, CKPT_TAR))}
 
 
 def restore_checkpoint(folder: pathlib.Path, outdir: pathlib.Path, step: int) -> dict:
     """The checkpoint packed by an earlier session, joined from its parts in `folder`, checked against its
     manifest, unpacked into the run folder: it must be the one at `step` (where the last segment ended)."""
-    import tarfile
+    import parts
 
-    import parts as peer_parts
-
-    mpath = peer_parts.manifest_path(folder, CKPT_TAR)
+    mpath = parts.manifest_path(folder, CKPT_TAR)
     if not mpath.is_file():
         raise SystemExit(f"--specforge-parts {folder}: no {mpath.name} (carry it with the parts)")
     m = json.loads(mpath.read_text())
     if m["step"] != step:
         raise SystemExit(f"--specforge-parts {folder}: the checkpoint at micro-step {m['step']}, but SpecForge's "
                          f"last segment ended at {step}")
-    outdir.mkdir(parents=True, exist_ok=True)
-    tar = peer_parts.join_parts(m, folder, outdir / CKPT_TAR)
-    with tarfile.open(tar) as tf:
-        tf.extractall(outdir, filter="data")
-    tar.unlink()
+    parts.unpack_tar(m, folder, outdir)
     log(f"SpecForge checkpoint {m['checkpoint']} restored from {len(m['parts'])} parts")
     return {"checkpoint": m["checkpoint"], "step": m["step"], "parts": len(m["parts"]), "sha256": m["sha256"]}
 
@@ -716,7 +704,7 @@ class LogWatch:
 
 
 def segment_record(run: dict, *, start_step: int, end_step: int) -> dict:
-    """One segment of SpecForge's run (benchmarks/peer/parts.py segment_totals): start-up until training began,
+    """One segment of SpecForge's run (benchmarks/parts.py segment_totals): start-up until training began,
     training until the last checkpoint it kept (all of it when it finished), the rest lost to the cut."""
     wall, began = run["wall_s"], run.get("training_started_s")
     if began is None:
@@ -767,9 +755,9 @@ TRAINING_FILES = ("train_specforge.jsonl", "train_dflash.jsonl", "train_conversa
 def same_training_set(work: pathlib.Path, data: dict, earlier: dict | None) -> None:
     """Record the sha256 of stage d's files; a later session that built them again must get the same ones (its
     dflash runs and SpecForge's first segments trained on the earlier files)."""
-    import parts as peer_parts
+    import parts
 
-    sha = {f: peer_parts.sha256_file(work / f) for f in TRAINING_FILES if (work / f).is_file()}
+    sha = {f: parts.sha256_file(work / f) for f in TRAINING_FILES if (work / f).is_file()}
     before = (earlier or {}).get("sha256") or data.get("sha256")
     diff = [f for f in sha if before and f in before and before[f] != sha[f]]
     if diff:
@@ -943,7 +931,7 @@ def parse_args(argv=None):
     ap.add_argument("--specforge-save-interval", type=int, help="SpecForge's --save-interval in micro-steps (a "
                     "multiple of --seqs-per-step; --scale x10: ~45 s of its training) so that a cut loses little")
     ap.add_argument("--specforge-pack", metavar="DIR", help="on a cut, SpecForge's newest checkpoint is packed into "
-                    "parts with a manifest here (benchmarks/peer/parts.py), for the next session")
+                    "parts with a manifest here (benchmarks/parts.py), for the next session")
     ap.add_argument("--specforge-parts", metavar="DIR", help="the parts and manifest of --specforge-pack carried "
                     "back in: joined, checked and unpacked when the run folder has no checkpoint of its own")
     ap.add_argument("--specforge-deadline", type=float, metavar="S", help="SpecForge stops by S seconds after this "

@@ -51,7 +51,17 @@ all_seed1 finished 2026-12-04 on one GPU of a 2-GPU machine (run_h200.sh refpair
 the online fp8 + bf16 group stepped at ~0.36 s there and was cut at step ~1,550. all_bf16 finished alone on one
 H200 later that day (run_h200.sh refone bf16, joined by --merge): 2.312 / 2.561 against the int4-cached reference's
 2.332 / 2.535; all_fp8 (refone fp8) is still to run.
-CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps)
+The stretch (run_h200.sh stretch; benchmarks/README.md, "The reference run's stretch"): the greedy, seed-1 and
+seed-2 sampled regenerations (~43M tokens: ~67 GB as int4, more than the disk), the reference run alone trained
+--online-reference (int4 rounding) for 3 epochs (~7,900 steps at 0.19-0.27 s: longer than a session), its own
+result JSON (other data: its own train_data_sha256), folded into quality_reference_h200.json under "stretch" with
+--stretch, the earlier runs kept. Across sessions it continues from its newest checkpoint: --pack-runs at every
+call's end, the parts carried in with --run-parts on the next machine. The 5-layer SmolLM2 drafter's checkpoint is
+252 MB (21.0M parameters in fp32 with AdamW's two moments; the frozen embedding and LM head are the target's and not
+in it): 17 parts of 15 MiB.
+CPU: python benchmarks/bench_reference.py --tiny   (a few prompts, a 1-layer drafter, a few steps); the cut and
+resume across machines: add --online-reference --cut-after-steps 4 --pack-runs DIR, then (the run folder removed)
+--resume --run-parts DIR
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -356,6 +367,78 @@ def resumable(out: pathlib.Path) -> bool:
     return resume
 
 
+def pack_runs(plan: list, work: pathlib.Path, *, finished: frozenset[str], dest: pathlib.Path,
+              packed: dict, part_bytes: int | None = None) -> dict:
+    """Run name -> its packed checkpoint (`packed`, the earlier calls' record, updated): each planned run not
+    finished whose folder holds a checkpoint, its newest checkpoint with config.json and metrics.jsonl (all a
+    resume reads: the curve so far, the exact training state) as run_<name>.tar in parts with a sha256 manifest in
+    `dest` (benchmarks/parts.py), for the next session; a finished run's parts and record go. A run with nothing
+    here (a call that stopped before training it) keeps its earlier record and parts."""
+    import parts
+
+    from dflash.train.checkpoint import latest_checkpoint
+
+    out = dict(packed)
+    for rname, _, _ in plan:
+        run = work / f"run_{rname}"
+        tar = f"{run.name}.tar"
+        ckpt = latest_checkpoint(run) if rname not in finished else None
+        if rname not in finished and ckpt is None:
+            continue
+        for old in dest.glob(f"{tar}*"):
+            old.unlink()
+        out.pop(rname, None)
+        if ckpt is None:
+            continue
+        members = {f"{run.name}/{f}": run / f for f in ("config.json", "metrics.jsonl") if (run / f).is_file()}
+        members[f"{run.name}/checkpoints/{ckpt.name}"] = ckpt
+        dest.mkdir(parents=True, exist_ok=True)
+        step = int(ckpt.stem.split("-")[1])
+        m = parts.pack_tar(members, dest / tar, dest, run=rname, step=step,
+                           **({"part_bytes": part_bytes} if part_bytes else {}))
+        out[rname] = {"step": step, "parts": len(m["parts"]), "bytes": m["bytes"], "sha256": m["sha256"],
+                      "manifest": parts.manifest_path(dest, tar).name}
+        log(f"{rname}: checkpoint of step {step} packed, {len(m['parts'])} parts, {m['bytes'] / 2**20:.1f} MiB in "
+            f"{dest}; to bring back: " + "; ".join(" ".join(b) for b in parts.batches(m)))
+    return out
+
+
+def restore_runs(plan: list, work: pathlib.Path, *, finished: frozenset[str], folder: pathlib.Path | None,
+                 packed: dict) -> dict:
+    """Run name -> step of each planned run not finished whose folder here holds no checkpoint (a fresh machine)
+    and whose parts (pack_runs) are in `folder`: joined, checked and unpacked into work/, so that train_once
+    resumes it from there. The parts must be those the earlier calls recorded last (`packed`), or the run
+    would continue from an older checkpoint than its recorded curve; a run recorded as packed whose parts are
+    not here stops the call (it would start again from step 0)."""
+    import parts
+
+    from dflash.train.checkpoint import latest_checkpoint
+
+    restored = {}
+    for rname, _, _ in plan:
+        run = work / f"run_{rname}"
+        if rname in finished or latest_checkpoint(run) is not None:
+            continue
+        mpath = parts.manifest_path(folder, f"{run.name}.tar") if folder is not None else None
+        if mpath is None or not mpath.is_file():
+            if rname in packed:
+                raise SystemExit(f"{rname} was cut at step {packed[rname]['step']} by an earlier call, but neither "
+                                 f"{run} nor --run-parts holds its checkpoint: carry {run.name}.tar's parts and "
+                                 "manifest (--pack-runs of that call) and pass --run-parts")
+            continue
+        m = json.loads(mpath.read_text())
+        want = packed.get(rname)
+        if want is None or want["sha256"] != m["sha256"]:
+            raise SystemExit(f"{mpath} is the checkpoint of step {m['step']}, but the result JSON records "
+                             + (f"step {want['step']} as {rname}'s last packed one" if want else "no packed one")
+                             + ": carry the parts and the JSON of the same call")
+        shutil.rmtree(run, ignore_errors=True)  # a folder cut before its first checkpoint
+        parts.unpack_tar(m, folder, work)
+        restored[rname] = m["step"]
+        log(f"{rname}: restored at step {m['step']} from {len(m['parts'])} parts")
+    return restored
+
+
 def run_record(out: pathlib.Path, *, seconds: float, resumed: bool) -> dict:
     """What a run's folder says once it trained: steps, tokens/s (median of its log records after the first),
     drafter folder and metrics records."""
@@ -374,11 +457,16 @@ def train_once(args, *, device: str, out: pathlib.Path, **job) -> dict:
 
     resume = resumable(out)
     cfg = train_config(args, device=device, out=out, **job)
+    cut = getattr(args, "cut_after_steps", None)
+    if cut is not None:
+        cfg = dataclasses.replace(cfg, stop_after_steps=cut)
     os.environ["DFLASH_NO_PROGRESS"] = "1"
     t = time.perf_counter()
     res = train(cfg, device=device, resume=resume)
     dt = time.perf_counter() - t
     log(f"train {out.name}: {res.global_step} steps in {dt:.1f} s" + (" (resumed)" if resume else ""))
+    if not res.finished:  # --cut-after-steps: the call ends here, as one cut at its time limit does
+        raise SystemExit(f"{out.name} stopped at step {res.global_step} of {res.total_steps} (--cut-after-steps)")
     return run_record(out, seconds=dt, resumed=resume) | {"steps": res.global_step, "drafter": str(res.drafter_dir)}
 
 
@@ -630,7 +718,7 @@ def parse_args(argv=None):
                          "cached speed on whole conversations (0.30 s a step against 0.137 s, "
                          "results/concurrent_probe_h200.json)")
     ap.add_argument("--online-compile", choices=COMPILE_SETTINGS, default="off",
-                    help="TrainConfig.online_compile of the --compare-online runs: the live target's layers "
+                    help="TrainConfig.online_compile of the online runs: the live target's layers "
                          "torch.compile'd (the online step is host-bound on the eager target's kernel launches: "
                          "results/smollm2_step_online_host_h200.json); a resumed run may change it")
     ap.add_argument("--parallel-runs", type=int, default=1, metavar="N",
@@ -663,6 +751,26 @@ def parse_args(argv=None):
     ap.add_argument("--json", help="result file (default benchmarks/results/quality_reference_h200.json; "
                                    "--methods: methods_h200.json)")
     ap.add_argument("--plot-dir", help="where the PNGs go (default benchmarks/results)")
+    ap.add_argument("--online-reference", action="store_true",
+                    help="train every run on all the data (the reference all_<storage> first) online from the "
+                         f"one-tap token cache ({TOKENS_CACHE}), the live target's taps rounded as a --storage cache "
+                         "stores them (dflash train --online --online-storage: bit-identical to such a cache on "
+                         "CPU), so that no cache of all the data's features is extracted: the stretch's three "
+                         "regenerations as int4 (~67 GB) do not fit the GPU machine's 64 GiB disk")
+    ap.add_argument("--cut-after-steps", type=int, metavar="N",
+                    help="each training stops after N steps of this call with a checkpoint, and the call ends "
+                         "there as one cut at its time limit does (CPU checks of --pack-runs / --run-parts)")
+    ap.add_argument("--pack-runs", metavar="DIR",
+                    help="at the end of every call, each unfinished run's newest checkpoint (with its config and "
+                         "metrics) packed into parts with a sha256 manifest here (benchmarks/parts.py), recorded "
+                         "as packed_runs: what the next session carries in (--run-parts)")
+    ap.add_argument("--run-parts", metavar="DIR",
+                    help="the parts and manifests of --pack-runs carried in: a run whose folder here holds no "
+                         "checkpoint (a fresh machine) is joined, checked against packed_runs and resumed from them")
+    ap.add_argument("--stretch", metavar="JSON",
+                    help="put a stretch run's result JSON (more data and epochs, the same eval responses: "
+                         "run_h200.sh stretch) into --json under 'stretch', with its figures and goals at the top "
+                         "level (stretch_*), plot it against the reference run and exit")
     ap.add_argument("--merge", metavar="JSON", help="add the runs of another call's result JSON (the same data and "
                     "eval responses, other runs: run_h200.sh refpair trains on two GPUs at once) to --json, plot "
                     "the runs it adds and exit")
@@ -695,6 +803,16 @@ METHOD_RUNS = {"all_dflash": {}, "all_dflash_seed1": {"seed": 1},
 option's TrainConfig field; its prior parameter keeps its default)."""
 
 
+def all_data(args, over: dict) -> tuple[str, dict]:
+    """The cache of a run on all the data in --storage and its overrides `over`: the --storage cache, or
+    (--online-reference) TOKENS_CACHE's token stream with the live target's taps rounded as a --storage cache
+    stores them, so that no cache of all the data's features is extracted (three regenerations as int4, ~67 GB,
+    do not fit the GPU machine's 64 GiB disk)."""
+    if args.online_reference:
+        return TOKENS_CACHE, {"online": True, "online_storage": args.storage} | over
+    return f"train_{args.storage}", over
+
+
 def runs_plan(args) -> list[tuple[str, str, dict]]:
     """(run name, cache name, train_once overrides); the reference (all the data in --storage) first, so a cut run
     keeps it; all_<other storage> compares a storage on the same data; subsets are in --storage."""
@@ -709,13 +827,13 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
         return f"all_{x}", f"train_{x}", {}
 
     if args.methods:  # every method on the reference cache; one seed-1 twin per architecture for the spread
-        plan = [(name, f"train_{ref}", over) for name, over in METHOD_RUNS.items()]
+        plan = [(name, *all_data(args, over)) for name, over in METHOD_RUNS.items()]
         skip = set(filter(None, args.skip.split(",")))
         return [p for p in plan if p[0] not in skip]
-    plan = [(f"all_{ref}", f"train_{ref}", {}), compared(other),
-            ("all_seed1", f"train_{ref}", {"seed": 1}),  # the spread that tells whether a difference is real
-            ("all_noise", f"train_{ref}", {"noise_start": args.noise_start}),
-            ("all_seqnorm", f"train_{ref}", {"loss_normalization": "sequence"})]
+    plan = [(f"all_{ref}", *all_data(args, {})), compared(other),
+            ("all_seed1", *all_data(args, {"seed": 1})),  # the spread that tells whether a difference is real
+            ("all_noise", *all_data(args, {"noise_start": args.noise_start})),
+            ("all_seqnorm", *all_data(args, {"loss_normalization": "sequence"}))]
     plan += [compared(x) for x in filter(None, args.also_storages.split(",")) if x not in (ref, other)]
     plan += [(f"n{n}", f"train_n{n}", {}) for n in map(int, args.scaling.split(","))]
     skip = set(filter(None, args.skip.split(",")))
@@ -905,6 +1023,8 @@ def main(argv=None) -> dict:
     out_json = pathlib.Path(args.json) if args.json else REPO / "benchmarks" / "results" / f"{bench}_{suffix}.json"
     if args.merge:
         return merge_into(args, out_json)
+    if args.stretch:
+        return stretch_merged(args, out_json)
     own_work = args.workdir is None
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="dflash-reference-"))
     if not args.resume and not own_work and work.is_dir() and any(work.iterdir()):
@@ -964,7 +1084,13 @@ def main(argv=None) -> dict:
         result["reference_storage"] = args.storage
         # runs finished by earlier calls or sessions read no cache; a needed one is extracted at its first visit,
         # also when that visit's run is finished (later visits in this call reuse that stage's output)
-        needed = caches_needed(plan, frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}")))
+        finished = frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}"))
+        needed = caches_needed(plan, finished)
+        # a fresh machine: the runs an earlier session's last call cut, carried in as parts
+        restored = restore_runs(plan, work, finished=finished, packed=st.earlier.get("packed_runs") or {},
+                                folder=pathlib.Path(args.run_parts) if args.run_parts else None)
+        if args.run_parts:
+            result["restored_runs"] = restored
         result["disk"] = check_disk(args, model, caches, plan, work, dtype=dtype, device=device, needed=needed)
         result.setdefault("caches", {})
         result["caches"]["eval"] = st.run("d_extract_eval", lambda: extract_cache(model, caches["eval"][0],
@@ -991,8 +1117,7 @@ def main(argv=None) -> dict:
             j = job(rname)
             with watching({rname: j["out"]}):
                 return train_once(**j)
-        together = concurrent_groups(plan, finished=frozenset(r for r, _, _ in plan if st.done(f"e_train_{r}")),
-                                     n=args.parallel_runs)
+        together = concurrent_groups(plan, finished=finished, n=args.parallel_runs)
         trained: dict[str, dict] = {}  # results of runs trained together, until their stage records them
         turns: dict[str, int] = {}  # cache name -> assistant turns of its data (a pass over the file: once)
         for ri, (rname, cname, _) in enumerate(plan):
@@ -1003,7 +1128,7 @@ def main(argv=None) -> dict:
                 model, caches[cname][0], work / f"cache_{cname}", storage=caches[cname][1], taps=caches[cname][2],
                 **kw),
                 valid=lambda out, cname=cname, unread=unread: unread or cache_present(work / f"cache_{cname}"))
-            if cname == f"train_{args.storage}":
+            if cname == all_data(args, {})[0]:
                 # a sample is one regenerated assistant turn (the issue counts ShareGPT's ~61K user turns); a
                 # whole conversation is one cache sample holding all its turns
                 result["train_samples"] = turns[cname]
@@ -1045,13 +1170,19 @@ def main(argv=None) -> dict:
             summarise(result)
             st.save()
     finally:
-        if plan is not None:
-            result["partial_curves"] = partial_curves(plan, work, finished=frozenset(result.get("runs", {})),
-                                                      earlier=st.earlier.get("partial_curves") or {})
-            compare_cut_runs(result, f"all_{args.storage}")
-            plot_cut_runs(result, f"all_{args.storage}",
-                          plot_dir(args) / f"quality_reference_cut_runs{'_tiny' if args.tiny else ''}.png")
-        bq.close_run(st, work=work, own_work=own_work)
+        try:
+            if plan is not None:
+                done = frozenset(result.get("runs", {}))
+                result["partial_curves"] = partial_curves(plan, work, finished=done,
+                                                          earlier=st.earlier.get("partial_curves") or {})
+                compare_cut_runs(result, f"all_{args.storage}")
+                plot_cut_runs(result, f"all_{args.storage}",
+                              plot_dir(args) / f"quality_reference_cut_runs{'_tiny' if args.tiny else ''}.png")
+                if args.pack_runs:
+                    result["packed_runs"] = pack_runs(plan, work, finished=done, dest=pathlib.Path(args.pack_runs),
+                                                      packed=result.get("packed_runs") or {})
+        finally:
+            bq.close_run(st, work=work, own_work=own_work)
     print(format_table(result), flush=True)
     log(f"written {out_json}")
     return result
@@ -1100,6 +1231,58 @@ def merge_into(args, out_json: pathlib.Path) -> dict:
     replace_text(out_json, json.dumps(result, indent=2) + "\n")
     print(format_table(result), flush=True)
     log(f"written {out_json}")
+    return result
+
+
+STRETCH_GOALS = {"tau_mtbench_at_least": 2.5, "tau_humaneval_at_least": 2.8,
+                 "train_acceptance_over_heldout_at_most": 1.6}
+"""The stretch's goals: held-out tau of its reference run on MT-Bench and HumanEval, and its trainer's batch
+acceptance over the mean of the two (train_acceptance_over_heldout)."""
+
+
+def stretch_into(base: dict, stretch: dict) -> dict:
+    """`base` (the reference's result) with a stretch run's result under "stretch" and its figures at the top
+    level beside their goals (stretch_tau_mtbench, stretch_tau_humaneval, stretch_tau_sharegpt_heldout,
+    stretch_train_acceptance_over_heldout, stretch_steps, stretch_epochs, stretch_tokens; None until its
+    reference run finished: its curve so far is in stretch.partial_curves); base's own runs and figures stay."""
+    if base.get("eval_responses_sha256") != stretch.get("eval_responses_sha256"):
+        raise SystemExit("the stretch scored on other eval responses than the reference (eval_responses_sha256): "
+                         "its tau would not compare; pass --eval-responses benchmarks/assets/peer")
+    out = copy.deepcopy(base)
+    ref = stretch.get("runs", {}).get(f"all_{stretch.get('reference_storage')}")
+    for key in ("tau_mtbench", "tau_humaneval", "tau_sharegpt_heldout", "train_acceptance_over_heldout"):
+        out[f"stretch_{key}"] = stretch.get(key) if ref else None
+    out["stretch_steps"], out["stretch_tokens"] = (ref["steps"], ref["tokens"]) if ref else (None, None)
+    out["stretch_epochs"] = stretch.get("config", {}).get("epochs")
+    out["stretch_goals"] = STRETCH_GOALS
+    mt, he, ratio = (out[f"stretch_{k}"] for k in ("tau_mtbench", "tau_humaneval", "train_acceptance_over_heldout"))
+    out["stretch_checks"] = {
+        "tau_mtbench_at_least_2_5": mt is not None and mt >= STRETCH_GOALS["tau_mtbench_at_least"],
+        "tau_humaneval_at_least_2_8": he is not None and he >= STRETCH_GOALS["tau_humaneval_at_least"],
+        "train_over_heldout_at_most_1_6": ratio is not None
+                                          and ratio <= STRETCH_GOALS["train_acceptance_over_heldout_at_most"]}
+    out["stretch"] = stretch
+    return out
+
+
+def stretch_merged(args, out_json: pathlib.Path) -> dict:
+    """--stretch: --json updated by stretch_into, and quality_reference_stretch.png: held-out tau of the stretch's
+    reference run (dashed while cut) against the reference run's."""
+    from dflash.durable import replace_text
+
+    base = json.loads(out_json.read_text())
+    result = stretch_into(base, json.loads(pathlib.Path(args.stretch).read_text()))
+    stretch, name = result["stretch"], f"all_{result['stretch'].get('reference_storage')}"
+    ref_name = f"all_{base.get('reference_storage')}"
+    full = {f"reference {ref_name}": base["curves"][ref_name]} if ref_name in base.get("curves", {}) else {}
+    if name in stretch.get("curves", {}):
+        full[f"stretch {name}"] = stretch["curves"][name]
+    cut = {f"stretch {name}": stretch["partial_curves"][name]} if name in stretch.get("partial_curves", {}) else {}
+    result["stretch_plot"] = plot_runs(full, cut, plot_dir(args) / "quality_reference_stretch.png")
+    replace_text(out_json, json.dumps(result, indent=2) + "\n")
+    log(f"stretch: MT-Bench {result['stretch_tau_mtbench']}, HumanEval {result['stretch_tau_humaneval']}, "
+        f"train/held-out {result['stretch_train_acceptance_over_heldout']} after {result['stretch_steps']} steps; "
+        f"checks {result['stretch_checks']}; written {out_json}")
     return result
 
 

@@ -17,10 +17,17 @@ stash_parts() {
     for f in .assets/$name.part-*; do [ -f "$f" ] && cp "$f" "$ASSETS/"; done
     echo "$name parts on this machine: $(cd "$ASSETS" && ls $name.part-* 2>/dev/null | tr '\n' ' ')"
   done
-  # bench_peer --scale x10: SpecForge checkpoint parts and their manifest carried in from an earlier session
-  if compgen -G ".assets/peer_ckpt/*" > /dev/null; then
-    mkdir -p "$ASSETS/peer_ckpt" && cp .assets/peer_ckpt/* "$ASSETS/peer_ckpt/"
-    echo "SpecForge checkpoint parts on this machine: $(ls "$ASSETS/peer_ckpt" | grep -c part-)"
+  # checkpoint parts and their manifests carried in from an earlier session: SpecForge's (bench_peer --scale x10),
+  # the reference stretch's (bench_reference --pack-runs)
+  for name in peer_ckpt ref_ckpt; do
+    if compgen -G ".assets/$name/*" > /dev/null; then
+      mkdir -p "$ASSETS/$name" && cp .assets/$name/* "$ASSETS/$name/"
+      echo "$name: checkpoint parts on this machine: $(ls "$ASSETS/$name" | grep -c part-)"
+    fi
+  done
+  # the committed regenerations, for the later calls of a session whose tree leaves them out (slim_tree.sh)
+  if compgen -G "benchmarks/assets/quality/sharegpt_sampled_*.jsonl.gz" > /dev/null; then
+    mkdir -p "$ASSETS/quality" && cp benchmarks/assets/quality/sharegpt_*.jsonl.gz "$ASSETS/quality/"
   fi
 }
 

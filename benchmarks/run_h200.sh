@@ -16,7 +16,8 @@
 #   smollm2step [ARGS]               bench_smollm2_step (where the SmolLM2 drafter's step goes)
 #   peer [ARGS]                      bench_peer: SpecForge's DFlash trainer side by side (peer snapshots in shared/)
 #   peerx [ARGS] | peerout PART...   bench_peer --scale x10 across sessions; the SpecForge checkpoint parts back
-#   stash                            nothing but stashing the carried GGUF / weed / checkpoint parts
+#   stretch [ARGS] | stretchout PART...   the reference run's stretch across sessions; its checkpoint parts back
+#   stash                            nothing but stashing the carried GGUF / weed / checkpoint parts, regenerations
 #   flextiles [ARGS]                 bench_flex_tiles (flex attention tile options, no target needed)
 #   storegpu [ARGS]                  bench_store, SeaweedFS and client on halves of the cores (weed parts stashed)
 #   pair1 | pair2 PARTS | pair3 | pair4 PARTS   two stages at once on a 2-GPU machine, one GPU each
@@ -131,11 +132,35 @@ peerx() { gguf_joined || return 1; mkdir -p $PEER_W
           local r=$?
           [ -n "${OUT:-}" ] && cp $PEER_W/peer_specforge_h200.json $PEER_PACK/*.manifest.json "$OUT"/ 2>/dev/null
           return $r; }
-# peerout PART...: parts of the packed checkpoint back through $OUT (at most 4 of 15 MiB a call; the list of what is
-# still to fetch: python benchmarks/peer/parts.py batches MANIFEST .assets/peer_ckpt)
-peerout() { local f; [ -n "${OUT:-}" ] || return 1
-            for f in "$@"; do cp "$PEER_PACK/$f" "$OUT"/ || return 1; done
-            cp $PEER_PACK/*.manifest.json "$OUT"/; }
+# parts_out PACK PART...: parts of a packed checkpoint back through $OUT, with the manifests (at most 4 of 15 MiB a
+# call; what is still to fetch: python benchmarks/parts.py batches MANIFEST .assets/peer_ckpt|ref_ckpt)
+parts_out() { local pack=$1 f; shift; [ -n "${OUT:-}" ] || return 1
+              for f in "$@"; do cp "$pack/$f" "$OUT"/ || return 1; done
+              cp "$pack"/*.manifest.json "$OUT"/; }
+# the reference run's stretch (benchmarks/README.md, "The reference run's stretch"): the greedy and both sampled
+# regenerations, the reference run alone online with int4 rounding (no cache of their features fits the disk), 3
+# epochs over 2-3 sessions. Every call the same `stretch [ARGS]`; its JSON lives in /tmp/bstretch, seeded in a new
+# session from the committed quality_reference_h200.json's "stretch" (bench_reference --stretch puts it there). The
+# regenerations are read from $ASSETS/quality (stashed by a call with the whole tree, so that later calls carry a
+# slim one); the run's newest checkpoint is packed at every call's end into $STRETCH_PACK (stretchout brings it
+# back), carried in as .assets/ref_ckpt/* (stashed into $STRETCH_PARTS)
+STRETCH_W=/tmp/bstretch STRETCH_PACK=/tmp/bstretch/pack STRETCH_PARTS=$ASSETS/ref_ckpt
+STRETCH_JSON=/tmp/bstretch/quality_reference_stretch_h200.json
+stretch() { local q=$ASSETS/quality r; gguf_joined || return 1; mkdir -p $STRETCH_W
+            if [ ! -f $q/sharegpt_sampled_t0.8_s2-00.jsonl.gz ]; then
+              echo "run_h200.sh stretch: no regenerations in $q: run a call with the whole tree first" >&2; return 1; fi
+            [ -f $STRETCH_JSON ] || python3 -c 'import json, sys; s = json.load(open(sys.argv[1])).get("stretch")
+if s: json.dump(s, open(sys.argv[2], "w"), indent=2)' benchmarks/results/quality_reference_h200.json $STRETCH_JSON
+            local resume=(); [ -f $STRETCH_JSON ] && resume=(--resume)
+            capped "${LIMIT:-570}" python3 benchmarks/bench_reference.py --workdir $STRETCH_W/work --gguf "$GGUF" \
+              --json $STRETCH_JSON --train-data $q/sharegpt_whole-0*.jsonl.gz $q/sharegpt_sampled_t0.8_s1-0*.jsonl.gz \
+              $q/sharegpt_sampled_t0.8_s2-0*.jsonl.gz --storage int4 --online-reference --epochs 3 \
+              --online-compile on --eval-responses benchmarks/assets/peer --drop-caches \
+              --skip all_bf16,all_seed1,all_noise,all_seqnorm,n2000,n8000 --pack-runs $STRETCH_PACK \
+              --run-parts $STRETCH_PARTS --plot-dir $STRETCH_W/plots "${resume[@]}" "$@"
+            r=$?
+            [ -n "${OUT:-}" ] && cp $STRETCH_JSON $STRETCH_PACK/*.manifest.json "$OUT"/ 2>/dev/null
+            return $r; }
 smollm2step() { gguf_joined || return 1
                 capped 560 python3 benchmarks/bench_smollm2_step.py --gguf "$GGUF" "$@"; }
 storage4() { local stage=$1; shift
@@ -184,7 +209,9 @@ case "$stage" in
   smollm2step) smollm2step "$@" || rc=$? ;;
   peer) peer "$@" || rc=$? ;;
   peerx) peerx "$@" || rc=$? ;;   # 10x, every call of every session (ARGS: --stop-after sets|extract, --one-run)
-  peerout) peerout "$@" || rc=$? ;;
+  peerout) parts_out $PEER_PACK "$@" || rc=$? ;;
+  stretch) stretch "$@" || rc=$? ;;  # every call of every session; LIMIT=<seconds> for a session's last
+  stretchout) parts_out $STRETCH_PACK "$@" || rc=$? ;;
   stash) ;;                        # carry only: the GGUF / weed / checkpoint parts of this call stashed above
   flextiles) flextiles "$@" || rc=$? ;;
   storegpu) storegpu "$@" || rc=$? ;;
@@ -192,7 +219,7 @@ case "$stage" in
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stash|flextiles ARGS|storegpu ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stretch ARGS|stretchout PARTS|stash|flextiles ARGS|storegpu ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

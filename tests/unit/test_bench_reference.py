@@ -5,6 +5,7 @@ summary numbers of issue 14, the data-scaling subsets, the plot and the evaluato
 import dataclasses
 import json
 import pathlib
+import shutil
 import sys
 import time
 import types
@@ -461,6 +462,72 @@ def test_online_runs_shared_equal_runs_trained_alone(tmp_path):
         alone = br.train_once(**job(f"alone_{name}", **over))
         assert [m["step_losses"] for m in got[name]["metrics"]] == [m["step_losses"] for m in alone["metrics"]]
     assert got["fp8"]["metrics"][-1]["step_losses"] != got["raw"]["metrics"][-1]["step_losses"]
+
+
+def test_cut_run_resumed_from_its_parts_on_a_fresh_machine(tmp_path):
+    """The stretch across sessions: a run trained online with int4 rounding (--online-reference) is cut at a call's
+    end (--cut-after-steps), its newest checkpoint packed into parts (--pack-runs); on a fresh machine (its run
+    folder gone) the carried parts (--run-parts) are joined, checked against the JSON's record and resumed from:
+    the run ends with the uncut run's losses, bit for bit (CPU). ~10 s."""
+    job = _small_jobs(tmp_path, save_every=2, online=True, online_storage="int4")
+    uncut = br.train_once(**job("uncut"))
+    cut = job("run_all_int4")
+    cut["args"] = types.SimpleNamespace(**vars(cut["args"]), cut_after_steps=2)
+    with pytest.raises(SystemExit, match="run_all_int4 stopped at step 2 of 4"):
+        br.train_once(**cut)
+    plan, pack, carried = [("all_int4", br.TOKENS_CACHE, {})], tmp_path / "pack", tmp_path / "carried"
+    packed = br.pack_runs(plan, tmp_path, finished=frozenset(), dest=pack, packed={}, part_bytes=2**16)
+    assert packed["all_int4"]["step"] == 2 and packed["all_int4"]["parts"] > 1
+    shutil.rmtree(tmp_path / "run_all_int4")          # a fresh machine: only the parts come along
+    with pytest.raises(SystemExit, match="all_int4 was cut at step 2 by an earlier call"):   # none carried
+        br.restore_runs(plan, tmp_path, finished=frozenset(), folder=None, packed=packed)
+    shutil.copytree(pack, carried)
+    with pytest.raises(SystemExit, match="step 2, but the result JSON records step 4"):   # another call's parts
+        br.restore_runs(plan, tmp_path, finished=frozenset(), folder=carried,
+                        packed={"all_int4": {"step": 4, "sha256": "0"}})
+    assert br.restore_runs(plan, tmp_path, finished=frozenset(), folder=carried, packed=packed) == {"all_int4": 2}
+    resumed = br.train_once(**job("run_all_int4"))
+    assert resumed["resumed"] and resumed["steps"] == 4
+    assert [m["step_losses"] for m in resumed["metrics"]] == [m["step_losses"] for m in uncut["metrics"]]
+    # a warm machine keeps its own newer checkpoint; a finished run's parts and record go
+    assert br.restore_runs(plan, tmp_path, finished=frozenset(), folder=carried, packed=packed) == {}
+    assert br.pack_runs(plan, tmp_path, finished=frozenset({"all_int4"}), dest=pack, packed=packed) == {}
+    assert not list(pack.iterdir())
+
+
+def test_online_reference_plan_and_the_stretch_figures(tmp_path):
+    """--online-reference: every run on all the data reads the one-tap token cache, the live target's taps rounded
+    as --storage; --stretch puts a stretch result into the reference's JSON with its figures beside their goals,
+    the reference's own runs kept, and refuses one scored on other eval responses."""
+    plan = br.runs_plan(br.parse_args(["--storage", "int4", "--online-reference", "--skip",
+                                       "all_bf16,all_noise,all_seqnorm,n2000,n8000"]))
+    assert plan == [("all_int4", br.TOKENS_CACHE, {"online": True, "online_storage": "int4"}),
+                    ("all_seed1", br.TOKENS_CACHE, {"online": True, "online_storage": "int4", "seed": 1})]
+    curve = {"step": [500, 1000], "heldout_tau": [2.0, 2.3], "mtbench_greedy.jsonl": [1.9, 2.2],
+             "humaneval_greedy.jsonl": [2.1, 2.4]}
+    base = {"eval_responses_sha256": {"mtbench": "e"}, "reference_storage": "int4", "tau_mtbench": 2.33,
+            "runs": {"all_int4": {"steps": 4088}}, "curves": {"all_int4": curve}}
+    run = {"steps": 7900, "tokens": 43_000_000}
+    stretch = {"eval_responses_sha256": {"mtbench": "e"}, "reference_storage": "int4", "config": {"epochs": 3},
+               "runs": {"all_int4": run}, "curves": {"all_int4": curve}, "tau_mtbench": 2.6, "tau_humaneval": 2.75,
+               "tau_sharegpt_heldout": 2.1, "train_acceptance_over_heldout": 1.5}
+    got = br.stretch_into(base, stretch)
+    assert (got["stretch_tau_mtbench"], got["stretch_tau_humaneval"], got["stretch_steps"], got["stretch_epochs"]) \
+        == (2.6, 2.75, 7900, 3)
+    assert got["stretch_checks"] == {"tau_mtbench_at_least_2_5": True, "tau_humaneval_at_least_2_8": False,
+                                     "train_over_heldout_at_most_1_6": True}
+    assert got["tau_mtbench"] == 2.33 and got["runs"] == base["runs"] and got["stretch"] == stretch
+    cut = stretch | {"runs": {}, "curves": {}, "partial_curves": {"all_int4": curve}}
+    assert br.stretch_into(base, cut)["stretch_tau_mtbench"] is None      # not finished: no figure yet
+    with pytest.raises(SystemExit, match="other eval responses"):
+        br.stretch_into(base, stretch | {"eval_responses_sha256": {"mtbench": "x"}})
+    # the command: --json updated in place, the stretch's curve drawn beside the reference's
+    (tmp_path / "r.json").write_text(json.dumps(base))
+    (tmp_path / "s.json").write_text(json.dumps(cut))
+    br.main(["--json", str(tmp_path / "r.json"), "--stretch", str(tmp_path / "s.json"), "--plot-dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["stretch"]["partial_curves"] == cut["partial_curves"] and saved["stretch_goals"] == br.STRETCH_GOALS
+    assert pathlib.Path(saved["stretch_plot"]).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_watching_prints_each_new_heldout_evaluation(tmp_path, capsys):

@@ -65,3 +65,29 @@ def test_gguf_parts_join_through_the_same_rule(tmp_path):
                        f"GGUF_SHA256={hashlib.sha256(gguf.read_bytes()).hexdigest()} && gguf_joined")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "home" / "dflash_assets" / "smollm2.gguf").read_bytes() == gguf.read_bytes()
+
+
+def test_checkpoint_parts_and_regenerations_stashed_for_later_calls(tmp_path):
+    """The stretch's calls: one with the whole tree stashes the committed regenerations, so that later calls carry
+    a slim tree (slim_tree.sh out) and read them from the stash; carried checkpoint parts (.assets/ref_ckpt) are
+    stashed like SpecForge's."""
+    tree = tmp_path / "call1"
+    (tree / "benchmarks" / "assets" / "quality").mkdir(parents=True)
+    for name in ("sharegpt_whole-00.jsonl.gz", "sharegpt_sampled_t0.8_s2-00.jsonl.gz"):
+        (tree / "benchmarks" / "assets" / "quality" / name).write_bytes(name.encode())
+    (tree / ".assets" / "ref_ckpt").mkdir(parents=True)
+    for name in ("run_all_int4.tar.part-000", "run_all_int4.tar.manifest.json"):
+        (tree / ".assets" / "ref_ckpt" / name).write_text(name)
+    env = dict(os.environ, HOME=str(tmp_path / "home"))
+    done = subprocess.run(["bash", "-c", f". {ROOT}/benchmarks/h200_assets.sh && stash_parts"], cwd=tree, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "ref_ckpt: checkpoint parts on this machine: 1" in done.stdout
+    stash = tmp_path / "home" / "dflash_assets"
+    assert sorted(p.name for p in (stash / "quality").iterdir()) == ["sharegpt_sampled_t0.8_s2-00.jsonl.gz",
+                                                                    "sharegpt_whole-00.jsonl.gz"]
+    assert (stash / "ref_ckpt" / "run_all_int4.tar.part-000").read_text() == "run_all_int4.tar.part-000"
+    (tmp_path / "call2").mkdir()   # a slim tree: nothing stashed again, nothing lost
+    again = subprocess.run(["bash", "-c", f". {ROOT}/benchmarks/h200_assets.sh && stash_parts"], cwd=tmp_path / "call2",
+                           env=env, capture_output=True, text=True)
+    assert again.returncode == 0 and len(list((stash / "quality").iterdir())) == 2

@@ -1,9 +1,10 @@
-"""A SpecForge checkpoint across GPU sessions: packed into parts small enough to come back through $OUT (<= 16 MiB a
-file, 8 files / 64 MiB a call) and to be carried in again (~20 MiB a call), a manifest with sha256 of every part and
-of the whole, and the accounting of a run trained in segments. Pure functions over files and dicts (no torch).
+"""A training checkpoint across GPU sessions (SpecForge's in bench_peer, dflash's in bench_reference): packed as a
+tar into parts small enough to come back through $OUT (<= 16 MiB a file, 8 files / 64 MiB a call) and to be carried
+in again (the working tree and what a call carries: 64 MiB), a manifest with sha256 of every part and of the whole,
+and the accounting of a run trained in segments. Pure functions over files and dicts (no torch).
 
-    python benchmarks/peer/parts.py missing MANIFEST DIR   # parts of MANIFEST not (or not intact) in DIR
-    python benchmarks/peer/parts.py batches MANIFEST DIR   # the missing ones grouped per return call
+    python benchmarks/parts.py missing MANIFEST DIR   # parts of MANIFEST not (or not intact) in DIR
+    python benchmarks/parts.py batches MANIFEST DIR   # the missing ones grouped per return call
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import pathlib
 import sys
+import tarfile
 
 PART_BYTES = 15 * 2**20
 """A part's size: under the 16 MiB a file may have to come back, and one part fits a call's ~20 MiB of payload."""
@@ -89,6 +91,32 @@ def join_parts(manifest: dict, folder: pathlib.Path, dest: pathlib.Path) -> path
         raise PartsError(f"the joined {manifest['file']} has sha256 {got[:12]}..., the manifest {manifest['sha256'][:12]}...")
     tmp.replace(dest)
     return dest
+
+
+def pack_tar(members: dict[str, pathlib.Path], tar: pathlib.Path, dest: pathlib.Path, **meta) -> dict:
+    """Files and folders (name in the tar -> path) as the tar `tar`, split into parts in `dest` (split_file, `meta`
+    in the manifest); the tar itself removed. Returns the manifest."""
+    tar = pathlib.Path(tar)
+    try:
+        with tarfile.open(tar, "w") as tf:
+            for name, path in members.items():
+                tf.add(path, arcname=name)
+        return split_file(tar, dest, **meta)
+    finally:
+        tar.unlink(missing_ok=True)
+
+
+def unpack_tar(manifest: dict, folder: pathlib.Path, into: pathlib.Path) -> None:
+    """The tar of `manifest`, joined from its parts in `folder` (join_parts: each part and the whole checked),
+    unpacked into `into`; the joined tar removed."""
+    into = pathlib.Path(into)
+    into.mkdir(parents=True, exist_ok=True)
+    tar = join_parts(manifest, folder, into / manifest["file"])
+    try:
+        with tarfile.open(tar) as tf:
+            tf.extractall(into, filter="data")
+    finally:
+        tar.unlink()
 
 
 def batches(manifest: dict, names: list[str] | None = None, *, max_files: int = CALL_FILES,

@@ -1,5 +1,5 @@
-"""benchmarks/peer/parts.py: a SpecForge checkpoint split into parts that cross GPU sessions, and the wall time of
-a run trained in segments."""
+"""benchmarks/parts.py: a training checkpoint split into parts that cross GPU sessions (a tar of files and folders
+packed and unpacked), and the wall time of a run trained in segments."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "peer"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 import parts  # noqa: E402
 
@@ -76,3 +76,18 @@ def test_cli_lists_what_remains_to_fetch(tmp_path, capsys):
     (have / "f.part-001").write_bytes((tmp_path / "p" / "f.part-001").read_bytes())
     parts.main(["missing", str(parts.manifest_path(tmp_path / "p", "f")), str(have)])
     assert capsys.readouterr().out.split() == ["f.part-000", "f.part-002"]
+
+
+def test_files_and_folders_packed_as_a_tar_in_parts_and_unpacked(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step-4.pt").write_bytes(os.urandom(2500))
+    (run / "metrics.jsonl").write_text('{"step": 4}\n')
+    m = parts.pack_tar({"run/checkpoints": run / "checkpoints", "run/metrics.jsonl": run / "metrics.jsonl"},
+                       tmp_path / "run.tar", tmp_path / "p", part_bytes=1000, step=4)
+    assert m["file"] == "run.tar" and m["step"] == 4 and len(m["parts"]) > 2
+    assert not (tmp_path / "run.tar").exists()   # only the parts stay
+    parts.unpack_tar(m, tmp_path / "p", tmp_path / "new")
+    assert (tmp_path / "new" / "run" / "checkpoints" / "step-4.pt").read_bytes() == \
+        (run / "checkpoints" / "step-4.pt").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["run"]   # the joined tar removed
