@@ -25,9 +25,12 @@ stash_parts() {
       echo "$name: checkpoint parts on this machine: $(ls "$ASSETS/$name" | grep -c part-)"
     fi
   done
-  # the committed regenerations, for the later calls of a session whose tree leaves them out (slim_tree.sh)
+  # the committed regenerations: kept from a call that carries the whole tree, put back into the tree of a later
+  # call that leaves them out (slim_tree.sh), so every stage finds them where the tree has them
   if compgen -G "benchmarks/assets/quality/sharegpt_sampled_*.jsonl.gz" > /dev/null; then
     mkdir -p "$ASSETS/quality" && cp benchmarks/assets/quality/sharegpt_*.jsonl.gz "$ASSETS/quality/"
+  elif compgen -G "$ASSETS/quality/sharegpt_sampled_*.jsonl.gz" > /dev/null; then
+    cp "$ASSETS"/quality/sharegpt_sampled_*.jsonl.gz benchmarks/assets/quality/
   fi
 }
 

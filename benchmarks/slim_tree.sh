@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A device call carries the working tree plus what `carry` names, 64 MiB in all. The tracked sampled regenerations
-# (benchmarks/assets/quality/sharegpt_sampled_*, ~28 MiB of the tree's ~44) are read only by the reference stages
+# (benchmarks/assets/quality/sharegpt_sampled_*, ~29 MiB of the tree's ~44.5) are read only by the reference stages
 # (the stretch reads the copies a whole-tree call stashed on the machine: h200_assets.sh), so for every other
 # stage and the stretch's later calls they can stay behind: with them out, one call carries two 20 MiB GGUF parts,
 # or .whl and one part, or three 15 MiB checkpoint parts, where it carries one with them in.
