@@ -29,7 +29,7 @@ stash_parts() {
   # call that leaves them out (slim_tree.sh), so every stage finds them where the tree has them
   if compgen -G "benchmarks/assets/quality/sharegpt_sampled_*.jsonl.gz" > /dev/null; then
     mkdir -p "$ASSETS/quality" && cp benchmarks/assets/quality/sharegpt_*.jsonl.gz "$ASSETS/quality/"
-  elif compgen -G "$ASSETS/quality/sharegpt_sampled_*.jsonl.gz" > /dev/null; then
+  elif [ -d benchmarks/assets/quality ] && compgen -G "$ASSETS/quality/sharegpt_sampled_*.jsonl.gz" > /dev/null; then
     cp "$ASSETS"/quality/sharegpt_sampled_*.jsonl.gz benchmarks/assets/quality/
   fi
 }

@@ -69,7 +69,7 @@ def test_gguf_parts_join_through_the_same_rule(tmp_path):
 
 def test_checkpoint_parts_and_regenerations_stashed_for_later_calls(tmp_path):
     """The stretch's calls: one with the whole tree stashes the committed regenerations, so that later calls carry
-    a slim tree (slim_tree.sh out) and read them from the stash; carried checkpoint parts (.assets/ref_ckpt) are
+    a slim tree (slim_tree.sh out) and find them put back in it; carried checkpoint parts (.assets/ref_ckpt) are
     stashed like SpecForge's."""
     tree = tmp_path / "call1"
     (tree / "benchmarks" / "assets" / "quality").mkdir(parents=True)
@@ -87,7 +87,11 @@ def test_checkpoint_parts_and_regenerations_stashed_for_later_calls(tmp_path):
     assert sorted(p.name for p in (stash / "quality").iterdir()) == ["sharegpt_sampled_t0.8_s2-00.jsonl.gz",
                                                                     "sharegpt_whole-00.jsonl.gz"]
     assert (stash / "ref_ckpt" / "run_all_int4.tar.part-000").read_text() == "run_all_int4.tar.part-000"
-    (tmp_path / "call2").mkdir()   # a slim tree: nothing stashed again, nothing lost
+    slim = tmp_path / "call2" / "benchmarks" / "assets" / "quality"   # a slim tree: the greedy files only
+    slim.mkdir(parents=True)
+    (slim / "sharegpt_whole-00.jsonl.gz").write_bytes(b"sharegpt_whole-00.jsonl.gz")
     again = subprocess.run(["bash", "-c", f". {ROOT}/benchmarks/h200_assets.sh && stash_parts"], cwd=tmp_path / "call2",
                            env=env, capture_output=True, text=True)
     assert again.returncode == 0 and len(list((stash / "quality").iterdir())) == 2
+    # the stashed sampled regeneration is back where the tree keeps it, for the stages that read it there
+    assert (slim / "sharegpt_sampled_t0.8_s2-00.jsonl.gz").read_bytes() == b"sharegpt_sampled_t0.8_s2-00.jsonl.gz"
