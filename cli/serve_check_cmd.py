@@ -32,11 +32,15 @@ import click
 @click.option("--workdir", default=None, type=click.Path(file_okay=False),
               help="Folder for the launched server's log and caches (default: a temp folder).")
 @click.option("--limit", default=None, type=int, help="Check only the first N sequences of the cache.")
+@click.option("--record/--no-record", default=True, show_default=True,
+              help="Write the result into DRAFTER/serve_check.json and show it in the drafter's model card "
+                   "(README.md, rendered again); skipped where the folder is not writable or is a hub cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def command(drafter_dir, cache_dir, responses, model_path, url, vllm_python, dtype, tolerance, gpu, max_model_len,
-            workdir, limit, as_json) -> None:
+            workdir, limit, record, as_json) -> None:
     """Send the cache's prompts greedily to vLLM serving the drafter and compare its spec-decode counters
-    (drafts, accepted tokens, per position) with dflash eval's on the same responses; exit 1 when they differ."""
+    (drafts, accepted tokens, per position) with dflash eval's on the same responses; exit 1 when they differ.
+    The result goes into the drafter folder (serve_check.json) and its model card, unless --no-record."""
     from dflash.errors import ConfigError
     from dflash.serve.check import format_check, serve_check
     from dflash.serve.server import LaunchConfig
@@ -54,5 +58,14 @@ def command(drafter_dir, cache_dir, responses, model_path, url, vllm_python, dty
                       launch=launch, workdir=workdir, tolerance=tolerance, limit=limit, eval_dtype=dtype,
                       echo=lambda m: click.echo(m, err=True))
     click.echo(json.dumps(res.to_json(), indent=2) if as_json else format_check(res))
+    if record:
+        from dflash.serve.record import record_check
+
+        done = record_check(res, drafter_dir)
+        if done.record is None:
+            click.echo(f"not recorded: {done.why_not}", err=True)
+        else:
+            card = f"; model card {done.card} updated" if done.card else " (no dflash model card in the folder)"
+            click.echo(f"recorded in {done.record}{card}", err=True)
     if not res.ok:
         click.get_current_context().exit(1)

@@ -159,3 +159,22 @@ def smollm2_greedy_eval(tmp_path_factory, smollm2_dir) -> GreedyEval:
     return GreedyEval(root=root, model=model, records=records,
                       sources=tuple((name, n) for name, _, n in GREEDY_EVAL_PROMPTS),
                       max_new_tokens=GREEDY_EVAL_MAX_NEW)
+
+
+@pytest.fixture(scope="session")
+def smollm2_trained_drafter(tmp_path_factory, smollm2_greedy_eval) -> Path:
+    """The demo's drafter shape (1 layer, block 4) trained by `dflash train` on smollm2_greedy_eval's own
+    responses and exported (tests/e2e/helpers_drafters.py; ~80 CPU-s, tau ~3.5 on that cache): made once per
+    test run for every file that needs a drafter with long accept chains, under a flock across xdist workers.
+    Read it, never write it: a test that writes into a drafter folder (a card, a serve-check record) copies it."""
+    from tests.e2e.helpers_drafters import dflash_trained_drafter
+
+    root = run_shared_dir(tmp_path_factory, "smollm2_trained_drafter")
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "done").is_file():
+            shutil.rmtree(root / "run", ignore_errors=True)  # an earlier worker's failed attempt
+            dflash_trained_drafter(smollm2_greedy_eval.root / "cache", smollm2_greedy_eval.model, root / "run")
+            (root / "done").write_text("")
+    return root / "run" / "drafter"

@@ -3,14 +3,21 @@
 A drafter is only as good as its held-out tau on the target's own greedy outputs, and a user deciding whether
 to serve it needs that number next to what it was trained on and how, and the commands that serve it. The card is
 Markdown under the Hub's YAML front matter (library_name, base_model = the target's Hub id when the target records
-one, tags; no license: that is the publisher's call), written atomically into the folder `export_drafter` made (HF hubs show README.md as the model card); its last section is
-a JSON block with everything the card was made from, so a tool can read the numbers back (`read_card_data`).
+one, tags; no license: that is the publisher's call), written atomically into the folder `export_drafter` made (HF
+hubs show README.md as the model card); its last section is a JSON block with everything the card was made from, so
+a tool can read the numbers back (`read_card_data`) and the card can be rendered again from it (`refresh_model_card`).
+
+The served acceptance appears only when `dflash serve-check` ran on this folder: it records its result in
+serve_check.json beside the weights (dflash.serve.record) and renders the card again. An export writes a new folder,
+so a re-exported drafter's card shows no served figure until it is checked again.
 
 This module imports nothing above dflash.drafter (layering): it takes plain dicts.
     heldout: one dict per eval cache, as `HeldoutResult.to_json()` (dflash.eval.heldout) or `EvalResult.to_json()`
              (dflash eval) give them, plus optional "name" (the eval set) and "step" (the training step);
     data:    the training cache's manifest.json (fingerprint + totals), or `data_summary(manifest)`;
-    recipe:  the resolved training config (TrainConfig as JSON, RUN_DIR/config.json).
+    recipe:  the resolved training config (TrainConfig as JSON, RUN_DIR/config.json);
+    served:  the checks of the folder's serve_check.json (`read_served_checks`; one dict per engine, eval source
+             and dtype, as dflash.serve.record writes them).
 The training driver calls, after export:
     write_model_card(drafter_dir, heldout=[res.to_json() | {"name": "mtbench", "step": step}, ...],
                      data=json.load(open(cache / "manifest.json")), recipe=cfg_json, target=cfg.model)
@@ -29,6 +36,8 @@ from dflash.durable import replace_text
 from dflash.errors import ModelNotFoundError
 
 CARD_NAME = "README.md"
+SERVE_CHECK_NAME = "serve_check.json"
+"""`dflash serve-check`'s record beside the weights ({"checks": [...]}); the card shows what it holds."""
 CARD_TAGS = ("dflash", "speculative-decoding")
 _DATA_MARK = "<!-- dflash-card-data -->"
 RECIPE_KEYS = ("steps", "epochs", "lr", "warmup_ratio", "batch_tokens", "grad_accum", "num_anchors", "block_size",
@@ -99,6 +108,52 @@ def serving_lines(*, target: str, drafter: str, block_size: int) -> list[str]:
             "```"]
 
 
+def _served_source(c: Mapping) -> str:
+    names = ", ".join(c.get("sources") or ())
+    return f"{c.get('eval_source', '-')} ({names})" if names else str(c.get("eval_source", "-"))
+
+
+def _engine(c: Mapping) -> str:
+    return " ".join(str(x) for x in (c.get("engine"), c.get("engine_version")) if x) or "-"
+
+
+def _verdict(c: Mapping) -> str:
+    if c.get("ok"):
+        return "yes, exactly" if not c.get("tolerance") else f"yes, within {c['tolerance']}"
+    diffs = list(c.get("differences") or ())
+    return "no: " + (diffs[0] if diffs else "differs") + (f" (+{len(diffs) - 1} more)" if len(diffs) > 1 else "")
+
+
+def served_table(checks: Sequence[Mapping]) -> list[str]:
+    """Markdown rows of `dflash serve-check` results: engine and version, eval source, dtype, the served mean
+    acceptance length beside dflash eval's on the same responses and whether they matched, then the accepted
+    count per drafted position."""
+    lines = ["Measured by `dflash serve-check`: the drafter served by the engine beside its target, each prompt of "
+             "the eval source sent greedily (one request at a time, max_tokens = the cached response's length), the "
+             "engine's speculative-decoding counters set beside `dflash eval`'s exact offline chains on the same "
+             "responses. Mean acceptance length = 1 + accepted / drafts: tokens per target step, token-weighted.", "",
+             "| engine | eval source | requests | dtype | mean acceptance length | dflash eval | drafts | accepted "
+             "| matches dflash eval |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in checks:
+        s, o = c.get("served", {}), c.get("offline", {})
+        lines.append(f"| {_engine(c)} | {_served_source(c)} | {_fmt(c.get('num_requests'))} | {c.get('dtype', '-')} "
+                     f"| **{_fmt(s.get('mean_acceptance_length'))}** | {_fmt(o.get('mean_acceptance_length'))} "
+                     f"| {_fmt(s.get('num_drafts'))} | {_fmt(s.get('num_accepted_tokens'))} | {_verdict(c)} |")
+    per = [(c, c.get("served", {}).get("accepted_per_position") or []) for c in checks]
+    width = max((len(p) for _, p in per), default=0)
+    if width:
+        lines += ["", "Served drafts accepted per position (target steps whose drafted tokens 1..k were all "
+                  "accepted):", "", "| engine | eval source | " + " | ".join(f"k={k}" for k in range(1, width + 1))
+                  + " |", "| --- | --- |" + " --- |" * width]
+        lines += [f"| {_engine(c)} | {_served_source(c)} | " + " | ".join(str(x) for x in p)
+                  + " |" * (width - len(p) + 1) for c, p in per]
+    sha = sorted({str(c["weights_sha256"]) for c in checks if c.get("weights_sha256")})
+    if sha:
+        lines += ["", "Checked weights: model.safetensors sha256 " + ", ".join(f"`{h}`" for h in sha) + "."]
+    return lines
+
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 """An "org/name" Hugging Face Hub repository id."""
 
@@ -164,9 +219,12 @@ def mixture_table(data: Mapping) -> list[str]:
 
 
 def render_card(*, config: Mapping, heldout: Sequence[Mapping], data: Mapping, recipe: Mapping,
-                target: str | None = None, drafter_name: str = "DRAFTER_DIR", base_model: str | None = None) -> str:
+                target: str | None = None, drafter_name: str = "DRAFTER_DIR", base_model: str | None = None,
+                served: Sequence[Mapping] = (), drafter_id: str | None = None) -> str:
     """The card's Markdown (pure; write_model_card writes it). config: the drafter's config.json; base_model: the
-    target's Hub id (front matter and the serving commands), None when unknown."""
+    target's Hub id (front matter and the serving commands), None when unknown; served: serve-check results
+    (none: the card says nothing about served acceptance); drafter_id: the name the serving commands use
+    instead of drafter_name (the drafter's Hub id), kept in the card data for a re-render."""
     dflash_cfg = config.get("dflash_config", {})
     block = int(config.get("block_size", 16))
     target = target or data.get("target") or "TARGET"
@@ -176,13 +234,20 @@ def render_card(*, config: Mapping, heldout: Sequence[Mapping], data: Mapping, r
              f"hidden {config.get('hidden_size')}, block size {block}, target layers "
              f"{list(dflash_cfg.get('target_layer_ids', []))}, mask token {dflash_cfg.get('mask_token_id')}. "
              "Trained with dflash from an offline cache of the target's hidden states.", "",
-             f"**Held-out tau (exact greedy acceptance length, tokens per target step): {taus}.**", "",
-             "## Held-out acceptance", ""]
+             f"**Held-out tau (exact greedy acceptance length, tokens per target step): {taus}.**", ""]
+    if served:
+        figures = "; ".join(f"{_engine(c)} ({c.get('dtype', '-')}) on {c.get('eval_source', '-')}: "
+                            f"{_fmt(c.get('served', {}).get('mean_acceptance_length'))}, "
+                            + ("equal to dflash eval's" if c.get("ok") else "NOT dflash eval's") for c in served)
+        lines += [f"**Served mean acceptance length (`dflash serve-check`): {figures}.**", ""]
+    lines += ["## Held-out acceptance", ""]
     lines += heldout_table(heldout) if heldout else ["No held-out evaluation was run."]
     srcs = ", ".join(f"{s.get('name')}" for s in data.get("sources", ())) or "-"
     lines += ["", "tau is measured offline on target-greedy eval caches (`dflash generate` + `dflash extract`): "
-              "greedy speculative decoding would accept exactly these drafts (`dflash eval`).", "",
-              "## Training data", "",
+              "greedy speculative decoding would accept exactly these drafts (`dflash eval`).", ""]
+    if served:
+        lines += ["## Served acceptance", ""] + served_table(served) + [""]
+    lines += ["## Training data", "",
               "| target | samples | tokens | loss tokens | storage | target-greedy | sources |",
               "| --- | --- | --- | --- | --- | --- | --- |",
               f"| {data.get('target')} | {_fmt(data.get('samples'))} | {_fmt(data.get('tokens'))} "
@@ -191,10 +256,12 @@ def render_card(*, config: Mapping, heldout: Sequence[Mapping], data: Mapping, r
     lines += ["## Recipe", "", "| setting | value |", "| --- | --- |"]
     keys = [k for k in RECIPE_KEYS if k in recipe] + sorted(k for k in recipe if k not in RECIPE_KEYS)
     lines += [f"| {k} | {json.dumps(recipe[k]) if isinstance(recipe[k], (dict, list)) else recipe[k]} |" for k in keys]
-    lines += ["", "## Serving", ""] + serving_lines(target=base_model or target, drafter=drafter_name,
+    lines += ["", "## Serving", ""] + serving_lines(target=base_model or target, drafter=drafter_id or drafter_name,
                                                           block_size=block)
     payload = {"heldout": list(heldout), "data": dict(data), "recipe": dict(recipe), "target": target,
-               "base_model": base_model}
+               "base_model": base_model, "drafter_id": drafter_id}
+    if served:
+        payload["served"] = list(served)
     lines += ["", "## Card data", "", _DATA_MARK, "```json", json.dumps(payload, indent=1, default=str), "```", ""]
     return "\n".join(lines)
 
@@ -216,13 +283,45 @@ def write_model_card(drafter_dir: str | os.PathLike, *, heldout: Sequence[Mappin
     elif isinstance(heldout, Mapping):
         heldout = [heldout]
     text = render_card(config=config, heldout=list(heldout), data=data_summary(data), recipe=recipe, target=target,
-                       drafter_name=drafter_name or str(d), base_model=target_hub_id(target))
+                       drafter_name=str(d), drafter_id=drafter_name, base_model=target_hub_id(target),
+                       served=read_served_checks(d))
     replace_text(d / CARD_NAME, text)
     return d / CARD_NAME
 
 
+def read_served_checks(drafter_dir: str | os.PathLike) -> list[dict]:
+    """The checks of the folder's serve_check.json ([] when there is none).
+
+    ModelNotFoundError when the file is not what `dflash serve-check` writes."""
+    path = Path(drafter_dir) / SERVE_CHECK_NAME
+    if not path.is_file():
+        return []
+    try:
+        checks = json.loads(path.read_text())["checks"]
+        if not isinstance(checks, list) or not all(isinstance(c, dict) for c in checks):
+            raise TypeError("checks is not a list of objects")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelNotFoundError(f"{path} is not a `dflash serve-check` record ({e}): remove it, or run "
+                                 "`dflash serve-check` on this drafter again") from e
+    return checks
+
+
+def refresh_model_card(drafter_dir: str | os.PathLike) -> Path | None:
+    """Render the folder's dflash card again from its own card data and the current serve_check.json (after a
+    serve-check); None when the folder has no card that write_model_card wrote (its README.md is left alone)."""
+    d = Path(drafter_dir)
+    try:
+        old = read_card_data(d)
+    except (OSError, IndexError, ValueError):
+        return None
+    return write_model_card(d, heldout=old.get("heldout") or [], data=old.get("data") or {},
+                            recipe=old.get("recipe") or {}, target=old.get("target"),
+                            drafter_name=old.get("drafter_id"))
+
+
 def read_card_data(drafter_dir: str | os.PathLike) -> dict:
-    """The JSON block of a card written by write_model_card (heldout, data, recipe, target)."""
+    """The JSON block of a card written by write_model_card (heldout, data, recipe, target, base_model,
+    drafter_id, and served when a serve-check was recorded)."""
     text = (Path(drafter_dir) / CARD_NAME).read_text()
     block = text.split(_DATA_MARK, 1)[1].split("```json", 1)[1].split("```", 1)[0]
     return json.loads(block)

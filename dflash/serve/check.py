@@ -41,6 +41,15 @@ class ServeCheckResult:
     num_requests: int
     server: str
     """The URL, and the command when launched here."""
+    eval_source: str = "-"
+    """What the responses came from: the eval cache's folder name, or "responses" (`dflash generate` files)."""
+    sources: tuple[str, ...] = ()
+    """The data sources of those responses: the cache's per-source names, or the response files' names."""
+    dtype: str = "float32"
+    """dflash eval's dtype (and a launched server's)."""
+    engine: str = "vLLM"
+    engine_version: str | None = None
+    """What the server's /version answered (None: it did not)."""
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -51,7 +60,9 @@ class ServeCheckResult:
         return {"ok": self.ok, "served": self.served.to_json(), "offline": self.offline.to_json(),
                 "offline_tau": self.offline_tau, "text_mismatches": self.text_mismatches,
                 "differences": self.differences, "tolerance": self.tolerance, "num_requests": self.num_requests,
-                "server": self.server, "seconds": self.seconds}
+                "server": self.server, "eval_source": self.eval_source, "sources": list(self.sources),
+                "dtype": self.dtype, "engine": self.engine, "engine_version": self.engine_version,
+                "seconds": self.seconds}
 
 
 def compare_counts(served: SpecDecodeCounts, offline: SpecDecodeCounts, *, tolerance: float = 0.0,
@@ -135,7 +146,15 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
     if (cache_dir is None) == (responses is None):
         raise ValueError("give exactly one of cache_dir and responses")
     seconds: dict[str, float] = {}
-    block = read_drafter_config(drafter_dir).block_size
+    drafter_cfg = read_drafter_config(drafter_dir)
+    if launch is not None and launch.cpu:
+        from dflash.drafter.serving import vllm_cpu_refusal
+        from dflash.errors import ConfigError
+
+        why = vllm_cpu_refusal(drafter_cfg)
+        if why is not None:
+            raise ConfigError(f"{why}: check {drafter_dir} against a GPU vLLM (--url, or --vllm-python with --gpu)")
+    block = drafter_cfg.block_size
     K = block - 1
     t0 = time.perf_counter()
     if cache_dir is not None:
@@ -144,12 +163,15 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
                              progress=False)
         step_counts, offline_tau = res.overall.step_counts, res.overall.tau
         requests = cache_requests(cache_dir, limit=limit)
+        eval_source, sources = Path(str(cache_dir).rstrip("/")).name, tuple(s.name for s in res.per_source)
     else:
         from dflash.serve.responses import offline_step_counts, read_responses
 
         requests = read_responses(responses, limit=limit)
         step_counts, offline_tau = offline_step_counts(drafter_dir=drafter_dir, model=model, requests=requests,
                                                        dtype=eval_dtype)
+        files = [responses] if isinstance(responses, (str, Path)) else list(responses)
+        eval_source, sources = "responses", tuple(Path(f).name for f in files)
     seconds["dflash_eval"] = time.perf_counter() - t0
     offline = counts_from_steps(step_counts, num_speculative_tokens=K)
 
@@ -174,7 +196,9 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
         diffs = compare_counts(served, offline, tolerance=tolerance, text_mismatches=len(mismatches))
         return ServeCheckResult(served=served, offline=offline, offline_tau=offline_tau,
                                 text_mismatches=mismatches, differences=diffs, tolerance=tolerance,
-                                num_requests=len(requests), server=server_desc, seconds=seconds)
+                                num_requests=len(requests), server=server_desc, eval_source=eval_source,
+                                sources=sources, dtype=eval_dtype, engine_version=srv.engine_version(base_url),
+                                seconds=seconds)
 
     if url is not None:
         return run(url, url)

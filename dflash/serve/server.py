@@ -1,5 +1,5 @@
 """A vLLM OpenAI server for `dflash serve-check`: launched locally from a vLLM install (its python), or reached
-at a URL; and the few HTTP calls the check makes (models, greedy completions on token ids, /metrics).
+at a URL; and the few HTTP calls the check makes (models, version, greedy completions on token ids, /metrics).
 
 The local launch runs the model card's command (dflash.drafter.serving.vllm_server_argv) with the python given,
 plus the flags only a local check needs: --host/--port, --dtype (float32 for an exact check) and
@@ -159,6 +159,14 @@ def served_model(url: str) -> str:
         raise ServeError(f"cannot reach a vLLM server at {url} ({e}): start one, or pass --vllm-python") from e
     except (KeyError, IndexError, ValueError) as e:
         raise ServeError(f"{url}/v1/models answered no model list ({e}): is it a vLLM server?") from e
+
+
+def engine_version(url: str) -> str | None:
+    """vLLM's version as its /version answers it; None when it does not (another server, or an old vLLM)."""
+    try:
+        return str(json.loads(_get(url.rstrip("/") + "/version", timeout=30))["version"])
+    except (urllib.error.URLError, OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def metrics_text(url: str) -> str:

@@ -4,12 +4,13 @@ with the real SmolLM2 target (transformers only) on the target-greedy eval promp
 greedy responses and, per prompt, exactly the accept chain of `dflash eval` on the cache of those responses. The
 model card's transformers-only example runs there as written and gives the target's greedy output.
 
-The drafter is overfit to the cached responses (test_eval_pipeline's helper) so that long accept chains occur;
-a drafter that accepts nothing would match any loader.
+The drafter is trained by `dflash train` on the cached responses themselves (the session's smollm2_trained_drafter,
+tau ~3.5 there) so that long accept chains occur; a drafter that accepts nothing would match any loader.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -18,7 +19,6 @@ import textwrap
 import numpy as np
 import torch
 from click.testing import CliRunner
-from tests.e2e.helpers_drafters import overfit_drafter
 
 from cli.main import cli
 
@@ -72,7 +72,7 @@ CHILD = textwrap.dedent(r'''
 ''')
 
 
-def test_exported_drafter_decodes_without_dflash(smollm2_greedy_eval, tmp_path):
+def test_exported_drafter_decodes_without_dflash(smollm2_greedy_eval, smollm2_trained_drafter, tmp_path):
     from dflash.cache import CacheReader
     from dflash.drafter.card import write_model_card
     from dflash.drafter.export import load_drafter
@@ -82,7 +82,7 @@ def test_exported_drafter_decodes_without_dflash(smollm2_greedy_eval, tmp_path):
     from dflash.target.load import load_target
 
     root, model, records = smollm2_greedy_eval.root, smollm2_greedy_eval.model, smollm2_greedy_eval.records
-    drafter_dir = overfit_drafter(root / "cache", model, tmp_path / "drafter")
+    drafter_dir = shutil.copytree(smollm2_trained_drafter, tmp_path / "drafter")   # the card is written below
     assert (drafter_dir / "dflash.py").is_file()
 
     res = CliRunner().invoke(cli, ["eval", "--drafter", str(drafter_dir), "--cache", str(root / "cache"), "--model",
@@ -135,7 +135,7 @@ def test_exported_drafter_decodes_without_dflash(smollm2_greedy_eval, tmp_path):
         assert got["tokens"] == rec["dflash_generate"]["response_ids"], "not the target's greedy output"
         assert got["steps"] == by_ids[tuple(rec["input_ids"])], "accept chain differs from dflash eval's"
         all_steps += got["steps"]
-    assert np.mean(all_steps) > 1.8, "the overfit drafter should give long accept chains"
+    assert np.mean(all_steps) > 1.8, "the trained drafter should give long accept chains"
     # the card's example decodes a new prompt to exactly the target's greedy output
     card = child["card"]
     assert card["tokens"] == card["generate"] and len(card["tokens"]) > 1 and card["steps"]
