@@ -169,7 +169,7 @@ storage4() { local stage=$1; shift
 gpu_tests() { gguf_joined && export DFLASH_SMOLLM2_GGUF=$GGUF  # the generate tests load SmolLM2 from it
   capped "${1:-420}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
   tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py tests/unit/test_sliding_attention.py \
-  tests/unit/test_eval_batched.py; }  # the unit files that hold gpu-marked tests
+  tests/unit/test_eval_batched.py tests/unit/test_quant4.py tests/unit/test_quant4_gpu.py; }  # the unit files with gpu tests
 block_mask() { capped "${1:-200}" python3 benchmarks/bench_block_mask.py; }
 # the object-store read rate where server and client do not share cores: the CPU figure's command with SeaweedFS
 # (joined from the stashed parts of scripts/split_weed.sh) on one half of the physical cores and the client on the
