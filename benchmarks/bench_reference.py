@@ -376,7 +376,7 @@ def pack_runs(plan: list, work: pathlib.Path, *, finished: frozenset[str], dest:
     here (a call that stopped before training it) keeps its earlier record and parts."""
     import parts
 
-    from dflash.train.checkpoint import latest_checkpoint
+    from dflash.train.checkpoint import checkpoint_step, latest_checkpoint
 
     out = dict(packed)
     for rname, _, _ in plan:
@@ -393,7 +393,7 @@ def pack_runs(plan: list, work: pathlib.Path, *, finished: frozenset[str], dest:
         members = {f"{run.name}/{f}": run / f for f in ("config.json", "metrics.jsonl") if (run / f).is_file()}
         members[f"{run.name}/checkpoints/{ckpt.name}"] = ckpt
         dest.mkdir(parents=True, exist_ok=True)
-        step = int(ckpt.stem.split("-")[1])
+        step = checkpoint_step(ckpt)
         m = parts.pack_tar(members, dest / tar, dest, run=rname, step=step,
                            **({"part_bytes": part_bytes} if part_bytes else {}))
         out[rname] = {"step": step, "parts": len(m["parts"]), "bytes": m["bytes"], "sha256": m["sha256"],

@@ -52,6 +52,13 @@ def checkpoint_path(run_dir: str | os.PathLike, global_step: int) -> pathlib.Pat
     return checkpoint_dir(run_dir) / f"step-{global_step:08d}.pt"
 
 
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The global step of a checkpoint file named by checkpoint_path."""
+    m = _NAME.match(pathlib.Path(path).name)
+    assert m is not None, f"{path} is not a checkpoint_path name"
+    return int(m.group(1))
+
+
 def list_checkpoints(run_dir: str | os.PathLike) -> list[pathlib.Path]:
     """Complete checkpoints, oldest first (tmp files of an interrupted save are not listed)."""
     d = checkpoint_dir(run_dir)

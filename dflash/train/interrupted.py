@@ -37,11 +37,6 @@ def last_logged_step(run_dir: pathlib.Path) -> int | None:
     return step
 
 
-def checkpoint_step(path: pathlib.Path) -> int:
-    """The global step of a checkpoint file named by ckpt.checkpoint_path."""
-    return int(path.stem.split("-")[1])
-
-
 def run_state(run_dir: pathlib.Path, *, reached: int | None = None) -> str:
     """One run's part of the message: its newest checkpoint and what is lost since it. reached: the step the
     run had completed (StepInterrupted), else the last logged one."""
@@ -50,7 +45,7 @@ def run_state(run_dir: pathlib.Path, *, reached: int | None = None) -> str:
     if reached is None:
         reached = last_logged_step(run_dir)
     newest = ckpt.latest_checkpoint(run_dir)
-    saved = checkpoint_step(newest) if newest is not None else 0
+    saved = ckpt.checkpoint_step(newest) if newest is not None else 0
     where = f"newest checkpoint: step {saved} ({newest})" if newest is not None else "no checkpoint yet"
     if newest is None:
         lost = "a resume starts at step 0"
