@@ -141,14 +141,15 @@ parts_out() { local pack=$1 f; shift; [ -n "${OUT:-}" ] || return 1
 # regenerations, the reference run alone online with int4 rounding (no cache of their features fits the disk), 3
 # epochs over 2-3 sessions. Every call the same `stretch [ARGS]`; its JSON lives in /tmp/bstretch, seeded in a new
 # session from the committed quality_reference_h200.json's "stretch" (bench_reference --stretch puts it there). The
-# regenerations are read from $ASSETS/quality (stashed by a call with the whole tree, so that later calls carry a
-# slim one); the run's newest checkpoint is packed at every call's end into $STRETCH_PACK (stretchout brings it
-# back), carried in as .assets/ref_ckpt/* (stashed into $STRETCH_PARTS)
+# regenerations are read where the tree keeps them (a slim tree's calls get them back from the stash of a call
+# that carried the whole tree: h200_assets.sh); the run's newest checkpoint is packed at every call's end into
+# $STRETCH_PACK (stretchout brings it back), carried in as .assets/ref_ckpt/* (stashed into $STRETCH_PARTS)
 STRETCH_W=/tmp/bstretch STRETCH_PACK=/tmp/bstretch/pack STRETCH_PARTS=$ASSETS/ref_ckpt
 STRETCH_JSON=/tmp/bstretch/quality_reference_stretch_h200.json
-stretch() { local q=$ASSETS/quality r; gguf_joined || return 1; mkdir -p $STRETCH_W
+stretch() { local q=benchmarks/assets/quality r; gguf_joined || return 1; mkdir -p $STRETCH_W
             if [ ! -f $q/sharegpt_sampled_t0.8_s2-00.jsonl.gz ]; then
-              echo "run_h200.sh stretch: no regenerations in $q: run a call with the whole tree first" >&2; return 1; fi
+              echo "run_h200.sh stretch: no sampled regenerations in $q: carry the whole tree in one call first" >&2
+              return 1; fi
             [ -f $STRETCH_JSON ] || python3 -c 'import json, sys; s = json.load(open(sys.argv[1])).get("stretch")
 if s: json.dump(s, open(sys.argv[2], "w"), indent=2)' benchmarks/results/quality_reference_h200.json $STRETCH_JSON
             local resume=(); [ -f $STRETCH_JSON ] && resume=(--resume)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A device call carries the working tree plus what `carry` names, 64 MiB in all. The tracked sampled regenerations
-# (benchmarks/assets/quality/sharegpt_sampled_*, ~29 MiB of the tree's ~44.5) are read only by the reference stages
-# (the stretch reads the copies a whole-tree call stashed on the machine: h200_assets.sh), so for every other
-# stage and the stretch's later calls they can stay behind: with them out, one call carries two 20 MiB GGUF parts,
+# (benchmarks/assets/quality/sharegpt_sampled_*, ~29 MiB of the tree's ~44.5) are read only by the reference stages,
+# and a call that carried the whole tree once leaves them stashed on the machine (h200_assets.sh puts them back into
+# a later call's slim tree), so they can stay behind: with them out, one call carries two 20 MiB GGUF parts,
 # or .whl and one part, or three 15 MiB checkpoint parts, where it carries one with them in.
 #   bash benchmarks/slim_tree.sh out     # before the session's calls: removes them from the working tree
 #   bash benchmarks/slim_tree.sh back    # after: restores them from git
