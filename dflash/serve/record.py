@@ -59,11 +59,13 @@ def record_entry(res: ServeCheckResult, *, weights_sha256: str | None) -> dict:
     return entry
 
 
+def _kind(check: dict) -> tuple:
+    return check.get("engine"), check.get("eval_source"), tuple(check.get("sources") or ()), check.get("dtype")
+
+
 def merge_checks(old: list[dict], entry: dict) -> list[dict]:
     """old with `entry` in place of any check of the same engine, eval source and dtype (pure)."""
-    key = (entry.get("engine"), entry.get("eval_source"), tuple(entry.get("sources") or ()), entry.get("dtype"))
-    return [c for c in old if (c.get("engine"), c.get("eval_source"), tuple(c.get("sources") or ()),
-                               c.get("dtype")) != key] + [entry]
+    return [c for c in old if _kind(c) != _kind(entry)] + [entry]
 
 
 def record_check(res: ServeCheckResult, drafter_dir: str | os.PathLike) -> Recorded:
