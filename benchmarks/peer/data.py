@@ -201,7 +201,7 @@ def dflash_tokenization(path: pathlib.Path, tokenizer) -> dict[int, tuple[np.nda
 
 def read_probe(npz: pathlib.Path) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], np.ndarray]:
     """specforge_probe.py's output: index -> (ids, mask), and SpecForge's lr per optimizer step."""
-    z = np.load(npz)
-    off = z["offsets"]
-    toks = {i: (z["ids"][off[i]:off[i + 1]], z["masks"][off[i]:off[i + 1]]) for i in range(len(off) - 1)}
-    return toks, z["lr"]
+    with np.load(npz) as z:  # each z[key] reads the whole array again: once each, and the records are views of it
+        ids, masks, off, lr = z["ids"], z["masks"], z["offsets"], z["lr"]
+    toks = {i: (ids[off[i]:off[i + 1]], masks[off[i]:off[i + 1]]) for i in range(len(off) - 1)}
+    return toks, lr

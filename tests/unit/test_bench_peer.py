@@ -104,6 +104,18 @@ def test_length_mismatch_is_an_id_difference():
     assert a.kept == () and a.mismatches[0]["position"] == 2 and a.mismatches[0]["specforge"] is None
 
 
+def test_read_probe_records_are_views_of_one_load(tmp_path):
+    """specforge_probe.py's npz read back: record i is ids/masks[offsets[i]:offsets[i + 1]], and every record is a
+    view of the one array loaded (an NpzFile reads the whole array again at each z[key]: per record, 12,000
+    records of the 10x run held ~130 GB)."""
+    ids, masks = np.arange(7, dtype=np.int32), np.array([0, 1, 1, 0, 1, 1, 1], np.uint8)
+    np.savez(tmp_path / "p.npz", ids=ids, masks=masks, offsets=np.array([0, 3, 3, 7]), lr=np.array([0.5, 1.0]))
+    toks, lr = peer_data.read_probe(tmp_path / "p.npz")
+    assert sorted(toks) == [0, 1, 2] and lr.tolist() == [0.5, 1.0]
+    assert toks[0][0].tolist() == [0, 1, 2] and toks[1][0].size == 0 and toks[2][1].tolist() == [0, 1, 1, 1]
+    assert toks[0][0].base is toks[2][0].base is not None and toks[0][1].base is toks[2][1].base is not None
+
+
 def test_real_conversations_tokenize_the_same_both_ways(smollm2_dir, specforge_parser, tmp_path):
     """dflash's tokenization (as `dflash extract` does it) and SpecForge's parser agree on real ShareGPT
     conversations with the explicit system turn; without it they differ (SmolLM2's default system prompt)."""
