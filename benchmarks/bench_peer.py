@@ -13,9 +13,10 @@ Stages (each timed; the result JSON is rewritten after each, --resume continues 
   e. MT-Bench and HumanEval eval caches (bf16, target-greedy)
   f. dflash: `dflash extract` of the training set, then `dflash train` with held-out tau on the MT-Bench cache
      every --eval-every steps (wall time stamped as each metrics record appears); --dflash-seeds more seeds, and
-     (--dflash-time-epochs N, GPU default 6) the same recipe over N epochs from the same cache: its longer lr
-     schedule is the run whose wall time to SpecForge's final tau is taken when the same-steps run ends below it
-     (2026-12-02 at 292 steps: 1.095 against SpecForge's 1.121, so no ratio; its lr has decayed to 0 by then);
+     (--dflash-time-epochs N, GPU default 6) the same recipe over N epochs from the same cache, trained after
+     SpecForge and only when the same-steps run's held-out curve ends below SpecForge's final MT-Bench tau: its
+     longer lr schedule is then the run whose wall time to that tau is taken (2026-12-02 at 292 steps: 1.095
+     against SpecForge's 1.121, so no ratio; its lr has decayed to 0 by then);
      --dflash-variants: one run each of the recipe with other TrainConfig fields (GPU default: token and sequence
      normalization, SpecForge's anchor bound anchor_positions=full_blocks and its steps of 8 sequences,
      step_samples=8), to attribute a tau difference
@@ -229,10 +230,18 @@ class MetricsClock:
 
 
 def dflash_stages(args) -> list[str]:
-    """The names of the dflash training stages this run has (stage f and the runs after it)."""
-    names = ["f_dflash", *(seeded("f_dflash", s) for s in extra_seeds(args, args.dflash_seeds)),
-             *(f"f_{variant_run(n)}" for n in args.dflash_variants)]
-    return names + ([f"f_{long_run(args.dflash_time_epochs)}"] if args.dflash_time_epochs else [])
+    """The names of the dflash training stages before SpecForge's (stage f, its seeds and variants); the
+    --dflash-time-epochs run comes after SpecForge's, and only when long_run_needed."""
+    return ["f_dflash", *(seeded("f_dflash", s) for s in extra_seeds(args, args.dflash_seeds)),
+            *(f"f_{variant_run(n)}" for n in args.dflash_variants)]
+
+
+def long_run_needed(result: dict) -> bool:
+    """Whether the --dflash-time-epochs run has to train: SpecForge's final MT-Bench tau is known and stage f's
+    held-out curve never reaches it (else the time ratio comes from stage f, and the longer run would only cost)."""
+    target = result.get("eval", {}).get("specforge", {}).get("mtbench", {}).get("tau")
+    heldout = result.get("dflash", {}).get("heldout")
+    return target is not None and bool(heldout) and first_at_or_above(heldout, target) is None
 
 
 def extract_train(args, *, model: str, work: pathlib.Path, device: str, dtype: str) -> dict:
@@ -1052,10 +1061,13 @@ def main(argv=None) -> dict:
         if args.stop_after == "generate":
             return result
         earlier_data = st.earlier.get("training_set")
-        # a session with only SpecForge left rebuilds its file from the kept indices (seconds, not minutes)
+        # a session with only SpecForge left rebuilds its file from the kept indices (seconds, not minutes); one
+        # with the longer dflash run still to train needs dflash's file too
+        long_left = (bool(args.dflash_time_epochs) and not st.done(f"f_{long_run(args.dflash_time_epochs)}")
+                     and long_run_needed(st.earlier))
         only_specforge = (st.done("d_training_set") and all(st.done(n) for n in dflash_stages(args))
                           and "kept_indices" in st.earlier["stage_out"]["d_training_set"]
-                          and args.train_source != "regen")
+                          and args.train_source != "regen" and not long_left)
         if only_specforge and not (work / "train_specforge.jsonl").is_file():
             st.run("d_specforge_file_again", lambda: specforge_files_again(
                 args, work, st.earlier["stage_out"]["d_training_set"]), resumable=False)
@@ -1136,15 +1148,6 @@ def main(argv=None) -> dict:
             scored(variant_run(name), result_variant_drafter(work, name))
             if stop():
                 return result
-        if args.dflash_time_epochs:
-            n = args.dflash_time_epochs
-            if not st.done(f"f_{long_run(n)}"):
-                train_cache()
-            result["dflash_long"] = {"epochs": n, **train_stage(f"f_{long_run(n)}", lambda: dflash_side(
-                args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, epochs=n))}
-            scored(long_run(n), result_long_drafter(work, n))
-            if stop():
-                return result
         if args.stop_after == "dflash":
             return result
         if args.drop_train_cache:
@@ -1175,8 +1178,17 @@ def main(argv=None) -> dict:
             # one SpecForge run (~5 min) per call: two do not fit the 10-minute limit
             if args.stop_after == "specforge" and fresh and seed != sf_seeds[-1]:
                 return result
+            if args.one_run and fresh:
+                return result
         if args.stop_after == "specforge":
             return result
+        if args.dflash_time_epochs and (st.done(f"f_{long_run(args.dflash_time_epochs)}") or long_run_needed(result)):
+            n = args.dflash_time_epochs
+            if not st.done(f"f_{long_run(n)}"):
+                train_cache()
+            result["dflash_long"] = {"epochs": n, **train_stage(f"f_{long_run(n)}", lambda: dflash_side(
+                args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, epochs=n))}
+            scored(long_run(n), result_long_drafter(work, n))
         summarise(result)
     finally:
         if result.get("eval"):

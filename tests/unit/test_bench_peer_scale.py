@@ -153,8 +153,22 @@ def test_probe_in_shards_gives_the_one_process_result(bench, smollm2_dir, tmp_pa
 def test_dflash_stages_name_every_training_run_before_specforge(bench):
     a = bench.parse_args(["--scale", "x10"])
     assert bench.dflash_stages(a) == ["f_dflash", "f_dflash_seed1", "f_dflash_seed2", "f_dflash_sequence",
-                                      "f_dflash_fullblocks", "f_dflash_steps8", "f_dflash_epochs3"]
+                                      "f_dflash_fullblocks", "f_dflash_steps8"]
+    assert a.dflash_time_epochs == 3   # its run comes after SpecForge's, when needed
     assert bench.dflash_stages(bench.parse_args(["--tiny"])) == ["f_dflash", "f_dflash_seed1"]
+
+
+def test_the_longer_run_trains_only_when_the_same_steps_run_ends_below_specforge(bench):
+    curve = [{"step": 100, "wall_s": 50.0, "tau": 1.3}, {"step": 200, "wall_s": 90.0, "tau": 1.45}]
+
+    def result(specforge_tau):
+        return {"dflash": {"heldout": curve}, "eval": {"specforge": {"mtbench": {"tau": specforge_tau}}}}
+
+    assert bench.long_run_needed(result(1.46))          # never reached: only a longer schedule gives the ratio
+    assert not bench.long_run_needed(result(1.45))      # reached at step 200: the ratio comes from stage f
+    assert not bench.long_run_needed(result(1.2))
+    assert not bench.long_run_needed({"dflash": {"heldout": curve}})   # SpecForge not finished: not known yet
+    assert not bench.long_run_needed({})
 
 
 def test_a_resumed_call_must_keep_the_recipe(bench):
