@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -85,6 +86,8 @@ class SeaweedServer:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         self.proc: subprocess.Popen | None = None
         self.started = False
+        # a fault test stops the server from inside a client call, which a fetch makes from several threads at once
+        self._stopping = threading.Lock()
 
     def env(self, **overrides: str) -> dict[str, str]:
         """The standard AWS variables a client reads (obstore reads exactly these); `overrides` replace some."""
@@ -163,11 +166,13 @@ class SeaweedServer:
         return topo.get("Max", 0) > 0
 
     def stop(self) -> None:
-        """SIGKILL (what a crashed server looks like to the clients) and wait."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        self.proc = None
+        """SIGKILL (what a crashed server looks like to the clients) and wait; a caller that comes while another
+        stops it returns once the server is gone."""
+        with self._stopping:
+            if self.proc is not None and self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            self.proc = None
 
     def log_tail(self, n: int = 2000) -> str:
         p = self.root / "weed.log"
