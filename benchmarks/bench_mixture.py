@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common import machine_info, package_version  # noqa: E402
-from dflash.cache.reader import sample_contents  # noqa: E402
+from dflash.cache.reader import CacheReader, sample_contents  # noqa: E402
 
 TAPS = (1, 2)
 MAX_LEN = 256
@@ -78,7 +78,6 @@ def share_run(model: str, a: str, b: str, work: pathlib.Path, steps: int) -> dic
 
 
 def sweep_run(model: str, a: str, b: str, work: pathlib.Path, steps: int) -> dict:
-    from dflash.cache import CacheReader
     from dflash.cache.mixed import MixedReader
     from dflash.sweep.mixture import plan_uses
     from dflash.sweep.runner import run_sweep
@@ -135,7 +134,9 @@ def main() -> None:
         extract(model, [b], work / "cache_grown")  # the grow: only B named, A's settings from the cache
         extract_s = time.perf_counter() - t0
         grown, union = sample_contents(work / "cache_grown"), sample_contents(work / "cache_union")
-        growth = {"samples_a": len(sample_contents(work / "cache_a")), "samples_union": len(union),
+        with CacheReader(str(work / "cache_a")) as cache_a:
+            samples_a = len(cache_a)
+        growth = {"samples_a": samples_a, "samples_union": len(union),
                   "samples_grown": len(grown), "grown_equals_union": grown == union, "extract_seconds": extract_s}
         say(f"grown == union: {growth['grown_equals_union']} ({len(grown)} samples)")
         share = share_run(model, str(work / "cache_a"), str(work / "cache_b"), work, args.steps)

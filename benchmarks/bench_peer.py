@@ -1061,10 +1061,10 @@ def main(argv=None) -> dict:
         if args.stop_after == "generate":
             return result
         earlier_data = st.earlier.get("training_set")
+        long_stage = f"f_{long_run(args.dflash_time_epochs)}" if args.dflash_time_epochs else None
         # a session with only SpecForge left rebuilds its file from the kept indices (seconds, not minutes); one
         # with the longer dflash run still to train needs dflash's file too
-        long_left = (bool(args.dflash_time_epochs) and not st.done(f"f_{long_run(args.dflash_time_epochs)}")
-                     and long_run_needed(st.earlier))
+        long_left = long_stage is not None and not st.done(long_stage) and long_run_needed(st.earlier)
         only_specforge = (st.done("d_training_set") and all(st.done(n) for n in dflash_stages(args))
                           and "kept_indices" in st.earlier["stage_out"]["d_training_set"]
                           and args.train_source != "regen" and not long_left)
@@ -1182,11 +1182,11 @@ def main(argv=None) -> dict:
                 return result
         if args.stop_after == "specforge":
             return result
-        if args.dflash_time_epochs and (st.done(f"f_{long_run(args.dflash_time_epochs)}") or long_run_needed(result)):
+        if long_stage is not None and (st.done(long_stage) or long_run_needed(result)):
             n = args.dflash_time_epochs
-            if not st.done(f"f_{long_run(n)}"):
+            if not st.done(long_stage):
                 train_cache()
-            result["dflash_long"] = {"epochs": n, **train_stage(f"f_{long_run(n)}", lambda: dflash_side(
+            result["dflash_long"] = {"epochs": n, **train_stage(long_stage, lambda: dflash_side(
                 args, model=model, work=work, recipe=recipe, data=data, device=device, dtype=dtype, epochs=n))}
             scored(long_run(n), result_long_drafter(work, n))
         summarise(result)

@@ -259,7 +259,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     beside = json.loads(pathlib.Path(args.beside).read_text()) if args.beside else None
     allowed = os.sched_getaffinity(0)
-    server_cpus, client_cpus = split_cores(allowed, core_siblings(allowed)) if args.split_cores else (None, None)
+    siblings = core_siblings(allowed)
+    server_cpus, client_cpus = split_cores(allowed, siblings) if args.split_cores else (None, None)
     if client_cpus is not None:
         # before the imports: numpy's BLAS starts its threads when loaded, and every thread starts on the cores of
         # the one that made it (the server's own are set where it is spawned)
@@ -367,7 +368,7 @@ def main() -> None:
                 step()
         pool.shutdown()
         cpus = {"client_threads": thread_cpus(os.getpid()), "server_threads": thread_cpus(server.proc.pid),
-                "process_at_start": sorted(allowed), "cores": sorted(set(core_siblings(allowed).values()))}
+                "process_at_start": sorted(allowed), "cores": sorted(set(siblings.values()))}
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)

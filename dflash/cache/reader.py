@@ -392,10 +392,10 @@ def sample_contents(path: str) -> dict:
     """sample id -> (input_ids, loss_mask, hidden bit pattern) as bytes, for every sample of the cache at `path`:
     what two caches must hold alike to be the same cache (a grown cache against the union's, say). Reading
     checks every chunk's crc32c."""
-    r = CacheReader(str(path))
     out = {}
-    for i in range(len(r)):
-        s = r.read(i)
-        out[s.sample_id] = (s.input_ids.tobytes(), s.loss_mask.tobytes(),
-                            s.hidden.view(torch.uint16).numpy().tobytes())
+    with CacheReader(str(path)) as r:
+        for i in range(len(r)):
+            s = r.read(i)
+            out[s.sample_id] = (s.input_ids.tobytes(), s.loss_mask.tobytes(),
+                                s.hidden.view(torch.uint16).numpy().tobytes())
     return out
