@@ -620,6 +620,17 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
                  "{stage_out[h_eval_untrained_humaneval].tau:.3f}", target="SpecForge's final MT-Bench tau >= 1.5",
         note="no SpecForge run at this point: the held-out curve is flat over the last 300 steps, so the 10x "
              "comparison trains 2 epochs ({versions.device})"),
+    Fig(id="peer-x10-dflash", what="dflash at 2 epochs of the 10x set (11,736 conversations, 2,934 steps), held-out "
+        "tau MT-Bench / HumanEval", file="peer_specforge_h200.json",
+        value="{dflash_seed_spread.mtbench.mean:.3f} / {dflash_seed_spread.humaneval.mean:.3f} (3 seeds: spread "
+              "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}% / "
+              "{=100*j('dflash_seed_spread.humaneval.max_minus_min_over_mean'):.1f}%); sequence normalization "
+              "{variant_effects.sequence.mtbench.tau:.3f} / {variant_effects.sequence.humaneval.tau:.3f}; full blocks "
+              "{variant_effects.fullblocks.mtbench.tau:.3f} / {variant_effects.fullblocks.humaneval.tau:.3f}",
+        baseline="the untrained drafter {stage_out[h_eval_untrained_mtbench].tau:.3f} / "
+                 "{stage_out[h_eval_untrained_humaneval].tau:.3f}",
+        target="dflash >= SpecForge's final tau - 1% on both",
+        note="SpecForge's run (one seed, ~50 min) and the 8-sample-step variant come in later sessions"),
     Fig(id="peer-seqnorm", what="dflash train --loss-normalization sequence (SpecForge's per-sequence mean), MT-Bench, "
         "3 seeds", file="peer_seqnorm_probe_h200.json",
         value="{=join(j('probe.tau_mtbench_sequence'), '.3f', ' / ')}",
