@@ -30,8 +30,8 @@ compile_compare.speedup is compiled over eager. The peer-style run is eager, as 
 --compile-layers (ExtractConfig.compile_layers, default off) runs each decoder layer whole under torch.compile in
 place of the compiled chains; --compare-compile-layers times the forward-only pass once more with it flipped
 (compile_layers_compare.speedup: layers compiled whole over the chains compiled; an FLA kernel that dynamo
-cannot trace is recorded as the compare's error). Next on the H200: extract --storage fp8 --peer-tokens 0
---compare-compile-layers (issue 20: the fp8 run is forward-bound at 0.98 of forward-only, 12,074 tok/s).
+cannot trace is recorded as the compare's error). --storage none skips the extractions, so a compare alone fits
+one call: --storage none --tokens 300000 --peer-tokens 0 --compare-compile-layers --result-name h200_compile_layers.
 
 The 27B-shape target has random weights built directly on the GPU: a 54 GB checkpoint cannot be written to
 the 64 GB disk beside the cache, so `load_target` is replaced by a function returning that model (with the
@@ -176,8 +176,9 @@ class ForwardTimeline:
                 "between_forwards_s": span_s - forward_s}
 
 
-def forward_only(cfg, model, device) -> tuple[float, int, int, int]:
-    """Seconds, real tokens, padded tokens and distinct batch sizes of the same planned batches, forward only."""
+def forward_only(cfg, model, device, *, progress: bool = False) -> tuple[float, int, int, int]:
+    """Seconds, real tokens, padded tokens and distinct batch sizes of the same planned batches, forward only.
+    progress: a line per batch with the time so far (a compiling pass: a call cut inside it shows how far it got)."""
     from dflash.extract.preflight import build_preflight
     from dflash.target.forward import TappedForward
 
@@ -195,9 +196,12 @@ def forward_only(cfg, model, device) -> tuple[float, int, int, int]:
     padded = sum(b.padded_tokens for b in batches)
     sync(device)
     t = time.perf_counter()
-    for x in inputs:
+    for i, x in enumerate(inputs):
         out = tapped(x.to(device, non_blocking=True))
         del out
+        if progress:
+            sync(device)
+            print(f"  batch {i + 1}/{len(inputs)} {tuple(x.shape)}: {time.perf_counter() - t:.1f} s", flush=True)
     sync(device)
     return time.perf_counter() - t, real, padded, len({len(b.members) for b in batches})
 
@@ -219,7 +223,8 @@ def compare_compile_layers(model, layers, layers_on: bool, chains_on: bool, real
         else:
             restore_elementwise(model)
             compile_decoder_layers(layers)
-            first_s = timed_pass()
+            print("compiling the decoder layers whole: the first pass", flush=True)
+            first_s = timed_pass(progress=True)
         flip_s = timed_pass()
     except Exception as e:  # noqa: BLE001  (an FLA kernel dynamo cannot trace is a finding, not the end of the run)
         return {"error": error_line(e),
@@ -314,7 +319,8 @@ def peer_style(model, jsonl: pathlib.Path, out_dir: pathlib.Path, taps, device, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=400_000, help="real tokens per measured extraction")
-    p.add_argument("--storage", default="bf16,fp8", help="comma-separated storage dtypes to measure")
+    p.add_argument("--storage", default="bf16,fp8", help="comma-separated storage dtypes to measure; none: no "
+                   "extraction, the forward-only pass and the compares alone (so a compare fits one call)")
     p.add_argument("--batch-tokens", type=int, default=32768, help="extract token budget per forward")
     p.add_argument("--peer-tokens", type=int, default=100_000, help="tokens for the peer-style run (0 = skip)")
     p.add_argument("--peer-batch-size", type=int, default=4, help="peer-style samples per padded batch")
@@ -393,15 +399,19 @@ def main() -> None:
 
     quiet = lambda *_: None  # noqa: E731
     # Warm-up: Triton autotuning, cuBLAS heuristics, allocator growth (not timed).
-    run_rank(cfg_for(warm, "bf16", work / "warm_cache"), echo=quiet)
-    shutil.rmtree(work / "warm_cache")
+    storages = [] if args.storage == "none" else args.storage.split(",")
+    if storages:
+        run_rank(cfg_for(warm, "bf16", work / "warm_cache"), echo=quiet)
+        shutil.rmtree(work / "warm_cache")
     warm_s, _, _, _ = forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)
     timeline.take()
     print(f"warm-up forward pass over the measured batches: {warm_s:.1f} s", flush=True)
 
-    taps = None
+    from dflash.extract.preflight import build_preflight
+
+    taps = build_preflight(cfg_for(data, "bf16", work / "fo_cache"), world_size=1).fingerprint.tap_layer_ids
     results = {}
-    for storage in args.storage.split(","):
+    for storage in storages:
         out = work / f"cache_{storage}"
         os.sync()
         t = time.perf_counter()
@@ -410,10 +420,6 @@ def main() -> None:
         forwards = timeline.take()
         os.sync()
         secs = time.perf_counter() - t
-        from dflash.cache import CacheReader
-
-        reader = CacheReader(out)
-        taps = reader.tap_layer_ids
         on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         results[storage] = {"seconds": secs, "tokens": res.num_tokens, "tok_s_end_to_end": res.num_tokens / secs,
                             "tok_s": res.num_tokens / (secs - res.setup_seconds),
@@ -471,7 +477,8 @@ def main() -> None:
                         "speedup": eager_s / fc_s, "first_pass_s": first_s,
                         "flipped_to": "eager" if compiled else "compiled"}
     layers_cmp = compare_compile_layers(model, layers, layers_on, compiled, real, fo_s,
-                                        lambda: forward_only(cfg_for(data, "bf16", work / "fo_cache"), model, device)[0]
+                                        lambda **k: forward_only(cfg_for(data, "bf16", work / "fo_cache"), model,
+                                                                 device, **k)[0]
                                         ) if args.compare_compile_layers else None
     restore_decoder_layers(layers)
     restore_elementwise(model)  # the peer-style run below is HF's eager forward, as the peers run it

@@ -329,7 +329,10 @@ section("Extraction", "The 27B target shape (Qwen3.5-27B, random weights) on one
         baseline="forward-only run of the same batches", target=">= 0.97 and MFU >= 0.80",
         device="{h100_run.machine.device}", date="{h100_run.date}", command="{h100_run.command}",
         note="the call ended (its 540 s limit) before the compiled-layers compare; the warm-up pass took "
-             "{h100_run.warm_forward_pass_s:.0f} s"),
+             "{h100_run.warm_forward_pass_s:.0f} s. Another H100 ({h100_rerun.date}): {h100_rerun.fp8_tok_s:,.0f} "
+             "tok/s = {h100_rerun.fp8_ratio_vs_forward_only:.3f} of forward-only, MFU {h100_rerun.fp8_mfu:.3f} of "
+             "the measured {=j('h100_rerun.matmul_peak_flops')/1e12:.0f}T (forward-only "
+             "{h100_rerun.forward_only_mfu:.3f})"),
     Fig(id="extract-compiled-chains", what="27B forward only, compiled vs eager Qwen3.5 norm/gate chains, same batches",
         file="extract_h200.json",
         value="{earlier_run.compile_compare.forward_only_tok_s:,.0f} vs {earlier_run.compile_compare.eager_forward_only_tok_s:,.0f} "
