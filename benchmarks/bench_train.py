@@ -160,15 +160,28 @@ KERNEL_KINDS = (  # (kind, name fragments), first match wins; names of CUDA kern
 )
 
 
+# torch.profiler's own ranges on the GPU timeline (the optimizer's step, the profiler's steps): each spans kernels
+# that are counted themselves, so counting the range too would count its time twice
+ANNOTATION_PREFIXES = ("Optimizer.", "ProfilerStep#")
+
+
+def is_annotation(event) -> bool:
+    return bool(getattr(event, "is_user_annotation", False)) or event.key.startswith(ANNOTATION_PREFIXES)
+
+
 def kernel_summary(prof, *, steps: int, wall_s: float) -> dict:
     """GPU time per optimizer step by kernel kind and the top kernels, from a torch.profiler run of `steps`
     steps that took `wall_s`: where a step's time goes, and how much of it the GPU sits idle."""
+    return summarize_events(prof.key_averages(), steps=steps, wall_s=wall_s)  # aggregates the whole trace: once
+
+
+def summarize_events(events, *, steps: int, wall_s: float) -> dict:
+    """kernel_summary from the profiler's averaged events (FunctionEventAvg): kernels only, ranges left out."""
     from torch.autograd import DeviceType
 
-    events = prof.key_averages()  # aggregates the whole trace: once
     rows = []
     for e in events:
-        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0:
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0 and not is_annotation(e):
             rows.append({"kernel": e.key[:160], "ms_per_step": e.self_device_time_total / 1e3 / steps,
                          "calls_per_step": e.count / steps})
     rows.sort(key=lambda r: -r["ms_per_step"])
