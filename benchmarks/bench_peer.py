@@ -244,6 +244,18 @@ def long_run_needed(result: dict) -> bool:
     return target is not None and bool(heldout) and first_at_or_above(heldout, target) is None
 
 
+ZLAB_AFTER_SPECFORGE_S = 60
+"""Seconds before --specforge-deadline that SpecForge's load check and z-lab's loop need (~70-80 s with the call's
+last 40 s): a run that finishes later leaves them to the next call."""
+
+
+def room_after_specforge(deadline: float | None, elapsed: float) -> bool:
+    """Whether the call that saw SpecForge finish `elapsed` seconds in also has time for its load check and z-lab's
+    loop before the call's limit (run_h200.sh peerx: the limit is the deadline + 40 s). Its `dflash eval` scores
+    (seconds) come first either way; the drafter then lives only on the machine until the next call."""
+    return deadline is None or elapsed <= deadline - ZLAB_AFTER_SPECFORGE_S
+
+
 def extract_train(args, *, model: str, work: pathlib.Path, device: str, dtype: str) -> dict:
     """Stage f_extract: `dflash extract` of the training set (--dflash-storage), its wall time the first part of
     stage f's (a stage of its own so that f's training fits one call at --scale x10)."""
@@ -1170,6 +1182,12 @@ def main(argv=None) -> dict:
             else:
                 result.setdefault("specforge_seeds", {})[str(seed)] = out
             scored(who, out["drafter"])
+            zlab_now = seed is None and not st.done("i_zlab_specforge")
+            if zlab_now and args.one_run and fresh and not room_after_specforge(args.specforge_deadline,
+                                                                               time.perf_counter() - bq.T0):
+                log("SpecForge finished late in the call: its load check and z-lab's loop in the next call (before "
+                    "the session ends: its drafter is only on this machine)")
+                return result
             if seed is None:
                 result["loading"]["specforge"] = st.run("h_load_specforge", lambda: load_check(out["drafter"]))
                 zlab["specforge"] = st.run("i_zlab_specforge", lambda: zlab_stage(
@@ -1178,7 +1196,7 @@ def main(argv=None) -> dict:
             # one SpecForge run (~5 min) per call: two do not fit the 10-minute limit
             if args.stop_after == "specforge" and fresh and seed != sf_seeds[-1]:
                 return result
-            if args.one_run and fresh:
+            if args.one_run and (fresh or zlab_now):   # a call that trained or scored SpecForge's drafter ends
                 return result
         if args.stop_after == "specforge":
             return result

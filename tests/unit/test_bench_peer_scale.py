@@ -171,6 +171,15 @@ def test_the_longer_run_trains_only_when_the_same_steps_run_ends_below_specforge
     assert not bench.long_run_needed({})
 
 
+def test_a_late_specforge_finish_leaves_its_load_check_and_zlab_loop_to_the_next_call(bench):
+    """run_h200.sh peerx: the call's limit is the deadline + 40 s; the load check and z-lab's loop take ~70-80 s."""
+    assert bench.room_after_specforge(530.0, 400.0)
+    assert bench.room_after_specforge(530.0, 470.0)
+    assert not bench.room_after_specforge(530.0, 471.0)
+    assert not bench.room_after_specforge(290.0, 300.0)        # a session's last call, shortened by LIMIT
+    assert bench.room_after_specforge(None, 10_000.0)         # no deadline (CPU, or a call without one)
+
+
 def test_a_resumed_call_must_keep_the_recipe(bench):
     a = bench.parse_args(["--scale", "x10", "--epochs", "1"])
     earlier = {"config": {"scale": "x10", "epochs": 1, "train_prompts": 12000, "dflash_storage": "fp8"}}
