@@ -53,9 +53,21 @@ def command(spec, caches, model, output, gpus, eval_cache, approximate, eval_lim
         from dflash.train.interrupted import sweep_interrupted_text
         return sweep_interrupted_text(output, command=command_line("--resume"))
 
-    with exits_on_interrupt(describe):
-        res = run_sweep(s, output=output, gpus=gpus, eval_cache=eval_cache, approximate=approximate, resume=resume,
-                        device=None if device == "auto" else device, eval_limit=eval_limit)
+    from dflash.train.terminate import EXIT_TERMINATED, SweepTerminated
+
+    try:
+        with exits_on_interrupt(describe):
+            res = run_sweep(s, output=output, gpus=gpus, eval_cache=eval_cache, approximate=approximate,
+                            resume=resume, device=None if device == "auto" else device, eval_limit=eval_limit)
+    except SweepTerminated:
+        from cli.interrupt import close_progress_bars
+        from dflash.train.interrupted import sweep_interrupted_text
+
+        close_progress_bars()
+
+        click.echo(sweep_interrupted_text(output, command=command_line("--resume"), why="stopped by SIGTERM"),
+                   err=True)
+        raise SystemExit(EXIT_TERMINATED) from None
     from dflash.train.metrics import describe_final_loss
 
     for row in res.rows:

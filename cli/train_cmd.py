@@ -159,9 +159,14 @@ def command(caches, cache_weights, init_from, model, output, config_path, gpus, 
 
     with exits_on_interrupt(describe):
         result = launch(cfg, resume=resume, device=dev, gpus=gpus)
-    if result is None:
-        click.echo(f"training finished; run folder {cfg.output}")
-    elif result.finished:
+    if result.terminated:
+        from dflash.train import checkpoint as ckpt
+        from dflash.train.terminate import EXIT_TERMINATED
+
+        click.echo(f"stopped by SIGTERM at step {result.global_step}/{result.total_steps}; checkpoint "
+                   f"{ckpt.latest_checkpoint(cfg.output)}; continue with: {command_line('--resume')}", err=True)
+        raise SystemExit(EXIT_TERMINATED)
+    if result.finished:
         from dflash.train.metrics import describe_final_loss
 
         # A --resume of an already finished run runs no step, so there is no new loss to show.

@@ -9,6 +9,8 @@ parent: a DflashError as the same class with "rank R: " before its message (the 
 other exception as RankFailedError carrying the child's formatted traceback, a rank that died without a
 word (signal, os._exit) as RankFailedError naming its exit code. Each child asks the kernel to kill it when
 the parent dies (Linux PR_SET_PDEATHSIG), so no orphan keeps writing into a cache or run folder.
+A SIGTERM to the parent (a scheduler's limit, `kill`) is passed on to every rank, and the parent goes on
+waiting: a rank that stops cleanly on it (dflash.train.terminate) reports as usual, one that does not dies with it.
 `emit(obj)` sends a message to the parent's on_message(rank, obj) (extraction relays rank 0's report lines).
 Tradeoff: results and messages travel through one multiprocessing queue, so they must pickle and should be
 small; tensors go through the process group, not through here.
@@ -23,6 +25,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -119,6 +122,10 @@ def spawn(fn: Callable, nprocs: int, *, args: tuple = (), on_message: Callable[[
              for r in range(nprocs)]
     for p in procs:
         p.start()
+    forward = threading.current_thread() is threading.main_thread() \
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if forward:
+        signal.signal(signal.SIGTERM, lambda *_: [os.kill(p.pid, signal.SIGTERM) for p in procs if p.is_alive()])
     results: dict[int, Any] = {}
     failure: BaseException | None = None
     try:
@@ -155,6 +162,8 @@ def spawn(fn: Callable, nprocs: int, *, args: tuple = (), on_message: Callable[[
             _stop(procs)
         for p in procs:
             p.join()
+        if forward:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if failure is not None:
         raise failure
     return [results[r] for r in range(nprocs)]

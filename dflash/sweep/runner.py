@@ -158,6 +158,7 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     from dflash.train.distributed import DistInfo
     from dflash.train.driver import Stream, build_unit, run_stream
     from dflash.train.setup import prepare_run_dir, setup_target
+    from dflash.train.terminate import SweepTerminated, TermSignal
 
     t0 = time.perf_counter()
     dev = torch.device(device)
@@ -189,8 +190,12 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
         if mixture is None:
             # online is a stream field: one live target computes the group's tap union
             online = live_taps(first, union, reader=reader, device=dev)
-            run_stream(units, Stream(reader=reader, taps=union, info=info, compute_dtype=target.compute_dtype,
-                                     cfg=first, online=online))
+            with TermSignal() as term:
+                streamed = run_stream(units, Stream(reader=reader, taps=union, info=info,
+                                                    compute_dtype=target.compute_dtype, cfg=first, online=online,
+                                                    terminate=lambda: term.raised))
+            if streamed.terminated and not all(u.finished for u in units):
+                raise SweepTerminated(f"group {index} stopped by SIGTERM at step {streamed.pos.global_step}")
             runs_done = runs
         else:
             runs_done = mixture.pop("runs")

@@ -71,14 +71,54 @@ def barrier(info: DistInfo) -> None:
             dist.barrier()
 
 
-def _call(rank: int, emit, fn: Callable, args: tuple) -> None:
-    fn(*args)
+class AgreedFlag:
+    """A flag any rank may raise (a SIGTERM reached it) that every rank sees at the same step: poll() once per step
+    on every rank starts an all-reduce (max) of this rank's flag and answers from the one the previous poll
+    started. So the answer lags one step, and the host never waits for the step in flight: on CUDA the previous
+    answer was copied to pinned memory behind the previous step's work, which has ended by the next step's
+    poll. A world of one answers with its own flag at once."""
+
+    def __init__(self, info: DistInfo) -> None:
+        self.info = info
+        self._pending: tuple[torch.Tensor, Any] | None = None
+        cuda = info.device.type == "cuda"
+        self._host = [torch.zeros(1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._polls = 0
+
+    def poll(self, raised: bool) -> bool:
+        if not self.info.enabled:
+            return raised
+        answer = False
+        if self._pending is not None:
+            host, done = self._pending
+            if done is not None:
+                done.synchronize()
+            answer = bool(host.item())
+        flag = torch.full((1,), int(raised), dtype=torch.int32, device=self.info.device)  # a fill: no host copy
+        host = self._host[self._polls % 2]
+        self._polls += 1
+        if self.info.device.type == "cuda":
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True).wait()  # the stream waits, not the host
+            host.copy_(flag, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            host.copy_(flag)
+            done = None
+        self._pending = (host, done)
+        return answer
 
 
-def spawn_local(fn: Callable, nprocs: int, args: tuple = ()) -> None:
+def _call(rank: int, emit, fn: Callable, args: tuple) -> Any:
+    return fn(*args)
+
+
+def spawn_local(fn: Callable, nprocs: int, args: tuple = ()) -> list[Any]:
     """Run fn(*args) in `nprocs` fresh processes with the torchrun environment set (dflash.procs.spawn: the
-    first failing rank stops the others and is raised here). fn must be importable (a module-level function)."""
-    spawn(_call, nprocs, args=(fn, args), name="dflash-train")
+    first failing rank stops the others and is raised here); returns their results in rank order. fn must be
+    importable (a module-level function) and its result must pickle."""
+    return spawn(_call, nprocs, args=(fn, args), name="dflash-train")
 
 
 def under_launcher() -> bool:

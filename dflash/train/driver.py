@@ -58,6 +58,9 @@ class Stream:
     the first unit's config; a sweep's units agree on them (sweep.spec.STREAM_FIELDS)."""
     online: "OnlineTaps | None" = None
     """The live target that computes the taps of every micro-batch (--online); None = read them from the cache."""
+    terminate: "Callable[[], bool] | None" = None
+    """Polled once a step on every rank: True = stop at this step and checkpoint (a SIGTERM that every rank agrees
+    on: train.terminate); None = never."""
 
 
 class BatchSource(Protocol):
@@ -90,6 +93,8 @@ class StreamResult:
     """Where the stream stopped (None: every unit had finished before it started)."""
     steps: int
     """Optimizer steps this call ran."""
+    terminated: bool = False
+    """Stopped (and checkpointed) because Stream.terminate said so."""
 
 
 def build_unit(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo, state: dict[str, Any] | None,
@@ -202,7 +207,7 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
     costs = plan_costs(lengths, reader.index.num_loss_tokens, plan_version=plan_version)
     pending = [u for u in units if not u.finished]
     pos = min((u.pos for u in pending), key=lambda p: p.global_step, default=None)
-    steps, stop = 0, False
+    steps, stop, terminated = 0, False, False
     pin = info.device.type == "cuda"
     while pos is not None and not stop and any(not u.finished for u in units):
         plan = config_plan(cfg, lengths, epoch=pos.epoch, world_size=info.world_size, costs=costs,
@@ -240,13 +245,14 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
                         u.micro_batch(mb if filled is None else filled[u.cfg.online_storage])
                 pos = ckpt.DataPosition(epoch=epoch, step_in_epoch=step_in_epoch + 1, global_step=pos.global_step + 1)
                 steps += 1
-                stop = cfg.stop_after_steps is not None and steps >= cfg.stop_after_steps
+                terminated = stream.terminate is not None and stream.terminate()
+                stop = terminated or (cfg.stop_after_steps is not None and steps >= cfg.stop_after_steps)
                 step_tokens = sum(int(lengths[mb_].sum()) for mb_ in plan.steps[step_in_epoch])
                 mix = step_mix(reader, plan.steps[step_in_epoch])
                 logged = False
                 for u in active:
                     logged |= u.end_step(pos, step_tokens=step_tokens, stall_s=lambda: loader.stats.wait_s,
-                                         stop=stop, mix=mix)
+                                         stop=stop, mix=mix, evaluate_at_stop=not terminated)
                     if u.finished:
                         u.export()
                 if logged:
@@ -255,4 +261,4 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
                     break
         if not stop and pos.step_in_epoch >= plan.num_steps:
             pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
-    return StreamResult(pos=pos, steps=steps)
+    return StreamResult(pos=pos, steps=steps, terminated=terminated)

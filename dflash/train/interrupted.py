@@ -69,8 +69,9 @@ def can_resume(run_dir: str | pathlib.Path) -> bool:
     return (pathlib.Path(run_dir) / "config.json").exists()
 
 
-def sweep_interrupted_text(output: str | pathlib.Path, *, command: str) -> str:
-    """The message of `dflash sweep` after Ctrl-C: each run of OUTPUT/runs/ on its own line."""
+def sweep_interrupted_text(output: str | pathlib.Path, *, command: str, why: str = "interrupted") -> str:
+    """The message of `dflash sweep` after Ctrl-C (or SIGTERM: why="stopped by SIGTERM"): each run of
+    OUTPUT/runs/ on its own line."""
     runs = sorted(p for p in (pathlib.Path(output) / "runs").glob("*") if p.is_dir())
     lines = [f"  {p.name}: {run_state(p)}" for p in runs]
-    return "\n".join(["interrupted; the runs of the sweep:", *lines, f"resume with: {command}"])
+    return "\n".join([f"{why}; the runs of the sweep:", *lines, f"resume with: {command}"])

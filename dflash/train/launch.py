@@ -26,18 +26,18 @@ def _setup_logging() -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
-def _worker(cfg_json: dict, resume: bool, device: str | None) -> None:
+def _worker(cfg_json: dict, resume: bool, device: str | None) -> TrainResult:
     _setup_logging()
     if torch.distributed.is_available():
         import os
 
         if os.environ.get("RANK", "0") != "0":
             logging.getLogger().setLevel(logging.WARNING)  # one rank speaks
-    train(config_from_dict(cfg_json), resume=resume, device=device)
+    return train(config_from_dict(cfg_json), resume=resume, device=device)
 
 
-def launch(cfg: TrainConfig, *, resume: bool, device: str | None, gpus: int) -> TrainResult | None:
-    """Train; returns the result in-process, or None when it ran in spawned workers (see the run folder)."""
+def launch(cfg: TrainConfig, *, resume: bool, device: str | None, gpus: int) -> TrainResult:
+    """Train, in this process or in spawned workers; returns (rank 0's) result."""
     _setup_logging()
     if gpus == 1 or under_launcher():
         if gpus > 1:
@@ -48,5 +48,4 @@ def launch(cfg: TrainConfig, *, resume: bool, device: str | None, gpus: int) -> 
         raise ConfigError(f"--gpus {gpus}: only {torch.cuda.device_count()} CUDA devices are visible")
     if not use_cuda:
         log.info("--gpus %d without CUDA: spawning %d CPU processes with the gloo backend", gpus, gpus)
-    spawn_local(_worker, gpus, (cfg.to_json(), resume, device))
-    return None
+    return spawn_local(_worker, gpus, (cfg.to_json(), resume, device))[0]

@@ -14,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflash.train.config import TrainConfig
-from dflash.train.distributed import DistInfo, barrier, destroy_distributed, init_distributed
+from dflash.train.distributed import AgreedFlag, DistInfo, barrier, destroy_distributed, init_distributed
 from dflash.train.driver import Stream, build_unit, run_stream
 from dflash.train.interrupted import StepInterrupted
 from dflash.train.online import live_taps
 from dflash.train.setup import prepare_run_dir, setup_target
+from dflash.train.terminate import TermSignal
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class TrainResult:
     """The last metrics record this call wrote: metrics.describe_final_loss words it (None: no step logged)."""
     cache_bytes_read: int = 0
     """Hidden/scale bytes this process read from the cache (0 for an --online run: it reads ids and masks only)."""
+    terminated: bool = False
+    """Stopped by SIGTERM at global_step, with a checkpoint there (train.terminate)."""
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, device: str | None = None,
@@ -76,10 +79,13 @@ def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pa
                           progress=os.environ.get("DFLASH_NO_PROGRESS") != "1")
         # online: the live target computes the taps of every micro-batch; the cache gives only the tokens
         online = live_taps(cfg, unit.dc.target_layer_ids, reader=target.reader, device=info.device)
-        stream = Stream(reader=target.reader, taps=tuple(unit.dc.target_layer_ids), info=info,
-                        compute_dtype=target.compute_dtype, cfg=cfg, online=online)
+        agreed = AgreedFlag(info)
         try:
-            run_stream([unit], stream, before_step=before_step)
+            with TermSignal() as term:
+                stream = Stream(reader=target.reader, taps=tuple(unit.dc.target_layer_ids), info=info,
+                                compute_dtype=target.compute_dtype, cfg=cfg, online=online,
+                                terminate=lambda: agreed.poll(term.raised))
+                res = run_stream([unit], stream, before_step=before_step)
         except KeyboardInterrupt as e:  # Ctrl-C: tell the CLI the step reached (train.interrupted)
             if isinstance(e, StepInterrupted):
                 raise
@@ -90,5 +96,5 @@ def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pa
         target.reader.close()
     return TrainResult(run_dir=run_dir, global_step=unit.pos.global_step, total_steps=unit.total_steps,
                        finished=unit.finished, drafter_dir=unit.drafter_dir, last_loss=unit.last_loss,
-                       final_record=unit.last_record,
-                       cache_bytes_read=target.reader.bytes_read)
+                       final_record=unit.last_record, cache_bytes_read=target.reader.bytes_read,
+                       terminated=res.terminated and not unit.finished)

@@ -208,10 +208,12 @@ class DrafterUnit:
         return round(sum(visible_keys(anchors, block_size=B, attn=a) for a in attns) / len(attns))
 
     def end_step(self, pos: ckpt.DataPosition, *, step_tokens: int, stall_s: Callable[[], float],
-                 stop: bool = False, mix: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
+                 stop: bool = False, mix: tuple[np.ndarray, np.ndarray] | None = None,
+                 evaluate_at_stop: bool = True) -> bool:
         """All-reduce, clip, optimizer and scheduler step; log and checkpoint when due. Returns True if it logged.
         stall_s() gives the loader's wait time since its last reset (read only on log steps). mix: the step's
-        (samples, tokens) per cache (driver.step_mix) of a mixture run."""
+        (samples, tokens) per cache (driver.step_mix) of a mixture run. evaluate_at_stop=False: a stop for
+        SIGTERM checkpoints without the held-out evaluation (the grace before SIGKILL is short)."""
         cfg = self.cfg
         if mix is not None and self.mix_seen is not None:
             self.mix_seen += np.stack(mix)
@@ -230,7 +232,8 @@ class DrafterUnit:
         self.sink.advance()
         last = self.finished or stop
         logged = False
-        evaluate = self.heldout is not None and (pos.global_step % cfg.eval_every == 0 or last)
+        evaluate = self.heldout is not None and (pos.global_step % cfg.eval_every == 0
+                                                 or self.finished or (stop and evaluate_at_stop))
         if pos.global_step % cfg.log_every == 0 or last or evaluate:
             self._log(pos, stall_s(), heldout=self._evaluate() if evaluate else None)
             logged = True

@@ -57,10 +57,11 @@ def last_line(text: str) -> str:
     return [s for s in re.split(r"[\r\n]", text) if s.strip()][-1]
 
 
-def interrupt(tmp_path: Path, make, *, tries: int = 4) -> tuple[subprocess.Popen, str, int]:
+def interrupt(tmp_path: Path, make, *, tries: int = 4, send=None) -> tuple[subprocess.Popen, str, int]:
     """Start `make(attempt)` = (dflash args, ready(), done()) as a real process; once ready() holds, stop it,
-    and if done() does not hold yet (the run could finish on a fast poll's lag) send SIGINT, then let it go on.
-    Returns (process, stderr, attempt); retries with a fresh attempt when the run had finished."""
+    and if done() does not hold yet (the run could finish on a fast poll's lag) send SIGINT (or call send(p)),
+    then let it go on. Returns (process, stderr, attempt); retries with a fresh attempt when the run had
+    finished."""
     for attempt in range(tries):
         args, ready, done = make(attempt)
         err_path = tmp_path / f"err{attempt}"
@@ -75,7 +76,7 @@ def interrupt(tmp_path: Path, make, *, tries: int = 4) -> tuple[subprocess.Popen
             p.send_signal(signal.SIGSTOP)
             mid_run = p.poll() is None and not done()
             if mid_run:
-                p.send_signal(signal.SIGINT)
+                (send or (lambda q: q.send_signal(signal.SIGINT)))(p)
             p.send_signal(signal.SIGCONT)
             p.wait(timeout=300)
         if mid_run:
@@ -123,6 +124,53 @@ def test_train(tiny, tmp_path):
     assert "trained 60 steps" in _invoke(args)
 
 
+def _weights(drafter: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(drafter / "model.safetensors"))
+
+
+def _rank_pid(parent: subprocess.Popen, rank: int) -> int:
+    """The pid of `dflash train --gpus N`'s rank `rank`: its spawned children, started in rank order (the
+    multiprocessing resource tracker, also a child, runs another command)."""
+    kids = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+    ranks = sorted(int(k) for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes())
+    return ranks[rank]
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_train_sigterm(tiny, tmp_path, gpus):
+    """SIGTERM (a scheduler's time limit) to the one process, or to one rank of two: every rank stops at the same
+    step, which is checkpointed (no checkpoint was due: --save-every 1000), and the command exits 143 saying so;
+    the resume ends where an uninterrupted run ends, bit for bit."""
+    model, _, cache, _ = tiny
+
+    def args(run):
+        return ["train", "--cache", cache, "--model", model, "--output", str(run), *TINY, "--steps", "60",
+                "--save-every", "1000", "--log-every", "1", "--gpus", str(gpus)]
+
+    def make(attempt):
+        run = tmp_path / f"run{attempt}"
+        metrics = run / "metrics.jsonl"
+        return (args(run), lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
+                lambda: (run / "drafter").exists())
+    send = (lambda p: p.send_signal(signal.SIGTERM)) if gpus == 1 else \
+        (lambda p: os.kill(_rank_pid(p, 1), signal.SIGTERM))
+    p, err, attempt = interrupt(tmp_path, make, send=send)
+    run = tmp_path / f"run{attempt}"
+    assert p.returncode == 143, err[-3000:]
+    line = last_line(err)
+    m = re.match(r"stopped by SIGTERM at step (\d+)/60; checkpoint (.+?); continue with: ", line)
+    assert m, err[-3000:]
+    assert [c.name for c in _checkpoints(run)] == [f"step-{int(m[1]):08d}.pt"] and m[2] == str(_checkpoints(run)[0])
+    assert "Traceback" not in err
+    resume = _resume(line, "train")
+    assert resume == [*args(run), "--resume"]
+    assert "trained 60 steps" in _invoke(resume)
+    assert "trained 60 steps" in _invoke(args(tmp_path / "whole"))
+    a, b = _weights(run / "drafter"), _weights(tmp_path / "whole" / "drafter")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
 def test_sweep(tiny, tmp_path):
     model, _, cache, _ = tiny
     spec = tmp_path / "sweep.yaml"
@@ -144,6 +192,31 @@ def test_sweep(tiny, tmp_path):
     assert args[-1] == "--resume" and args[:-1] == make(attempt)[0]
     out = _invoke(args)
     assert "a: 60 steps" in out and "b: 60 steps" in out
+
+
+def test_sweep_sigterm(tiny, tmp_path):
+    """SIGTERM stops the group's runs at one step with a checkpoint each; the sweep exits 143 saying so."""
+    model, _, cache, _ = tiny
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(SWEEP.replace("save_every: 3", "save_every: 1000"))
+
+    def make(attempt):
+        out = tmp_path / f"sweep{attempt}"
+        return (["sweep", str(spec), "--cache", cache, "--model", model, "--output", str(out), "--device", "cpu"],
+                lambda: (out / "runs" / "b" / "metrics.jsonl").exists(), lambda: (out / "results.md").exists())
+    p, err, attempt = interrupt(tmp_path, make, send=lambda q: q.send_signal(signal.SIGTERM))
+    assert p.returncode == 143, err[-3000:]
+    lines = [s for s in re.split(r"[\r\n]", err) if s.strip()]
+    assert lines[-4] == "stopped by SIGTERM; the runs of the sweep:", err[-3000:]
+    out = tmp_path / f"sweep{attempt}"
+    steps = {_checkpoints(out / "runs" / name)[-1].name for name in "ab"}
+    assert len(steps) == 1                       # both runs of the one stream stopped at the same step
+    for name, line in zip("ab", lines[-3:-1]):
+        assert re.match(rf"  {name}: (at step \d+: )?newest checkpoint: step \d+ .*; nothing since it is lost$",
+                        line), line
+    assert "Traceback" not in err
+    res = _invoke(_resume(lines[-1], "sweep"))
+    assert "a: 60 steps" in res and "b: 60 steps" in res
 
 
 def test_generate(tiny, tmp_path):

@@ -32,7 +32,8 @@ def test_two_processes_match_one_process(assets, tmp_path, monkeypatch, accum_on
     two = tiny_config(output=str(tmp_path / "two"), grad_accum=accum_two, **common)
     r1 = launch(one, resume=False, device="cpu", gpus=1)
     assert r1 is not None and r1.finished
-    assert launch(two, resume=False, device="cpu", gpus=2) is None  # ran in 2 spawned processes
+    r2 = launch(two, resume=False, device="cpu", gpus=2)  # ran in 2 spawned processes: rank 0's result
+    assert r2.finished and r2.global_step == 5 and r2.drafter_dir == tmp_path / "two" / "drafter"
 
     l1 = [x for rec in read_metrics(tmp_path / "one") for x in rec["step_losses"]]
     l2 = [x for rec in read_metrics(tmp_path / "two") for x in rec["step_losses"]]
