@@ -10,7 +10,8 @@ other exception as RankFailedError carrying the child's formatted traceback, a r
 word (signal, os._exit) as RankFailedError naming its exit code. Each child asks the kernel to kill it when
 the parent dies (Linux PR_SET_PDEATHSIG), so no orphan keeps writing into a cache or run folder.
 A SIGTERM to the parent (a scheduler's limit, `kill`) is passed on to every rank, and the parent goes on
-waiting: a rank that stops cleanly on it (dflash.train.terminate) reports as usual, one that does not dies with it.
+waiting: a rank that stops cleanly on it (dflash.train.terminate) reports as usual; one that dies of it is raised
+as a DflashError saying so (one line from the CLI, not a crash report).
 `emit(obj)` sends a message to the parent's on_message(rank, obj) (extraction relays rank 0's report lines).
 Tradeoff: results and messages travel through one multiprocessing queue, so they must pickle and should be
 small; tensors go through the process group, not through here.
@@ -124,8 +125,15 @@ def spawn(fn: Callable, nprocs: int, *, args: tuple = (), on_message: Callable[[
         p.start()
     forward = threading.current_thread() is threading.main_thread() \
         and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    termed: list[bool] = []
+
+    def pass_on(*_) -> None:
+        termed.append(True)
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
     if forward:
-        signal.signal(signal.SIGTERM, lambda *_: [os.kill(p.pid, signal.SIGTERM) for p in procs if p.is_alive()])
+        signal.signal(signal.SIGTERM, pass_on)
     results: dict[int, Any] = {}
     failure: BaseException | None = None
     try:
@@ -144,6 +152,8 @@ def spawn(fn: Callable, nprocs: int, *, args: tuple = (), on_message: Callable[[
                         if code == 0:
                             failure = RankFailedError(f"rank {dead[0]} exited without sending its result "
                                                       "(a result must pickle; see its stderr)")
+                        elif code == -signal.SIGTERM and termed:
+                            failure = DflashError(f"stopped by SIGTERM: rank {dead[0]} ended with it")
                         else:
                             why = f"signal {-code}" if code < 0 else f"exit code {code}"
                             failure = RankFailedError(f"rank {dead[0]} died with {why} before reporting")

@@ -1,11 +1,15 @@
 """SIGTERM during training (dflash.train.terminate): the handler only records it; every rank learns of a SIGTERM
 that reached any one of them at the same step (AgreedFlag, with real gloo processes); and `dflash train --gpus N`'s
-parent passes a SIGTERM on to its ranks instead of dying (dflash.procs.spawn, real processes)."""
+parent passes a SIGTERM on to its ranks instead of dying, and a rank that dies of it is one line
+(dflash.procs.spawn, real processes)."""
 
 import os
 import signal
 import time
 
+import pytest
+
+from dflash.errors import DflashError
 from dflash.procs import spawn
 from dflash.train.distributed import AgreedFlag, destroy_distributed, init_distributed
 from dflash.train.terminate import TermSignal
@@ -69,3 +73,19 @@ def _term_parent_then_wait(rank, emit, folder):
 def test_the_launcher_passes_sigterm_on_to_every_rank(tmp_path):
     assert spawn(_term_parent_then_wait, 2, args=(str(tmp_path),)) == [True, True]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _term_parent_then_sleep(rank, emit, folder):
+    open(os.path.join(folder, f"ready-{rank}"), "w").close()
+    if rank == 0:
+        while len(os.listdir(folder)) < 2:
+            time.sleep(0.01)
+        os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(60)   # SIGTERM's default action ends it first
+
+
+def test_a_rank_that_dies_of_the_passed_on_sigterm_is_one_line(tmp_path):
+    t = time.monotonic()
+    with pytest.raises(DflashError, match=r"^stopped by SIGTERM: rank \d ended with it$"):
+        spawn(_term_parent_then_sleep, 2, args=(str(tmp_path),))
+    assert time.monotonic() - t < 40
