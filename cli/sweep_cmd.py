@@ -53,10 +53,10 @@ def command(spec, caches, model, output, gpus, eval_cache, approximate, eval_lim
         from dflash.train.interrupted import sweep_interrupted_text
         return sweep_interrupted_text(output, command=command_line("--resume"))
 
-    from dflash.train.terminate import EXIT_TERMINATED, SweepTerminated
+    from dflash.train.terminate import EXIT_TERMINATED, SweepTerminated, stop_on_sigterm
 
     try:
-        with exits_on_interrupt(describe):
+        with exits_on_interrupt(describe), stop_on_sigterm():
             res = run_sweep(s, output=output, gpus=gpus, eval_cache=eval_cache, approximate=approximate,
                             resume=resume, device=None if device == "auto" else device, eval_limit=eval_limit)
     except SweepTerminated:

@@ -157,7 +157,9 @@ def command(caches, cache_weights, init_from, model, output, config_path, gpus, 
         return train_interrupted_text(cfg.output, reached=getattr(interrupt, "global_step", None),
                                       command=command_line(*(["--resume"] if can_resume(cfg.output) else [])))
 
-    with exits_on_interrupt(describe):
+    from dflash.train.terminate import stop_on_sigterm
+
+    with exits_on_interrupt(describe), stop_on_sigterm():
         result = launch(cfg, resume=resume, device=dev, gpus=gpus)
     if result.terminated:
         from dflash.train import checkpoint as ckpt

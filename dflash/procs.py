@@ -123,15 +123,17 @@ def spawn(fn: Callable, nprocs: int, *, args: tuple = (), on_message: Callable[[
              for r in range(nprocs)]
     for p in procs:
         p.start()
-    forward = threading.current_thread() is threading.main_thread() \
-        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    before = signal.getsignal(signal.SIGTERM)
+    forward = threading.current_thread() is threading.main_thread() and before is not signal.SIG_IGN
     termed: list[bool] = []
 
-    def pass_on(*_) -> None:
+    def pass_on(signum, frame) -> None:
         termed.append(True)
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
+        if callable(before):   # a handler of the caller's (not the default action: the parent waits)
+            before(signum, frame)
     if forward:
         signal.signal(signal.SIGTERM, pass_on)
     results: dict[int, Any] = {}
@@ -173,7 +175,7 @@ def spawn(fn: Callable, nprocs: int, *, args: tuple = (), on_message: Callable[[
         for p in procs:
             p.join()
         if forward:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, before)
     if failure is not None:
         raise failure
     return [results[r] for r in range(nprocs)]

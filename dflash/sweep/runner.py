@@ -128,16 +128,18 @@ def run_groups_spawned(spec: SweepSpec, jobs: list[tuple[int, list[str]]], *, ou
 def _device_worker(index: int, emit, nprocs: int, device_type: str, cfgs: list[dict], names: list[str],
                    jobs: list, out: str, opts: dict) -> int:
     from dflash.train.config import config_from_dict
+    from dflash.train.terminate import stop_on_sigterm
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {device_type}{index} %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     device = f"cuda:{index}" if device_type == "cuda" else device_type
     runs = {n: RunSpec(name=n, config=config_from_dict(c), overrides={}) for n, c in zip(names, cfgs)}
     bytes_read = 0
-    for i, group_names in jobs:
-        if i % nprocs == index:
-            bytes_read += run_group(i, [runs[n] for n in group_names], output=pathlib.Path(out), device=device,
-                                    **opts)
+    with stop_on_sigterm():   # a rank process of `dflash sweep --gpus N` (dflash.train.terminate)
+        for i, group_names in jobs:
+            if i % nprocs == index:
+                bytes_read += run_group(i, [runs[n] for n in group_names], output=pathlib.Path(out),
+                                        device=device, **opts)
     return bytes_read
 
 
@@ -158,7 +160,7 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
     from dflash.train.distributed import DistInfo
     from dflash.train.driver import Stream, build_unit, run_stream
     from dflash.train.setup import prepare_run_dir, setup_target
-    from dflash.train.terminate import SweepTerminated, TermSignal
+    from dflash.train.terminate import SweepTerminated, sigterm_received
 
     t0 = time.perf_counter()
     dev = torch.device(device)
@@ -190,10 +192,9 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
         if mixture is None:
             # online is a stream field: one live target computes the group's tap union
             online = live_taps(first, union, reader=reader, device=dev)
-            with TermSignal() as term:
-                streamed = run_stream(units, Stream(reader=reader, taps=union, info=info,
-                                                    compute_dtype=target.compute_dtype, cfg=first, online=online,
-                                                    terminate=lambda: term.raised))
+            streamed = run_stream(units, Stream(reader=reader, taps=union, info=info,
+                                                compute_dtype=target.compute_dtype, cfg=first, online=online,
+                                                terminate=sigterm_received))
             if streamed.terminated and not all(u.finished for u in units):
                 raise SweepTerminated(f"group {index} stopped by SIGTERM at step {streamed.pos.global_step}")
             runs_done = runs

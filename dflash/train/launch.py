@@ -33,7 +33,10 @@ def _worker(cfg_json: dict, resume: bool, device: str | None) -> TrainResult:
 
         if os.environ.get("RANK", "0") != "0":
             logging.getLogger().setLevel(logging.WARNING)  # one rank speaks
-    return train(config_from_dict(cfg_json), resume=resume, device=device)
+    from dflash.train.terminate import stop_on_sigterm
+
+    with stop_on_sigterm():   # a rank process of `dflash train --gpus N` (dflash.train.terminate)
+        return train(config_from_dict(cfg_json), resume=resume, device=device)
 
 
 def launch(cfg: TrainConfig, *, resume: bool, device: str | None, gpus: int) -> TrainResult:

@@ -19,7 +19,7 @@ from dflash.train.driver import Stream, build_unit, run_stream
 from dflash.train.interrupted import StepInterrupted
 from dflash.train.online import live_taps
 from dflash.train.setup import prepare_run_dir, setup_target
-from dflash.train.terminate import TermSignal
+from dflash.train.terminate import sigterm_received
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,10 @@ def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pa
         online = live_taps(cfg, unit.dc.target_layer_ids, reader=target.reader, device=info.device)
         agreed = AgreedFlag(info)
         try:
-            with TermSignal() as term:
-                stream = Stream(reader=target.reader, taps=tuple(unit.dc.target_layer_ids), info=info,
-                                compute_dtype=target.compute_dtype, cfg=cfg, online=online,
-                                terminate=lambda: agreed.poll(term.raised))
-                res = run_stream([unit], stream, before_step=before_step)
+            stream = Stream(reader=target.reader, taps=tuple(unit.dc.target_layer_ids), info=info,
+                            compute_dtype=target.compute_dtype, cfg=cfg, online=online,
+                            terminate=lambda: agreed.poll(sigterm_received()))
+            res = run_stream([unit], stream, before_step=before_step)
         except KeyboardInterrupt as e:  # Ctrl-C: tell the CLI the step reached (train.interrupted)
             if isinstance(e, StepInterrupted):
                 raise

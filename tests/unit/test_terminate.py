@@ -11,8 +11,9 @@ import pytest
 
 from dflash.errors import DflashError
 from dflash.procs import spawn
+from train_helpers import tiny_cache, tiny_config, tiny_target
 from dflash.train.distributed import AgreedFlag, destroy_distributed, init_distributed
-from dflash.train.terminate import TermSignal
+from dflash.train.terminate import sigterm_received, stop_on_sigterm
 
 
 def _polls(rank, emit, raise_from):
@@ -35,13 +36,13 @@ def test_a_world_of_one_answers_with_its_own_flag_at_once():
 
 
 def test_the_handler_records_sigterm_and_is_removed_after():
-    with TermSignal() as term:
-        assert not term.raised
+    with stop_on_sigterm():
+        assert not sigterm_received()
         os.kill(os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 5
-        while not term.raised and time.monotonic() < deadline:
+        while not sigterm_received() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert term.raised                         # still alive: the handler took it
+        assert sigterm_received()                  # still alive: the handler took it
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
@@ -49,29 +50,37 @@ def test_a_handler_already_there_is_kept():
     seen = []
     old = signal.signal(signal.SIGTERM, lambda *_: seen.append(1))
     try:
-        with TermSignal() as term:
+        with stop_on_sigterm():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.2)
-        assert seen == [1] and not term.raised
+            assert seen == [1] and not sigterm_received()
     finally:
         signal.signal(signal.SIGTERM, old)
 
 
 def _term_parent_then_wait(rank, emit, folder):
-    with TermSignal() as term:
+    with stop_on_sigterm():
         open(os.path.join(folder, f"ready-{rank}"), "w").close()
         if rank == 0:   # once every rank has its handler
             while len(os.listdir(folder)) < 2:
                 time.sleep(0.01)
             os.kill(os.getppid(), signal.SIGTERM)
         deadline = time.monotonic() + 60
-        while not term.raised and time.monotonic() < deadline:
+        while not sigterm_received() and time.monotonic() < deadline:
             time.sleep(0.01)
-        return term.raised
+        return sigterm_received()
 
 
 def test_the_launcher_passes_sigterm_on_to_every_rank(tmp_path):
     assert spawn(_term_parent_then_wait, 2, args=(str(tmp_path),)) == [True, True]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_launcher_also_passes_it_to_a_handler_of_its_caller(tmp_path):
+    """`dflash train --gpus N`: the command's own handler is open in the parent while the ranks run."""
+    with stop_on_sigterm():
+        assert spawn(_term_parent_then_wait, 2, args=(str(tmp_path),)) == [True, True]
+        assert sigterm_received()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
@@ -89,3 +98,16 @@ def test_a_rank_that_dies_of_the_passed_on_sigterm_is_one_line(tmp_path):
     with pytest.raises(DflashError, match=r"^stopped by SIGTERM: rank \d ended with it$"):
         spawn(_term_parent_then_sleep, 2, args=(str(tmp_path),))
     assert time.monotonic() - t < 40
+
+
+def test_a_program_that_calls_train_itself_keeps_the_default_action(tmp_path, monkeypatch):
+    """A benchmark under `timeout` must still end at its limit: only the commands stop on SIGTERM."""
+    from dflash.train.trainer import train
+
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    target = tiny_target(tmp_path / "target")
+    cfg = tiny_config(cache=str(tiny_cache(tmp_path / "cache", target)), model=str(target), steps=3,
+                      output=str(tmp_path / "run"))
+    seen = []
+    assert train(cfg, device="cpu", before_step=lambda _s: seen.append(signal.getsignal(signal.SIGTERM))).finished
+    assert seen == [signal.SIG_DFL] * 3
