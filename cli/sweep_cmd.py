@@ -64,7 +64,6 @@ def command(spec, caches, model, output, gpus, eval_cache, approximate, eval_lim
         from dflash.train.interrupted import sweep_interrupted_text
 
         close_progress_bars()
-
         click.echo(sweep_interrupted_text(output, command=command_line("--resume"), why="stopped by SIGTERM"),
                    err=True)
         raise SystemExit(EXIT_TERMINATED) from None

@@ -195,7 +195,7 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
             streamed = run_stream(units, Stream(reader=reader, taps=union, info=info,
                                                 compute_dtype=target.compute_dtype, cfg=first, online=online,
                                                 terminate=sigterm_received))
-            if streamed.terminated and not all(u.finished for u in units):
+            if streamed.terminated:
                 raise SweepTerminated(f"group {index} stopped by SIGTERM at step {streamed.pos.global_step}")
             runs_done = runs
         else:

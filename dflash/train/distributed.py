@@ -80,33 +80,26 @@ class AgreedFlag:
 
     def __init__(self, info: DistInfo) -> None:
         self.info = info
-        self._pending: tuple[torch.Tensor, Any] | None = None
-        cuda = info.device.type == "cuda"
-        self._host = [torch.zeros(1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
-        self._polls = 0
+        self._pending: Any = None   # the previous poll's answer on CUDA: an event to wait for before reading _host
+        self._started = False
+        self._host = torch.zeros(1, dtype=torch.int32, pin_memory=info.device.type == "cuda")
 
     def poll(self, raised: bool) -> bool:
         if not self.info.enabled:
             return raised
-        answer = False
         if self._pending is not None:
-            host, done = self._pending
-            if done is not None:
-                done.synchronize()
-            answer = bool(host.item())
+            self._pending.synchronize()
+        answer = self._started and bool(self._host.item())   # read before this poll's copy overwrites it
+        self._started = True
         flag = torch.full((1,), int(raised), dtype=torch.int32, device=self.info.device)  # a fill: no host copy
-        host = self._host[self._polls % 2]
-        self._polls += 1
         if self.info.device.type == "cuda":
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True).wait()  # the stream waits, not the host
-            host.copy_(flag, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
+            self._host.copy_(flag, non_blocking=True)
+            self._pending = torch.cuda.Event()
+            self._pending.record()
         else:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            host.copy_(flag)
-            done = None
-        self._pending = (host, done)
+            self._host.copy_(flag)
         return answer
 
 

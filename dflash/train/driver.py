@@ -94,7 +94,7 @@ class StreamResult:
     steps: int
     """Optimizer steps this call ran."""
     terminated: bool = False
-    """Stopped (and checkpointed) because Stream.terminate said so."""
+    """Stopped (and checkpointed) because Stream.terminate said so, before every unit had finished."""
 
 
 def build_unit(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo, state: dict[str, Any] | None,
@@ -261,4 +261,4 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
                     break
         if not stop and pos.step_in_epoch >= plan.num_steps:
             pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)
-    return StreamResult(pos=pos, steps=steps, terminated=terminated)
+    return StreamResult(pos=pos, steps=steps, terminated=terminated and not all(u.finished for u in units))

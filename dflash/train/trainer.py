@@ -96,4 +96,4 @@ def _train_locked(cfg: TrainConfig, *, resume: bool, info: DistInfo, run_dir: pa
     return TrainResult(run_dir=run_dir, global_step=unit.pos.global_step, total_steps=unit.total_steps,
                        finished=unit.finished, drafter_dir=unit.drafter_dir, last_loss=unit.last_loss,
                        final_record=unit.last_record, cache_bytes_read=target.reader.bytes_read,
-                       terminated=res.terminated and not unit.finished)
+                       terminated=res.terminated)

@@ -58,13 +58,18 @@ def test_a_handler_already_there_is_kept():
         signal.signal(signal.SIGTERM, old)
 
 
+def _ready_then_term_parent(rank, folder):
+    """Rank 0 sends SIGTERM to the launcher once both ranks are ready (their handlers, if any, in place)."""
+    open(os.path.join(folder, f"ready-{rank}"), "w").close()
+    if rank == 0:
+        while len(os.listdir(folder)) < 2:
+            time.sleep(0.01)
+        os.kill(os.getppid(), signal.SIGTERM)
+
+
 def _term_parent_then_wait(rank, emit, folder):
     with stop_on_sigterm():
-        open(os.path.join(folder, f"ready-{rank}"), "w").close()
-        if rank == 0:   # once every rank has its handler
-            while len(os.listdir(folder)) < 2:
-                time.sleep(0.01)
-            os.kill(os.getppid(), signal.SIGTERM)
+        _ready_then_term_parent(rank, folder)
         deadline = time.monotonic() + 60
         while not sigterm_received() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -85,11 +90,7 @@ def test_the_launcher_also_passes_it_to_a_handler_of_its_caller(tmp_path):
 
 
 def _term_parent_then_sleep(rank, emit, folder):
-    open(os.path.join(folder, f"ready-{rank}"), "w").close()
-    if rank == 0:
-        while len(os.listdir(folder)) < 2:
-            time.sleep(0.01)
-        os.kill(os.getppid(), signal.SIGTERM)
+    _ready_then_term_parent(rank, folder)
     time.sleep(60)   # SIGTERM's default action ends it first
 
 
