@@ -36,7 +36,8 @@ def test_missing_and_damaged_parts_are_named_and_refused(tmp_path):
     m = parts.split_file(src, tmp_path / "p", part_bytes=1000)
     (tmp_path / "p" / "f.part-000").unlink()
     damaged = tmp_path / "p" / "f.part-002"
-    damaged.write_bytes(b"y" + damaged.read_bytes()[1:])
+    data = damaged.read_bytes()
+    damaged.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])   # always a change (a fixed byte was one in 256)
     assert parts.missing_parts(m, tmp_path / "p") == ["f.part-000", "f.part-002"]
     with pytest.raises(parts.PartsError, match="2 of 3 parts of f are missing or damaged"):
         parts.join_parts(m, tmp_path / "p", tmp_path / "j")
