@@ -193,14 +193,32 @@ def plan_uses(cfgs: Sequence, steps: Sequence[int], *, lengths: np.ndarray, coun
     return uses, used
 
 
-def run_threads(jobs: Sequence[Callable[[Callable[[int], None]], None]]) -> None:
-    """Run each job(before_step) in its own thread, in lock-step; re-raise the first failure."""
+def run_threads(jobs: Sequence[Callable[[Callable[[int], None], Callable[[], bool]], object]],
+                stop: Callable[[], bool] = lambda: False) -> list:
+    """Run each job(before_step, terminate) in its own thread, in lock-step; returns their results in order and
+    re-raises the first failure. terminate() answers stop() once per global step, the first thread to ask at a
+    step deciding for all, so the streams stop at one step (a SIGTERM read at different moments would split
+    them)."""
     lock = Lockstep(len(jobs))
     errors: list[BaseException] = []
+    results: list = [None] * len(jobs)
+    decided: dict[int, bool] = {}
+    guard = threading.Lock()
 
     def body(k: int) -> None:
+        at = [0]
+
+        def before(s: int) -> None:
+            at[0] = s
+            lock.step(k, s)
+
+        def terminate() -> bool:
+            with guard:
+                if at[0] not in decided:
+                    decided[at[0]] = stop()
+                return decided[at[0]]
         try:
-            jobs[k](lambda s: lock.step(k, s))
+            results[k] = jobs[k](before, terminate)
         except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
             errors.append(e)
         finally:
@@ -213,6 +231,7 @@ def run_threads(jobs: Sequence[Callable[[Callable[[int], None]], None]]) -> None
         t.join()
     if errors:
         raise errors[0]
+    return results
 
 
 __all__ = ["SharedReads", "SharedView", "Lockstep", "plan_uses", "run_threads"]

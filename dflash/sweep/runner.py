@@ -227,6 +227,7 @@ def _run_mixture_group(index: int, runs: Sequence[RunSpec], *, target, union, in
     from dflash.train.driver import Stream, build_unit, run_stream
     from dflash.train.loader import plan_costs
     from dflash.train.setup import prepare_run_dir
+    from dflash.train.terminate import SweepTerminated, sigterm_received
 
     first = runs[0].config
     if first.online:
@@ -258,11 +259,14 @@ def _run_mixture_group(index: int, runs: Sequence[RunSpec], *, target, union, in
              "; ".join(str(list(sub[0].config.cache_weights or ())) for sub in subs))
 
     def job(k):
-        return lambda before: run_stream(sub_units[k], Stream(reader=views[k], taps=union, info=info,
-                                                              compute_dtype=target.compute_dtype,
-                                                              cfg=subs[k][0].config), before_step=before)
+        return lambda before, terminate: run_stream(
+            sub_units[k], Stream(reader=views[k], taps=union, info=info, compute_dtype=target.compute_dtype,
+                                 cfg=subs[k][0].config, terminate=terminate), before_step=before)
 
-    run_threads([job(k) for k in range(len(subs))])
+    streamed = run_threads([job(k) for k in range(len(subs))], stop=sigterm_received)
+    stopped = [r for r in streamed if r.terminated]
+    if stopped:
+        raise SweepTerminated(f"group {index} stopped by SIGTERM at step {stopped[0].pos.global_step}")
     union_used = np.unique(np.concatenate(used)) if used else np.zeros(0, np.int64)
     per_cache = np.bincount(mixed.cache_of(union_used), minlength=len(mixed.counts))
     return {"runs": [r for sub in subs for r in sub],

@@ -3,9 +3,9 @@ KillWait), `kill PID`, or the parent of `dflash train --gpus N` / `dflash sweep 
 completes the step in flight and one more (the step every rank agrees on: train.distributed.AgreedFlag),
 checkpoints there without the held-out evaluation, and returns; `dflash train` then says where it stopped and
 exits 143, and `--resume` continues exactly. A sweep group does the same (its runs share one stream in one
-process) and the sweep ends there, except a group whose runs differ in cache_weights (threads in lock-step over
-shared reads: it keeps the default action). What the default action would lose instead: every step since the last
---save-every checkpoint.
+process; a group whose runs differ in cache_weights has a stream per weighting, threads that agree on the step:
+sweep.mixture.run_threads) and the sweep ends there. What the default action would lose instead: every step since
+the last --save-every checkpoint.
 
 Handling SIGTERM is the process's policy, so only the commands (cli/) and the rank processes they spawn enter
 `stop_on_sigterm`; a program that calls `train()` itself (a benchmark under `timeout`) keeps SIGTERM's default

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,15 +195,23 @@ def test_sweep(tiny, tmp_path):
     assert "a: 60 steps" in out and "b: 60 steps" in out
 
 
-def test_sweep_sigterm(tiny, tmp_path):
-    """SIGTERM stops the group's runs at one step with a checkpoint each; the sweep exits 143 saying so."""
+@pytest.mark.parametrize("mixture", [False, True], ids=["one-stream", "mixture"])
+def test_sweep_sigterm(tiny, tmp_path, mixture):
+    """SIGTERM stops the group's runs at one step with a checkpoint each; the sweep exits 143 saying so. A group
+    whose runs differ in cache_weights (a thread per weighting) agrees on the step too."""
     model, _, cache, _ = tiny
     spec = tmp_path / "sweep.yaml"
-    spec.write_text(SWEEP.replace("save_every: 3", "save_every: 1000"))
+    text = SWEEP.replace("save_every: 3", "save_every: 1000")
+    caches = ["--cache", cache]
+    if mixture:
+        text = text.replace("lr: 0.001}", "cache_weights: [3, 1]}").replace("lr: 0.002}", "cache_weights: [1, 3]}")
+        shutil.copytree(cache, tmp_path / "cache2")
+        caches += ["--cache", str(tmp_path / "cache2")]
+    spec.write_text(text)
 
     def make(attempt):
         out = tmp_path / f"sweep{attempt}"
-        return (["sweep", str(spec), "--cache", cache, "--model", model, "--output", str(out), "--device", "cpu"],
+        return (["sweep", str(spec), *caches, "--model", model, "--output", str(out), "--device", "cpu"],
                 lambda: (out / "runs" / "b" / "metrics.jsonl").exists(), lambda: (out / "results.md").exists())
     p, err, attempt = interrupt(tmp_path, make, send=lambda q: q.send_signal(signal.SIGTERM))
     assert p.returncode == 143, err[-3000:]

@@ -303,3 +303,25 @@ def test_mixture_sweep_trains_each_weighting_off_one_read_of_each_cache(assets, 
     for g in np.unique(np.concatenate(used)).tolist():
         mixed.read_many([g], taps=(0, 1, 2))
     assert res.bytes_read <= 1.05 * mixed.bytes_read, (res.bytes_read, mixed.bytes_read)
+
+
+def test_run_threads_stops_every_stream_at_the_step_the_first_poll_decides():
+    """terminate() asks stop() once per step for all threads, so both stop at one step (asked once per poll, a flag
+    that turns on between two threads' polls of one step would stop them a step apart)."""
+    from dflash.sweep.mixture import run_threads
+
+    calls = []
+
+    def stop():
+        calls.append(1)
+        return len(calls) >= 4
+
+    def job(before, terminate):
+        for s in range(10):
+            before(s)
+            if terminate():
+                return s
+        return None
+
+    assert run_threads([job, job], stop=stop) == [3, 3]
+    assert len(calls) == 4
