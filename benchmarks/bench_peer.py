@@ -518,7 +518,8 @@ def segmented_specforge(args, *, model: str, work: pathlib.Path, draft: pathlib.
             if CKPT_NAME.search(p.name) and checkpoint_order(p.name) > kept:
                 shutil.rmtree(p, ignore_errors=True)
     last = latest_specforge_checkpoint(outdir)
-    seg = segment_record(run, start_step=start_step, end_step=checkpoint_step(last) if last else start_step)
+    seg = segment_record(run, start_step=start_step, end_step=checkpoint_step(last) if last else start_step,
+                         card=bq.card_name("cpu" if args.cpu else "cuda"))
     seg["restored_from_parts"] = restored
     if run["timed_out"] and args.specforge_pack and last is not None:
         seg["packed"] = pack_checkpoint(last, pathlib.Path(args.specforge_pack), work=work)
@@ -724,20 +725,20 @@ class LogWatch:
         return {"training_started_s": self.started_s, "checkpoints_saved": self.saves}
 
 
-def segment_record(run: dict, *, start_step: int, end_step: int) -> dict:
-    """One segment of SpecForge's run (benchmarks/parts.py segment_totals): start-up until training began,
-    training until the last checkpoint it kept (all of it when it finished), the rest lost to the cut."""
+def segment_record(run: dict, *, start_step: int, end_step: int, card: str) -> dict:
+    """One segment of SpecForge's run (benchmarks/parts.py segment_totals) on `card`: start-up until training
+    began, training until the last checkpoint it kept (all of it when it finished), the rest lost to the cut."""
     wall, began = run["wall_s"], run.get("training_started_s")
     if began is None:
         return {"start_step": start_step, "end_step": start_step, "startup_s": wall, "train_s": 0.0, "lost_s": 0.0,
-                "wall_s": wall, "finished": False}
+                "wall_s": wall, "finished": False, "card": card}
     if not run["timed_out"]:
         return {"start_step": start_step, "end_step": end_step, "startup_s": began, "train_s": round(wall - began, 2),
-                "lost_s": 0.0, "wall_s": wall, "finished": True}
+                "lost_s": 0.0, "wall_s": wall, "finished": True, "card": card}
     saves = run.get("checkpoints_saved") or []
     kept = saves[-1]["s"] if saves else began
     return {"start_step": start_step, "end_step": end_step, "startup_s": began, "train_s": round(kept - began, 2),
-            "lost_s": round(wall - kept, 2), "wall_s": wall, "finished": False}
+            "lost_s": round(wall - kept, 2), "wall_s": wall, "finished": False, "card": card}
 
 
 def cpu_failure_reason(log: str) -> str:
@@ -791,6 +792,25 @@ def first_at_or_above(heldout: list[dict], tau: float) -> dict | None:
     return next((h for h in heldout if h["tau"] >= tau), None)
 
 
+def specforge_wall_on_card(run: dict, card: str | None) -> tuple[float | None, str]:
+    """SpecForge's wall time on `card` (the card of the dflash run it is compared with) and how it was taken: its
+    own, or, when its segments trained on several cards, parts.totals_on_card (None where no segment trained on
+    `card`)."""
+    segments = run.get("segments")
+    if not segments or card is None:
+        return run["wall_s"], "measured"
+    import parts
+
+    on = parts.totals_on_card(segments, card)
+    if on is None:
+        return None, f"no SpecForge segment trained on {card}: its time there is unmeasured"
+    if not on.get("segments_on_other_cards"):
+        return on["wall_s"], "measured"
+    return on["wall_s"], (f"{on['segments_on_other_cards']} of {on['segments']} segments trained on other cards: "
+                          f"their micro-steps timed at the {on['micro_steps_per_s']} micro-steps/s of the {card} "
+                          f"segments (measured sum {on['measured_wall_s']} s)")
+
+
 def summarise(result: dict) -> None:
     """Top-level numbers of the issue and the checks."""
     ev = result.get("eval", {})
@@ -808,14 +828,19 @@ def summarise(result: dict) -> None:
     target = result.get("tau_specforge_mtbench")
     if d.get("heldout") and s.get("run") and target is not None:
         hit, source = first_at_or_above(d["heldout"], target), "the same-steps run (stage f)"
+        stage = "f_dflash"
         long = result.get("dflash_long")
         if hit is None and long and long.get("heldout"):
             # the longer run trains from stage f's cache: its time to the tau is stage f's extraction + its own
             shifted = [{**h, "wall_s": round(h["wall_s"] + d["extract_wall_s"], 2)} for h in long["heldout"]]
             hit, source = first_at_or_above(shifted, target), f"the {long['epochs']}-epoch run (--dflash-time-epochs)"
-        result["time_to_peer_tau_ratio"] = hit["wall_s"] / s["run"]["wall_s"] if hit else None
+            stage = f"f_{long_run(long['epochs'])}"
+        card = result.get("stage_cards", {}).get(stage) if hit else None
+        sf_wall, basis = specforge_wall_on_card(s["run"], card)
+        result["time_to_peer_tau_ratio"] = hit["wall_s"] / sf_wall if hit and sf_wall else None
         result["time_to_peer_tau"] = {"specforge_final_tau_mtbench": target, "dflash_first_at_or_above": hit,
-                                      "dflash_run": source if hit else None, "specforge_wall_s": s["run"]["wall_s"],
+                                      "dflash_run": source if hit else None, "card": card,
+                                      "specforge_wall_s": sf_wall, "specforge_wall_basis": basis,
                                       "note": "dflash wall time includes extraction and the held-out evaluations"}
     for who in ("dflash", "specforge"):
         seeds = seed_runs(ev, who)
@@ -1049,7 +1074,7 @@ def main(argv=None) -> dict:
     if changed:
         raise SystemExit(f"--resume with another recipe than the run it continues: {changed} (pass the same flags "
                          "in every call)")
-    result["calls"] = bq.call_history(earlier, result["date"], result["command"])
+    result["calls"] = bq.call_history(earlier, result)
     if args.scale:
         result["scale_note"] = (f"--scale {args.scale}: one SpecForge seed (its ~50 min run spans sessions); the "
                                 "seed-to-seed spread is dflash's (--dflash-seeds)")

@@ -76,6 +76,8 @@ class Stages:
         # eval responses' and the training data's sha256)
         result.setdefault("stage_seconds", dict(self.earlier.get("stage_seconds", {})))
         result.setdefault("stage_out", dict(self.earlier.get("stage_out", {})))
+        # the card each stage ran on: the sessions of a long run may get different cards
+        result.setdefault("stage_cards", dict(self.earlier.get("stage_cards", {})))
         for key, value in self.earlier.items():
             result.setdefault(key, copy.deepcopy(value))
         self.visited: dict = {}
@@ -98,6 +100,9 @@ class Stages:
         out = fn()
         dt = round(time.perf_counter() - t, 2)
         self.result["stage_seconds"][name] = dt
+        card = self.result.get("versions", {}).get("device")
+        if card:
+            self.result["stage_cards"][name] = card
         self.result["stage_out"][name] = json.loads(json.dumps(out, default=str))
         self.visited[name] = out
         log(f"--- {name}: {dt:.1f} s")
@@ -439,7 +444,7 @@ def main(argv=None) -> dict:
     earlier = earlier_result(args, out_json)
     if earlier is not None:
         result["resumed_from"] = {"date": earlier.get("date"), "stages_done": list(earlier.get("stage_out", {}))}
-    result["calls"] = call_history(earlier, result["date"], result["command"])
+    result["calls"] = call_history(earlier, result)
     st = Stages(result, out_json, earlier=earlier)
     try:
         model = st.run("a_target", lambda: target_folder(args, work))
@@ -493,6 +498,13 @@ def main(argv=None) -> dict:
     return result
 
 
+def card_name(device: str) -> str:
+    """The card a call runs on ("NVIDIA H100 80GB HBM3"), or the CPU's name."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"
+
+
 def run_identity(*, device: str, argv) -> dict:
     """date, command and versions of this call, for every result JSON of the quality benchmarks."""
     import torch
@@ -501,9 +513,7 @@ def run_identity(*, device: str, argv) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else str(argv),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "transformers": transformers.__version__,
-                         "device": (torch.cuda.get_device_name(0) if device == "cuda"
-                                    else platform.processor() or "cpu")}}
+                         "transformers": transformers.__version__, "device": card_name(device)}}
 
 
 def result_header(args, *, bench: str, device: str, argv, **extra) -> dict:
@@ -535,13 +545,14 @@ def close_run(st: Stages, *, work: pathlib.Path, own_work: bool) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def call_history(earlier: dict | None, date: str, command: str) -> list[dict]:
-    """Every call that produced a result, oldest first: a run finished over several --resume calls keeps the
-    first call's date and command (its settings) next to the last one's, which `date`/`command` show."""
+def call_history(earlier: dict | None, result: dict) -> list[dict]:
+    """Every call that produced a result, oldest first, each with its card: a run finished over several --resume
+    calls keeps the first call's date and command (its settings) next to the last one's, which `date`/`command`
+    show."""
     calls = []
     if earlier is not None:
         calls = earlier.get("calls") or [{"date": earlier.get("date"), "command": earlier.get("command")}]
-    return [*calls, {"date": date, "command": command}]
+    return [*calls, {"date": result["date"], "command": result["command"], "card": result["versions"]["device"]}]
 
 
 def summarise(result: dict) -> None:

@@ -1039,7 +1039,7 @@ def main(argv=None) -> dict:
                          f"this call continues (sha256 {was[:12]}...): pass the same --train-data, or start a new "
                          "run with another --json")
     result["train_data_sha256"] = data_sha
-    result["calls"] = bq.call_history(earlier, result["date"], result["command"])
+    result["calls"] = bq.call_history(earlier, result)
     st = Stages(result, out_json, earlier=earlier)
     bq.exit_on_sigterm()  # a call cut by `timeout` still records what it trained (finally below)
     plan = None

@@ -543,7 +543,7 @@ def tau_stage(args, device: torch.device, work: pathlib.Path, *, write, argv: li
     state = work / "tau_state.json"
     earlier = json.loads(state.read_text()) if args.resume and state.is_file() else None
     head = bq.result_header(args, bench="storage4_tau", device=device.type, argv=argv)
-    head["calls"] = bq.call_history(earlier, head["date"], head["command"])
+    head["calls"] = bq.call_history(earlier, head)
     head = json.loads(json.dumps(head, default=str))  # as the state file holds it (tuples are lists there)
     if earlier is not None:
         for key in ("records", "steps", "seeds", "storages", "batch_tokens", "layers"):

@@ -158,6 +158,28 @@ def segment_totals(segments: list[dict]) -> dict:
             "micro_steps": segments[-1]["end_step"] - segments[0]["start_step"], "segments": len(segments)}
 
 
+def totals_on_card(segments: list[dict], card: str) -> dict | None:
+    """segment_totals as if every segment had trained on `card`, for a time comparison with a run on that card
+    when the sessions of a segmented run got different cards (each segment records its `card`; one without is
+    taken as on `card`). The other cards' segments' training is their micro-steps at the rate `card`'s segments
+    measured (micro-steps per second of training, all of them together); the first start-up is kept whatever its
+    card (process start, loading, data preparation). None when no segment trained on `card`."""
+    totals = segment_totals(segments)
+    other = [s for s in segments if s.get("card", card) != card]
+    if not other:
+        return {**totals, "card": card}
+    same = [s for s in segments if s.get("card", card) == card and s["train_s"] > 0]
+    if not same:
+        return None
+    rate = sum(s["end_step"] - s["start_step"] for s in same) / sum(s["train_s"] for s in same)
+    estimated = sum((s["end_step"] - s["start_step"]) / rate for s in other)
+    train = sum(s["train_s"] for s in same) + estimated
+    return {**totals, "wall_s": round(segments[0]["startup_s"] + train, 2), "train_s": round(train, 2),
+            "card": card, "micro_steps_per_s": round(rate, 3), "estimated_train_s": round(estimated, 2),
+            "segments_on_other_cards": len(other),
+            "measured_wall_s": totals["wall_s"]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["missing", "batches"])

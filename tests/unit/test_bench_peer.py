@@ -338,6 +338,31 @@ def test_time_ratio_from_the_longer_run_when_the_same_steps_run_falls_short(benc
     assert r["time_to_peer_tau_ratio"] is None and r["time_to_peer_tau"]["dflash_run"] is None
 
 
+def test_time_ratio_on_the_card_of_the_dflash_run(bench):
+    """SpecForge's segments trained on two cards: its wall time for the ratio is on the card of the dflash run
+    that reached its tau (the other card's micro-steps at that card's measured rate); with no segment on that card
+    the ratio stays unset, saying why."""
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    segs = [{"start_step": 0, "end_step": 4000, "startup_s": 60.0, "train_s": 400.0, "lost_s": 20.0, "card": h100},
+            {"start_step": 4000, "end_step": 7000, "startup_s": 50.0, "train_s": 200.0, "lost_s": 0.0, "card": h200}]
+    r = {"eval": {"dflash": {"mtbench": {"tau": 1.6}}, "specforge": {"mtbench": {"tau": 1.5}}},
+         "specforge": {"run": {"wall_s": 660.0, "segments": segs}}, "stage_cards": {"f_dflash": h100},
+         "dflash": {"heldout": [{"wall_s": 152.0, "step": 10, "tau": 1.55}]}}
+    bench.summarise(r)
+    t = r["time_to_peer_tau"]
+    assert t["specforge_wall_s"] == 760.0 and t["card"] == h100   # 60 + 400 + 3,000 micro-steps at 10/s
+    assert r["time_to_peer_tau_ratio"] == pytest.approx(0.2) and "1 of 2 segments" in t["specforge_wall_basis"]
+    r["stage_cards"]["f_dflash"] = "NVIDIA B200"
+    bench.summarise(r)
+    assert r["time_to_peer_tau_ratio"] is None and "no SpecForge segment trained on NVIDIA B200" in \
+        r["time_to_peer_tau"]["specforge_wall_basis"]
+    r["stage_cards"]["f_dflash"] = h200   # all on one card: its measured sum
+    for seg in segs:
+        seg["card"] = h200
+    bench.summarise(r)
+    assert r["time_to_peer_tau"]["specforge_wall_s"] == 660.0 and r["time_to_peer_tau"]["specforge_wall_basis"] == "measured"
+
+
 def test_time_epochs_must_exceed_the_recipe_epochs(bench):
     assert bench.parse_args([]).dflash_time_epochs == 6 and bench.parse_args(["--tiny"]).dflash_time_epochs is None
     with pytest.raises(SystemExit):

@@ -42,13 +42,13 @@ def test_scale_preset_and_its_checks(bench):
 def test_segment_of_a_cut_a_finished_and_a_never_started_call(bench):
     cut = {"wall_s": 520.0, "timed_out": True, "training_started_s": 40.0,
            "checkpoints_saved": [{"s": 100.0, "checkpoint": "epoch_0_step_480"}, {"s": 460.0, "checkpoint": "x"}]}
-    assert bench.segment_record(cut, start_step=0, end_step=3360) == {
+    assert bench.segment_record(cut, start_step=0, end_step=3360, card="H") == {
         "start_step": 0, "end_step": 3360, "startup_s": 40.0, "train_s": 420.0, "lost_s": 60.0, "wall_s": 520.0,
-        "finished": False}
+        "finished": False, "card": "H"}
     done = {"wall_s": 300.0, "timed_out": False, "training_started_s": 55.0, "checkpoints_saved": []}
-    assert bench.segment_record(done, start_step=3360, end_step=5000)["train_s"] == 245.0
+    assert bench.segment_record(done, start_step=3360, end_step=5000, card="H")["train_s"] == 245.0
     never = {"wall_s": 30.0, "timed_out": True, "training_started_s": None}
-    seg = bench.segment_record(never, start_step=480, end_step=480)
+    seg = bench.segment_record(never, start_step=480, end_step=480, card="H")
     assert (seg["end_step"], seg["startup_s"], seg["train_s"]) == (480, 30.0, 0.0)
 
 

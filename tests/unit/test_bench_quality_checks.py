@@ -46,14 +46,18 @@ def test_seeds_judge_fp8_on_the_means(bq):
     assert "mean over 2 seeds: bf16 1.350, fp8 1.353" in table and "+2.00%, -1.50%" in table
 
 
-def test_call_history_keeps_every_call(bq):
-    first = bq.call_history(None, "d1", "bench_quality.py --seeds 3")
-    assert first == [{"date": "d1", "command": "bench_quality.py --seeds 3"}]
-    second = bq.call_history({"date": "d1", "command": "c1", "calls": first}, "d2", "c2 --resume")
+def test_call_history_keeps_every_call_with_its_card(bq):
+    def call(date, command, card="NVIDIA H100 80GB HBM3"):
+        return {"date": date, "command": command, "versions": {"device": card}}
+    first = bq.call_history(None, call("d1", "bench_quality.py --seeds 3"))
+    assert first == [{"date": "d1", "command": "bench_quality.py --seeds 3", "card": "NVIDIA H100 80GB HBM3"}]
+    second = bq.call_history({"date": "d1", "command": "c1", "calls": first}, call("d2", "c2 --resume", "NVIDIA H200"))
     assert [c["date"] for c in second] == ["d1", "d2"] and second[0]["command"] == "bench_quality.py --seeds 3"
+    assert [c["card"] for c in second] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
     # a JSON written before calls were recorded: its own date and command stand for the earlier calls
-    old = bq.call_history({"date": "d0", "command": "c0"}, "d1", "c1 --resume")
-    assert old == [{"date": "d0", "command": "c0"}, {"date": "d1", "command": "c1 --resume"}]
+    old = bq.call_history({"date": "d0", "command": "c0"}, call("d1", "c1 --resume"))
+    assert old == [{"date": "d0", "command": "c0"},
+                   {"date": "d1", "command": "c1 --resume", "card": "NVIDIA H100 80GB HBM3"}]
 
 
 def test_result_header_resume_and_close_shared_with_bench_reference(bq, tmp_path):
@@ -76,6 +80,8 @@ def test_result_header_resume_and_close_shared_with_bench_reference(bq, tmp_path
     work = tmp_path / "work"
     work.mkdir()
     st = bq.Stages(head, tmp_path / "saved.json")
+    st.run("a_stage", lambda: 1)
+    assert head["stage_cards"] == {"a_stage": head["versions"]["device"]}   # the card each stage ran on
     bq.close_run(st, work=work, own_work=False)
     assert work.is_dir() and json.loads((tmp_path / "saved.json").read_text())["bench"] == "quality_smollm2"
     bq.close_run(st, work=work, own_work=True)

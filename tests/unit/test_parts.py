@@ -68,6 +68,21 @@ def test_segment_totals_count_the_first_start_up_and_keep_restarts_apart():
         parts.segment_totals([segs[0], segs[2]])
 
 
+def test_totals_on_card_time_other_cards_segments_at_the_cards_own_rate():
+    segs = [{"start_step": 0, "end_step": 3000, "startup_s": 40.0, "train_s": 300.0, "lost_s": 25.0, "card": "A"},
+            {"start_step": 3000, "end_step": 6000, "startup_s": 55.0, "train_s": 200.0, "lost_s": 10.0, "card": "B"},
+            {"start_step": 6000, "end_step": 7000, "startup_s": 50.0, "train_s": 100.0, "lost_s": 0.0, "card": "A"}]
+    on_a = parts.totals_on_card(segs, "A")   # A: 4,000 micro-steps in 400 s; B's 3,000 then take 300 s on A
+    assert on_a["train_s"] == 700.0 and on_a["wall_s"] == 740.0 and on_a["estimated_train_s"] == 300.0
+    assert on_a["micro_steps_per_s"] == 10.0 and on_a["measured_wall_s"] == 640.0
+    assert on_a["restart_overhead_s"] == parts.segment_totals(segs)["restart_overhead_s"]
+    assert parts.totals_on_card(segs, "C") is None   # no segment of C's to time the rest by
+    same = [{**s, "card": "A"} for s in segs]
+    assert parts.totals_on_card(same, "A") == {**parts.segment_totals(same), "card": "A"}
+    unstamped = [{k: v for k, v in s.items() if k != "card"} for s in segs]   # recorded before segments had cards
+    assert parts.totals_on_card(unstamped, "A")["wall_s"] == parts.segment_totals(segs)["wall_s"]
+
+
 def test_cli_lists_what_remains_to_fetch(tmp_path, capsys):
     src = tmp_path / "f"
     src.write_bytes(os.urandom(3000))
