@@ -86,3 +86,8 @@ class LockedError(DflashError):
 class StoreError(DflashError):
     """An object store (s3://...) cannot be used: unreachable endpoint, rejected credentials, missing bucket,
     a URL scheme without its client; the message is one line naming the URL and what to fix."""
+
+
+class TrainingDiverged(DflashError):
+    """A training step's gradient norm was not finite (a nan/inf loss or an overflow): the run stops before the
+    diverged weights are evaluated, checkpointed or exported; the message names the step and the newest checkpoint."""

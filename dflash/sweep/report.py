@@ -1,7 +1,7 @@
 """Sweep results: one row per run (varied config values, steps, final loss, accuracy per block position,
 mean accepted length in training, tau when evaluated) as DIR/results.md and DIR/results.csv, plus PNG plots
 (loss curves of all runs; tau, or the final loss when nothing was evaluated, per run), and the best run:
-highest tau when every finished run was evaluated, else lowest final loss. Runs that tie on that metric (equal
+highest tau when every finished run was evaluated, else lowest final loss (a run that diverged ranks nowhere). Runs that tie on that metric (equal
 to TIE_REL_TOL) are reported as tied, all named: no single best run is claimed that the numbers do not show.
 Tradeoff: "final loss" is the mean over the last log window of each run (log_every steps), not one step.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash.sweep.spec import SweepSpec
+from dflash.train.unit import DIVERGED_FILE
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,11 @@ def collect_rows(out: pathlib.Path, spec: SweepSpec) -> list[dict]:
         tau = json.loads(ev.read_text())["tau"] if ev.exists() else None
         # held-out tau measured during training (a spec with eval_cache in its base): the last evaluation
         heldout = next((rec for rec in reversed(recs) if rec.get("heldout_tau") is not None), None)
+        diverged = run_dir / DIVERGED_FILE
         row = {"name": r.name, **{k: r.config.to_json()[k] for k in spec.varied},
                "steps": last["step"] if last else 0,
                "finished": (run_dir / "drafter" / "config.json").exists(),
+               "diverged_step": json.loads(diverged.read_text())["step"] if diverged.exists() else None,
                "final_loss": last["loss"] if last else None,
                "final_record": last,
                "final_step_loss": last["step_losses"][-1] if last else None,
@@ -104,7 +107,7 @@ def rank_runs(rows: list[dict]) -> Ranking:
     """By tau if every finished run has one (higher is better), else by the final loss (lower is better) when the
     runs train the same loss (rows vary no arch or objective); every run within TIE_REL_TOL of the best value is a
     leader."""
-    done = [r for r in rows if r["finished"]] or rows
+    done = [r for r in rows if r["finished"]] or [r for r in rows if r.get("diverged_step") is None]
     if done and all(r["tau"] is not None and not math.isnan(r["tau"]) for r in done):
         key, scored, sign = "tau", done, -1.0
     elif len({(r.get("arch", "dflash"), r.get("objective")) for r in done}) > 1:
@@ -133,7 +136,9 @@ def _table(rows: list[dict], varied: tuple[str, ...]) -> tuple[list[str], list[l
     body = []
     for r in rows:
         acc = list(r["acc"]) + [None] * (max_acc - len(r["acc"]))
-        body.append([r["name"], *[_fmt(r[k]) for k in varied], str(r["steps"]), str(r["finished"]).lower(),
+        finished = f"diverged at step {r['diverged_step']}" if r.get("diverged_step") is not None \
+            else str(r["finished"]).lower()
+        body.append([r["name"], *[_fmt(r[k]) for k in varied], str(r["steps"]), finished,
                      _fmt(r["final_loss"]), _fmt(r["accept_len_train"]), _fmt(r["tau"]), _fmt(r["heldout_tau"]),
                      _fmt(r["heldout_step"]), *[_fmt(a) for a in acc]])
     return head, body

@@ -194,7 +194,7 @@ def run_group(index: int, runs: Sequence[RunSpec], *, output: pathlib.Path, devi
             online = live_taps(first, union, reader=reader, device=dev)
             streamed = run_stream(units, Stream(reader=reader, taps=union, info=info,
                                                 compute_dtype=target.compute_dtype, cfg=first, online=online,
-                                                terminate=sigterm_received))
+                                                terminate=sigterm_received, drop_diverged=True))
             if streamed.terminated:
                 raise SweepTerminated(f"group {index} stopped by SIGTERM at step {streamed.pos.global_step}")
             runs_done = runs
@@ -261,7 +261,8 @@ def _run_mixture_group(index: int, runs: Sequence[RunSpec], *, target, union, in
     def job(k):
         return lambda before, terminate: run_stream(
             sub_units[k], Stream(reader=views[k], taps=union, info=info, compute_dtype=target.compute_dtype,
-                                 cfg=subs[k][0].config, terminate=terminate), before_step=before)
+                                 cfg=subs[k][0].config, terminate=terminate, drop_diverged=True),
+            before_step=before)
 
     streamed = run_threads([job(k) for k in range(len(subs))], stop=sigterm_received)
     stopped = [r for r in streamed if r.terminated]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, TrainingDiverged
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import TrainConfig, check_resume_compatible
 from dflash.train.distributed import DistInfo
@@ -61,6 +61,9 @@ class Stream:
     terminate: "Callable[[], bool] | None" = None
     """Polled once a step on every rank: True = stop at this step and checkpoint (a SIGTERM that every rank agrees
     on: train.terminate); None = never."""
+    drop_diverged: bool = False
+    """A unit whose step diverged (TrainingDiverged) leaves the stream and the others go on (a sweep, where a
+    too-high lr is one of the runs); False = the error ends the stream (`dflash train`)."""
 
 
 class BatchSource(Protocol):
@@ -251,8 +254,14 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
                 mix = step_mix(reader, plan.steps[step_in_epoch])
                 logged = False
                 for u in active:
-                    logged |= u.end_step(pos, step_tokens=step_tokens, stall_s=lambda: loader.stats.wait_s,
-                                         stop=stop, mix=mix, evaluate_at_stop=not terminated)
+                    try:
+                        logged |= u.end_step(pos, step_tokens=step_tokens, stall_s=lambda: loader.stats.wait_s,
+                                             stop=stop, mix=mix, evaluate_at_stop=not terminated)
+                    except TrainingDiverged as e:
+                        if not stream.drop_diverged:
+                            raise
+                        log.warning("%s; the other runs go on", e)
+                        continue
                     if u.finished:
                         u.export()
                 if logged:

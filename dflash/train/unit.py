@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dflash.durable import replace_text
+from dflash.errors import TrainingDiverged
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo, barrier
@@ -52,6 +53,18 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: 
     their grad_scale (train.step.apply_divisor)."""
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                              fused=device.type in ("cuda", "cpu"))
+
+
+DIVERGED_FILE = "diverged.json"
+"""RUN_DIR/diverged.json: the step a run diverged at (Unit._check_finite); a resume that trains on removes it."""
+
+
+def first_non_finite(norms: list[float], *, first_step: int) -> tuple[int, float] | None:
+    """(global step, norm) of the first non-finite gradient norm of a window whose first step is `first_step`."""
+    for k, n in enumerate(norms):
+        if not np.isfinite(n):
+            return first_step + k, n
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +121,9 @@ class DrafterUnit:
             self.optimizer, lambda step: lr_factor(step, total_steps=total, warmup_steps=warmup,
                                                    min_lr_ratio=cfg.min_lr_ratio))
         self.pos = ckpt.DataPosition(epoch=0, step_in_epoch=0, global_step=0)
+        self.diverged: dict[str, Any] | None = None
+        if self.info.is_main:
+            (self.run_dir / DIVERGED_FILE).unlink(missing_ok=True)   # this run trains on: an earlier stop is past
         self.plan_version = ckpt.plan_version_of(state)  # written into every checkpoint of this run
         window: dict[str, Any] = {}
         if state is not None:
@@ -158,7 +174,8 @@ class DrafterUnit:
 
     @property
     def finished(self) -> bool:
-        return self.pos.global_step >= self.total_steps
+        """Trained to its last step, or stopped for good at a diverged one (nothing more to train or export)."""
+        return self.diverged is not None or self.pos.global_step >= self.total_steps
 
     def begin_step(self) -> None:
         self.sync.zero()
@@ -234,12 +251,35 @@ class DrafterUnit:
         logged = False
         evaluate = self.heldout is not None and (pos.global_step % cfg.eval_every == 0
                                                  or self.finished or (stop and evaluate_at_stop))
-        if pos.global_step % cfg.log_every == 0 or last or evaluate:
+        due_log = pos.global_step % cfg.log_every == 0 or last or evaluate
+        due_save = pos.global_step % cfg.save_every == 0 or last
+        if due_log or due_save:
+            self._check_finite()
+        if due_log:
             self._log(pos, stall_s(), heldout=self._evaluate() if evaluate else None)
             logged = True
-        if pos.global_step % cfg.save_every == 0 or last:
+        if due_save:
             self.save()
         return logged
+
+    def _check_finite(self) -> None:
+        """Raise TrainingDiverged when a step of the window had a non-finite gradient norm: its update has made
+        the weights non-finite, and a checkpoint of them would rotate the good ones away (keep_checkpoints).
+        Checked before every log and save, so no step goes unchecked into a checkpoint or an export; the norm
+        is the all-reduced one, so every rank stops at the same step."""
+        step = first_non_finite(torch.cat(self._norms).cpu().tolist(), first_step=self._first) if self._norms \
+            else None
+        if step is not None:
+            newest = ckpt.latest_checkpoint(self.run_dir)
+            # --lr cannot change on --resume (an exact resume would reach the same step again)
+            then = (f"start a new run with a lower --lr and --init-from {newest} (the newest checkpoint's weights)"
+                    if newest else "start again with a lower --lr")
+            self.diverged = {"step": step[0], "grad_norm": step[1], "newest_checkpoint": str(newest) if newest else None}
+            if self.info.is_main:
+                replace_text(self.run_dir / DIVERGED_FILE, json.dumps(self.diverged, indent=2) + "\n")
+            raise TrainingDiverged(f"{self.name}: training diverged at step {step[0]} (gradient norm {step[1]}); "
+                                   f"nothing from that step on is checkpointed or exported: {then}, or check the "
+                                   "cache with `dflash cache verify`")
 
     def _evaluate(self) -> dict[str, Any]:
         """Held-out tau of the drafter as it is now (heldout_* metrics), with the time it took; the time is
