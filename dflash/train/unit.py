@@ -278,8 +278,8 @@ class DrafterUnit:
             if self.info.is_main:
                 replace_text(self.run_dir / DIVERGED_FILE, json.dumps(self.diverged, indent=2) + "\n")
             raise TrainingDiverged(f"{self.name}: training diverged at step {step[0]} (gradient norm {step[1]}); "
-                                   f"nothing from that step on is checkpointed or exported: {then}, or check the "
-                                   "cache with `dflash cache verify`")
+                                   f"nothing from that step on is checkpointed or exported: {then}; if the lr is "
+                                   "not the cause, check the cache's bytes with `dflash cache verify`")
 
     def _evaluate(self) -> dict[str, Any]:
         """Held-out tau of the drafter as it is now (heldout_* metrics), with the time it took; the time is
