@@ -1,8 +1,9 @@
 """Sweep results: one row per run (varied config values, steps, final loss, accuracy per block position,
 mean accepted length in training, tau when evaluated) as DIR/results.md and DIR/results.csv, plus PNG plots
 (loss curves of all runs; tau, or the final loss when nothing was evaluated, per run), and the best run:
-highest tau when every finished run was evaluated, else lowest final loss (a run that diverged ranks nowhere). Runs that tie on that metric (equal
-to TIE_REL_TOL) are reported as tied, all named: no single best run is claimed that the numbers do not show.
+highest tau when every finished run was evaluated, else lowest final loss (a run that diverged ranks nowhere).
+Runs that tie on that metric (equal to TIE_REL_TOL) are reported as tied, all named: no single best run is claimed
+that the numbers do not show.
 Tradeoff: "final loss" is the mean over the last log window of each run (log_every steps), not one step.
 """
 

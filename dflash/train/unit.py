@@ -274,7 +274,8 @@ class DrafterUnit:
             # --lr cannot change on --resume (an exact resume would reach the same step again)
             then = (f"start a new run with a lower --lr and --init-from {newest} (the newest checkpoint's weights)"
                     if newest else "start again with a lower --lr")
-            self.diverged = {"step": step[0], "grad_norm": step[1], "newest_checkpoint": str(newest) if newest else None}
+            self.diverged = {"step": step[0], "grad_norm": step[1],
+                             "newest_checkpoint": str(newest) if newest else None}
             if self.info.is_main:
                 replace_text(self.run_dir / DIVERGED_FILE, json.dumps(self.diverged, indent=2) + "\n")
             raise TrainingDiverged(f"{self.name}: training diverged at step {step[0]} (gradient norm {step[1]}); "
