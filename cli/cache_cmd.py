@@ -69,7 +69,8 @@ def info(cache: str, as_json: bool) -> None:
 @command.command("verify")
 @click.argument("cache", type=CACHE)
 def verify(cache: str) -> None:
-    """Check every chunk checksum of CACHE and that manifest, commit logs and shards agree."""
+    """Check every chunk checksum of CACHE, that no stored feature is nan or inf, and that manifest, commit logs
+    and shards agree."""
     from dflash.cache.verify import verify_cache
     from dflash.store.resolve import store_notes, verify_store_cache
     from dflash.store.url import is_store_url

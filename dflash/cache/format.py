@@ -234,6 +234,33 @@ def stored_layout(storage: str, hidden_size: int) -> StoredLayout:
                         group_dtype=gdt, group_width=groups, has_scales="scales" in arrays)
 
 
+def non_finite_values(storage: str, array: str, stored: np.ndarray) -> int:
+    """How many of a shard array's stored elements decode to nan or inf (`dflash cache verify`): bf16 bits with an
+    all-ones exponent, e4m3 NaN bytes (S.1111.111), float32 scales, and the 4-bit formats' group-scale NaN marks
+    (their codes have no non-finite value); 0 for the arrays that hold no features (ids, masks, samples)."""
+    def bf16_bits(v: np.ndarray) -> int:
+        return int(np.count_nonzero((v.view(np.uint16) & 0x7F80) == 0x7F80))
+
+    def e4m3_bytes(v: np.ndarray) -> int:
+        return int(np.count_nonzero((v.view(np.uint8) & 0x7F) == quant4.E4M3_NAN))
+
+    if array == "scales":   # fp8's per-row scales, and the row scales of a 4-bit e4m3 format: float32
+        return int(np.count_nonzero(~np.isfinite(stored.view(np.float32))))
+    storage = resolve_storage(storage)
+    if storage == "bf16":
+        return bf16_bits(stored) if array == "hidden" else 0
+    if storage == "fp8":
+        return e4m3_bytes(stored) if array == "hidden" else 0
+    if array != "group_scales":
+        return 0
+    scale = quant4.parse_quant4(storage).scale
+    if scale == "bf16":
+        return bf16_bits(stored)
+    if scale == "e8m0":
+        return int(np.count_nonzero(stored.view(np.uint8) == quant4.E8M0_NAN))
+    return e4m3_bytes(stored)
+
+
 def storage_description(storage: str) -> str:
     """One line for `dflash cache info`: what the stored bytes are."""
     storage = resolve_storage(storage)

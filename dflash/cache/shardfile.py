@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import crc32c
 import numpy as np
@@ -414,8 +414,9 @@ class ArrayFile:
                 os.close(fd)
         return out
 
-    def verify_all(self) -> list[str]:
-        """Check every chunk's crc32c; return one message per bad chunk."""
+    def verify_all(self, values: Callable[[np.ndarray], int] | None = None) -> list[str]:
+        """Check every chunk's crc32c; return one message per bad chunk. values(elements of a sound chunk) -> how
+        many of them are bad (format.non_finite_values): one message per chunk that has any."""
         bad = []
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -426,6 +427,10 @@ class ArrayFile:
                 raw = os.pread(fd, nb, off)
                 if len(raw) != nb or crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
                     bad.append(f"{self.chunk_name(lin)}: crc32c checksum mismatch")
+                elif values is not None:
+                    n = values(np.frombuffer(raw, dtype=self.dtype, count=(nb - 4) // self.dtype.itemsize))
+                    if n:
+                        bad.append(f"{self.chunk_name(lin)}: {n} nan/inf values (the features were stored so)")
         finally:
             os.close(fd)
         return bad

@@ -6,6 +6,7 @@ manifest, the logs and directory sizes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash.cache import commit as cm
-from dflash.cache.format import Fingerprint, storage_description, stored_layout
+from dflash.cache.format import Fingerprint, non_finite_values, storage_description, stored_layout
 from dflash.cache.shardfile import ArrayFile
 from dflash.errors import CacheFormatError
 
@@ -120,7 +121,7 @@ def verify_shard(path: str, r: cm.CommitRecord, fp: Fingerprint, rep: VerifyRepo
             rep.problems.append(str(e))
             continue
         arrays[name] = a
-        bad = a.verify_all()
+        bad = a.verify_all(values=functools.partial(non_finite_values, fp.storage, name))
         rep.chunks += len(a.index)
         rep.problems += bad
         if bad:

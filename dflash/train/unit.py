@@ -280,7 +280,7 @@ class DrafterUnit:
                 replace_text(self.run_dir / DIVERGED_FILE, json.dumps(self.diverged, indent=2) + "\n")
             raise TrainingDiverged(f"{self.name}: training diverged at step {step[0]} (gradient norm {step[1]}); "
                                    f"nothing from that step on is checkpointed or exported: {then}; if the lr is "
-                                   "not the cause, check the cache's bytes with `dflash cache verify`")
+                                   "not the cause, check the cache with `dflash cache verify` (bytes and nan/inf)")
 
     def _evaluate(self) -> dict[str, Any]:
         """Held-out tau of the drafter as it is now (heldout_* metrics), with the time it took; the time is

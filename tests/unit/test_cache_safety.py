@@ -272,3 +272,39 @@ def test_info_says_when_an_extraction_holds_the_cache(tmp_path):
         assert "being written" in text
     d = json.loads(CliRunner().invoke(cli, ["cache", "info", "--json", str(tmp_path)]).output)
     assert d["being_written_by"] is None
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_verify_finds_nan_and_inf_features(tmp_path, storage):
+    """Sound bytes of unsound values: checksums pass, verify still names the chunks whose features are nan/inf."""
+    ids = list(range(8))
+    s = [sample(i) for i in ids]
+    s[3][2][0, 1, 5] = float("inf")
+    s[6][2][-1, 0, 0] = float("nan")
+    with CacheWriter(tmp_path, fp(storage=storage), shard_tokens=40) as w:
+        w.append(sample_ids=np.array(ids), lengths=np.array([len(x[0]) for x in s]),
+                 input_ids=np.concatenate([x[0] for x in s]), loss_mask=np.concatenate([x[1] for x in s]),
+                 hidden=torch.cat([x[2] for x in s]))
+    result = CliRunner().invoke(cli, ["cache", "verify", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    bad = [line for line in result.output.splitlines() if line.startswith("BAD:")]
+    assert bad and all(line.endswith("nan/inf values (the features were stored so)") for line in bad), result.output
+    assert sum(" array hidden chunk " in line for line in bad) == 2   # the chunks of sample 3's and sample 6's taps
+    # fp8 stores a row's inf as its scale (amax inf), which turns the row's codes into NaN
+    assert any(" array scales chunk " in line for line in bad) == (storage == "fp8")
+
+
+def test_non_finite_values_per_storage_and_array():
+    from dflash.cache import quant4
+    from dflash.cache.format import non_finite_values
+
+    bf16 = torch.tensor([1.0, float("inf"), float("nan"), -float("inf"), 3e38], dtype=torch.bfloat16)
+    assert non_finite_values("bf16", "hidden", bf16.view(torch.uint16).numpy()) == 3
+    e4m3 = torch.tensor([448.0, -448.0, 0.0, float("nan")]).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert non_finite_values("fp8", "hidden", e4m3) == 1
+    assert non_finite_values("fp8", "scales", np.array([1.0, np.inf, np.nan], np.float32)) == 2
+    assert non_finite_values("bf16", "input_ids", np.array([0x7F80, 0xFFFF], np.uint16)) == 0   # ids, not features
+    e8m0 = np.array([127, quant4.E8M0_NAN, 0], np.uint8)
+    assert non_finite_values("e2m1-g32-e8m0", "group_scales", e8m0) == 1
+    assert non_finite_values("e2m1-g32-e8m0", "hidden", np.full(4, 0xFF, np.uint8)) == 0   # codes: all finite
+    assert non_finite_values("int4-g64-bf16", "group_scales", bf16.view(torch.uint16).numpy()) == 3
