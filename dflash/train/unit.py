@@ -254,21 +254,21 @@ class DrafterUnit:
         due_log = pos.global_step % cfg.log_every == 0 or last or evaluate
         due_save = pos.global_step % cfg.save_every == 0 or last
         if due_log or due_save:
-            self._check_finite()
+            norms = torch.cat(self._norms).cpu().tolist()   # the window's, on the host once: checked, then logged
+            self._check_finite(norms)
         if due_log:
-            self._log(pos, stall_s(), heldout=self._evaluate() if evaluate else None)
+            self._log(pos, stall_s(), norms, heldout=self._evaluate() if evaluate else None)
             logged = True
         if due_save:
             self.save()
         return logged
 
-    def _check_finite(self) -> None:
-        """Raise TrainingDiverged when a step of the window had a non-finite gradient norm: its update has made
-        the weights non-finite, and a checkpoint of them would rotate the good ones away (keep_checkpoints).
+    def _check_finite(self, norms: list[float]) -> None:
+        """Raise TrainingDiverged when a step of the window (`norms`) had a non-finite gradient norm: its update has
+        made the weights non-finite, and a checkpoint of them would rotate the good ones away (keep_checkpoints).
         Checked before every log and save, so no step goes unchecked into a checkpoint or an export; the norm
         is the all-reduced one, so every rank stops at the same step."""
-        step = first_non_finite(torch.cat(self._norms).cpu().tolist(), first_step=self._first) if self._norms \
-            else None
+        step = first_non_finite(norms, first_step=self._first)
         if step is not None:
             newest = ckpt.latest_checkpoint(self.run_dir)
             # --lr cannot change on --resume (an exact resume would reach the same step again)
@@ -295,11 +295,12 @@ class DrafterUnit:
         self.last_heldout = res
         return res.to_metrics()
 
-    def _log(self, pos: ckpt.DataPosition, stall_s: float, *, heldout: dict[str, Any] | None = None) -> None:
+    def _log(self, pos: ckpt.DataPosition, stall_s: float, norms: list[float], *,
+             heldout: dict[str, Any] | None = None) -> None:
+        """One metrics record of the log window; `norms`: its gradient norms, already on the host."""
         B = self.dc.block_size
         dt = self.watch.lap()  # after the .cpu() below the GPU has caught up; measured per window
         summ = summarize_counters(torch.stack(self._window), block_size=B)
-        norms = torch.cat(self._norms).cpu().tolist()
         dt = dt + self.watch.lap()
         self.last_loss = summ["losses"][-1]
         steps = max(1, self._timed_steps)
