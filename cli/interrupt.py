@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 
 import click
 
+from dflash.errors import interrupt_in_chain
+
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a process ended by Ctrl-C
 
 
@@ -58,13 +60,22 @@ def exits_on_interrupt(describe: Callable[[KeyboardInterrupt], str]) -> Iterator
         signal.signal(signal.SIGINT, _first_interrupt)
     try:
         yield
+    except Exception as e:  # a library's own error raised while the interrupt unwound it counts as the interrupt
+        interrupt = interrupt_in_chain(e)
+        if interrupt is None:
+            raise
+        _interrupted(interrupt, describe, ours)
     except KeyboardInterrupt as e:
-        if ours:  # also when the interrupt came another way (an extraction's publisher)
-            signal.signal(signal.SIGINT, _exit_now)
-        close_progress_bars()
-        sys.stdout.flush()
-        click.echo(describe(e), err=True)
-        raise SystemExit(EXIT_INTERRUPTED) from None
+        _interrupted(e, describe, ours)
     finally:
         if ours and signal.getsignal(signal.SIGINT) is _first_interrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interrupted(e: KeyboardInterrupt, describe: Callable[[KeyboardInterrupt], str], ours: bool) -> None:
+    if ours:  # also when the interrupt came another way (an extraction's publisher)
+        signal.signal(signal.SIGINT, _exit_now)
+    close_progress_bars()
+    sys.stdout.flush()
+    click.echo(describe(e), err=True)
+    raise SystemExit(EXIT_INTERRUPTED) from None

@@ -91,3 +91,21 @@ class StoreError(DflashError):
 class TrainingDiverged(DflashError):
     """A training step's gradient norm was not finite (a nan/inf loss or an overflow): the run stops before the
     diverged weights are evaluated, checkpointed or exported; the message names the step and the newest checkpoint."""
+
+
+def in_chain(e: BaseException | None, match) -> BaseException | None:
+    """The first exception of e's chain (e, then each __cause__ or __context__) for which match(x) holds, else
+    None. A library reports its own failure while another propagates: torch.save's zip writer, cut by Ctrl-C,
+    raises RuntimeError("unexpected pos") from its __exit__ with the KeyboardInterrupt as its context."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if match(e):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def interrupt_in_chain(e: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt behind e (e itself included), if any."""
+    return in_chain(e, lambda x: isinstance(x, KeyboardInterrupt))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dflash.durable import fsync_dir
-from dflash.errors import ModelNotFoundError, OutOfSpaceError
+from dflash.errors import ModelNotFoundError, OutOfSpaceError, in_chain, interrupt_in_chain
 
 CHECKPOINT_FORMAT = "dflash-train-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -101,6 +101,9 @@ def atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
+        interrupt = interrupt_in_chain(e)
+        if interrupt is not None:   # Ctrl-C inside torch.save: the interrupt, not the zip writer's complaint
+            raise interrupt from None
         # torch.save reports a failed write as a RuntimeError whose context is the OSError (errno ENOSPC)
         if not _is_enospc(e):
             raise
@@ -117,11 +120,7 @@ def atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
 
 
 def _is_enospc(e: BaseException) -> bool:
-    while e is not None:
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return in_chain(e, lambda x: isinstance(x, OSError) and x.errno == errno.ENOSPC) is not None
 
 
 def save_checkpoint(run_dir: str | os.PathLike, *, model_state: dict, optimizer_state: dict, scheduler_state: dict,

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # a command-like program: a drawn tqdm bar, then work until Ctrl-C; describe() sleeps when asked to
@@ -102,3 +104,76 @@ def test_train_message_names_the_newest_checkpoint_and_the_lost_steps(tmp_path):
     lines = sweep_interrupted_text(sweep, command="dflash sweep S --resume").splitlines()
     assert lines[1].startswith("  a: at step 12: newest checkpoint: step 10") and "steps 11-12" in lines[1]
     assert lines[2] == "  b: finished (drafter exported)" and lines[-1] == "resume with: dflash sweep S --resume"
+
+
+def _cut_by_ctrl_c_after(writes: int):
+    """torch.save whose file's write number `writes` raises KeyboardInterrupt, as a Ctrl-C landing there does."""
+    import torch
+    real_save = torch.save
+
+    class Cut:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += 1
+            if self.n == writes:
+                raise KeyboardInterrupt
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    return lambda obj, f, **kw: real_save(obj, Cut(f), **kw)
+
+
+def test_ctrl_c_inside_a_checkpoint_write_raises_the_interrupt_and_leaves_no_file(tmp_path, monkeypatch):
+    """torch.save's zip writer, cut mid-write, raises RuntimeError("unexpected pos") from its __exit__; the save
+    raises the KeyboardInterrupt behind it (a traceback and exit 1 otherwise), and no partial file is left."""
+    import torch
+
+    from dflash.train.checkpoint import atomic_torch_save
+
+    state = {"model": torch.zeros(1000), "step": torch.ones(10)}
+    monkeypatch.setattr(torch, "save", _cut_by_ctrl_c_after(3))
+    with pytest.raises(BaseException) as raw:
+        torch.save(state, open(tmp_path / "raw.pt", "wb"))
+    assert type(raw.value) is RuntimeError and isinstance(raw.value.__context__, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_torch_save(state, tmp_path / "run" / "step-3.pt")
+    assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_an_error_raised_while_an_interrupt_unwinds_exits_130_with_the_message(capsys):
+    from cli.interrupt import exits_on_interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as e:
+            with exits_on_interrupt(lambda _e: "interrupted: kept; resume with: dflash thing --resume"):
+                try:
+                    raise KeyboardInterrupt
+                except KeyboardInterrupt:
+                    raise RuntimeError("unexpected pos 64 vs 0")
+        assert e.value.code == 130
+        assert last_line(capsys.readouterr().err) == "interrupted: kept; resume with: dflash thing --resume"
+        with pytest.raises(RuntimeError, match="no interrupt behind it"):
+            with exits_on_interrupt(lambda _e: "unused"):
+                raise RuntimeError("no interrupt behind it")
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_in_chain_walks_causes_and_contexts_once():
+    from dflash.errors import in_chain, interrupt_in_chain
+
+    ki = KeyboardInterrupt()
+    mid = OSError(28, "No space left on device")
+    mid.__context__ = ki
+    top = RuntimeError("write failed")
+    top.__cause__ = mid
+    assert interrupt_in_chain(top) is ki and interrupt_in_chain(ki) is ki
+    assert in_chain(top, lambda x: isinstance(x, OSError)) is mid
+    ki.__context__ = top                     # a cycle ends the walk
+    assert in_chain(top, lambda x: isinstance(x, ValueError)) is None
+    assert interrupt_in_chain(ValueError()) is None
