@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dflash.cache import quant4
-from dflash.errors import CacheMismatchError, ConfigError
+from dflash.errors import CacheMismatchError, ConfigError, DataError
 
 FORMAT_NAME = "dflash-hidden-cache"
 FORMAT_VERSION = 1
@@ -301,12 +301,33 @@ def encode_stored(hidden_TKD: torch.Tensor, storage: str, *, check_finite: bool 
     return EncodedHidden(hidden=q.codes, scales=q.row_scales, group_scales=q.group_scales)
 
 
-def check_stored_finite(enc: EncodedHidden, layout: StoredLayout) -> None:
-    """4-bit: DataError (one line, naming the first bad group) if the encoder marked NaN/Inf input. bf16/fp8
-    carry no marker and are not checked (their NaNs survive storage as NaNs)."""
+def check_stored_finite(layout: StoredLayout, hidden: np.ndarray, scales: np.ndarray | None,
+                        group_scales: np.ndarray | None) -> None:
+    """DataError (one line, naming the first bad place) when a batch's stored arrays (host copies) hold NaN/Inf
+    features, so none is ever written: 4-bit, the encoder's NaN marks in the group scales; fp8, the row scales
+    (amax/448 is nan or inf exactly when its row holds one); bf16, the bits themselves (an all-ones exponent:
+    one pass over the batch, ~0.2 s per GB on one core, which is why the cache writer's thread runs it)."""
     fmt = layout.quant4
     if fmt is not None:
-        quant4.raise_if_nonfinite(group_scales=enc.group_scales, row_scales=enc.scales, fmt=fmt)
+        quant4.raise_if_nonfinite(group_scales=torch.from_numpy(group_scales),
+                                  row_scales=None if scales is None else torch.from_numpy(scales), fmt=fmt)
+        return
+    if layout.storage == "fp8":
+        bad = ~np.isfinite(scales)
+        what = "token-tap row(s)"
+    else:
+        bits = hidden.view(np.uint16)
+        if int((bits & 0x7FFF).max(initial=0)) < 0x7F80:
+            return
+        bad = (bits & 0x7F80) == 0x7F80
+        what = "value(s)"
+    n = int(np.count_nonzero(bad))
+    if n:
+        first = np.unravel_index(int(np.argmax(bad)), bad.shape)
+        channel = f", channel {int(first[2])}" if len(first) == 3 else ""
+        raise DataError(f"hidden states hold NaN/Inf in {n} {what} (first: packed token {int(first[0])}, tap index "
+                        f"{int(first[1])}{channel}); storage {layout.storage} refuses non-finite features. "
+                        f"{quant4.NON_FINITE_HINT}")
 
 
 def encode_hidden(hidden_TKD: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None]:

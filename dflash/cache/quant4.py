@@ -373,6 +373,9 @@ def nonfinite_groups(*, group_scales: torch.Tensor, row_scales: torch.Tensor | N
     return bad | row_only
 
 
+NON_FINITE_HINT = "The target overflowed or is broken: check it in float32, or the input tokens of that batch"
+
+
 def raise_if_nonfinite(*, group_scales: torch.Tensor, row_scales: torch.Tensor | None, fmt: Quant4Format) -> None:
     """DataError naming how many groups held NaN/Inf and where the first one is; nothing if none."""
     bad = nonfinite_groups(group_scales=group_scales, row_scales=row_scales, fmt=fmt)
@@ -384,8 +387,7 @@ def raise_if_nonfinite(*, group_scales: torch.Tensor, row_scales: torch.Tensor |
                  if fmt.rotate else f"channels {lo}..{lo + fmt.group_size - 1}")
         raise DataError(
             f"hidden states hold NaN/Inf in {n} group(s) of {fmt.group_size} channels (first: packed token {t}, "
-            f"tap index {k}, {where}); 4-bit storage {fmt.name} refuses non-finite features. The target "
-            "overflowed or is broken: check it in float32, or the input tokens of that batch")
+            f"tap index {k}, {where}); 4-bit storage {fmt.name} refuses non-finite features. {NON_FINITE_HINT}")
 
 
 def decode(codes_TKC: torch.Tensor, group_scales_TKG: torch.Tensor, row_scales_TK: torch.Tensor | None = None, *,

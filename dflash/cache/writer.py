@@ -233,7 +233,8 @@ class CacheWriter:
 
         hidden: float features [T, K, D] (encoded here), or the stored arrays already encoded (on the GPU, by
         format.encode_stored): hidden bits with `scales` (fp8; 4-bit e4m3 row scales) and `group_scales`
-        (4-bit). 4-bit input marked non-finite by the encoder is refused here (DataError), before it is queued.
+        (4-bit). A batch holding NaN/Inf features is refused by the writer thread before any of it is written
+        (format.check_stored_finite): its DataError comes from the next append or from close.
 
         The writer keeps references to the arrays until it has copied them: do not modify them afterwards.
         `on_consumed` is called from the writer thread once it has copied them, so the caller can recycle
@@ -251,7 +252,6 @@ class CacheWriter:
         if any(t is not None and t.device.type != "cpu" for t in (hidden, scales, group_scales)):
             raise ConfigError("hidden must be a CPU tensor (encode on the GPU with encode_stored, then copy)")
         enc = self._encoded(hidden, scales, group_scales, T)
-        check_stored_finite(enc, self.layout)
         scales_np = enc.scales.to(torch.float32).contiguous().numpy() if self.layout.has_scales else None
         gscales_np = enc.group_scales.contiguous().numpy() if self.layout.group_width else None
         item = (sample_ids, lengths, input_ids.astype(np.int32, copy=False),
@@ -395,6 +395,7 @@ class CacheWriter:
                           ignore_errors=True)
 
     def _add(self, ids_N, lengths_N, input_ids_T, loss_mask_T, hidden_TKD, scales_TK, gscales_TKG) -> None:
+        check_stored_finite(self.layout, hidden_TKD, scales_TK, gscales_TKG)  # before any of the batch is written
         starts = np.concatenate([[0], np.cumsum(lengths_N)])
         s, N = 0, len(ids_N)
         while s < N:

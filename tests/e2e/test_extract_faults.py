@@ -432,3 +432,26 @@ def test_cpu_default_dtype_is_the_rule_of_every_command(ref_cache):
 
     m = json.loads((ref_cache / "manifest.json").read_text())
     assert m["fingerprint"]["target_dtype"] == default_dtype("cpu") == "float32"  # was bfloat16 in extract only
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8", "int4"])
+def test_a_target_computing_nan_is_refused_with_nothing_committed(tiny, tmp_path, storage):
+    """A broken target (one weight inf: its MLP output turns inf, then nan) writes no feature in any storage: exit 1,
+    one line naming the first bad token and tap (the first two taps are sound, tap index 1 is layer 2's), no shard."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model0, data = tiny
+    model = tmp_path / "model"
+    shutil.copytree(model0, model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "cache"
+    p = run_cli(extract_args(str(model), data, out, "--storage", storage))
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert last.startswith("Error: ") and "hidden states hold NaN/Inf" in last, last
+    assert "tap index 1" in last and f"storage {storage}" in last and "refuses non-finite features" in last, last
+    assert ids_committed(out) == []

@@ -123,24 +123,48 @@ def test_loader_decodes_on_its_device(tmp_path):
     assert seen == len(lengths)
 
 
+def _append_then_close(path, storage, x, **encoded) -> DataError:
+    """Append a 2-sample batch (float features x, or the already-encoded arrays) to a fresh cache and close it:
+    the DataError the writer raised, nothing committed."""
+    with pytest.raises(DataError) as e:
+        with CacheWriter(path, make_fp(storage), shard_tokens=64) as w:
+            w.append(sample_ids=np.array([0, 1]), lengths=np.array([10, 10]), input_ids=np.zeros(20, np.int32),
+                     loss_mask=np.ones(20, np.uint8), hidden=x, **encoded)
+    assert CacheReader(path).index.sample_id.size == 0  # nothing committed
+    msg = str(e.value)
+    assert "\n" not in msg and "NaN/Inf" in msg and re.search(rf"storage {storage}\S* refuses non-finite", msg)
+    return e.value
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_features_are_refused_at_write(tmp_path, bad):
     x = features(20)
     x[13, 1, 40] = bad
-    with CacheWriter(tmp_path, make_fp("int4"), shard_tokens=64) as w:
-        with pytest.raises(DataError) as e:
-            w.append(sample_ids=np.array([0, 1]), lengths=np.array([10, 10]), input_ids=np.zeros(20, np.int32),
-                     loss_mask=np.ones(20, np.uint8), hidden=x)
-        # also when the arrays come encoded (extraction defers the check to the host copy)
-        enc = encode_stored(x, "int4", check_finite=False)
-        with pytest.raises(DataError):
-            w.append(sample_ids=np.array([0, 1]), lengths=np.array([10, 10]), input_ids=np.zeros(20, np.int32),
-                     loss_mask=np.ones(20, np.uint8), hidden=enc.hidden, scales=enc.scales,
-                     group_scales=enc.group_scales)
-    msg = str(e.value)
-    assert "\n" not in msg and "NaN/Inf" in msg and "packed token 13, tap index 1" in msg
-    assert "channels 32..63" in msg  # the rotation block holding channel 40
-    assert CacheReader(tmp_path).index.sample_id.size == 0  # nothing committed
+    msg = str(_append_then_close(tmp_path / "float", "int4", x))
+    assert "packed token 13, tap index 1" in msg and "channels 32..63" in msg  # the rotation block of channel 40
+    # also when the arrays come encoded (extraction checks the host copy, not the device)
+    enc = encode_stored(x, "int4", check_finite=False)
+    _append_then_close(tmp_path / "encoded", "int4", enc.hidden, scales=enc.scales, group_scales=enc.group_scales)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_bf16_and_fp8_refuse_nonfinite_features_at_write(tmp_path, storage, bad):
+    """Their arrays carry no NaN mark: fp8's row scale (amax/448) turns nan/inf with its row, bf16's bits are
+    tested; before, such a cache was written and only `cache verify` or a nan loss found it."""
+    x = features(20)
+    x[13, 1, 40] = bad
+    msg = str(_append_then_close(tmp_path / "float", storage, x))
+    assert "packed token 13, tap index 1" in msg and "in 1 " in msg
+    assert ("channel 40" in msg) == (storage == "bf16")
+    enc = encode_stored(x, storage)
+    _append_then_close(tmp_path / "encoded", storage, enc.hidden, scales=enc.scales)
+    with CacheWriter(tmp_path / "sound", make_fp(storage), shard_tokens=64) as w:  # finite extremes pass
+        x = features(20)
+        x[0, 0, 0], x[1, 0, 0] = torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max
+        w.append(sample_ids=np.array([0, 1]), lengths=np.array([10, 10]), input_ids=np.zeros(20, np.int32),
+                 loss_mask=np.ones(20, np.uint8), hidden=x)
+    assert CacheReader(tmp_path / "sound").index.sample_id.size == 2
 
 
 def test_resume_with_another_layout_is_refused(tmp_path):
