@@ -256,6 +256,23 @@ def room_after_specforge(deadline: float | None, elapsed: float) -> bool:
     return deadline is None or elapsed <= deadline - ZLAB_AFTER_SPECFORGE_S
 
 
+DFLASH_RUN_MARGIN = 1.5   # a run not yet measured (steps8: twice the steps) against the longest one measured
+
+
+def room_for_dflash_run(deadline: float | None, elapsed: float, stage_seconds: dict) -> bool:
+    """Whether a dflash training run still to do fits before the call's deadline when started `elapsed` s into the
+    call: its expected time is the longest finished run's (training + its two scores, from stage_seconds) x
+    DFLASH_RUN_MARGIN. A run started too late is killed by the call's cap and its time lost (session 2 of the 10x
+    run: the set-up stages again, 235 s, then steps8 cut at 570 s), so it waits for the next call on the warm
+    machine, where the set-up is done. True without a deadline or before any run finished."""
+    runs = [k for k in stage_seconds if k.startswith("f_dflash")]
+    if deadline is None or not runs:
+        return True
+    took = max(stage_seconds[k] + sum(stage_seconds.get(f"h_eval_{k[2:]}_{ds}", 0.0) for ds in ("mtbench", "humaneval"))
+               for k in runs)
+    return elapsed + DFLASH_RUN_MARGIN * took <= deadline
+
+
 def extract_train(args, *, model: str, work: pathlib.Path, device: str, dtype: str) -> dict:
     """Stage f_extract: `dflash extract` of the training set (--dflash-storage), its wall time the first part of
     stage f's (a stage of its own so that f's training fits one call at --scale x10)."""
@@ -1144,6 +1161,15 @@ def main(argv=None) -> dict:
         def stop() -> bool:
             return args.one_run and bool(ran)
 
+        def no_room(stage: str) -> bool:
+            """--one-run: a run still to do that would not finish before the deadline waits for the next call."""
+            if not args.one_run or st.done(stage) or room_for_dflash_run(
+                    args.specforge_deadline, time.perf_counter() - bq.T0, result["stage_seconds"]):
+                return False
+            log(f"{stage} would not finish before this call's deadline ({args.specforge_deadline:.0f} s): the next "
+                "call runs it (on this warm machine its set-up is done)")
+            return True
+
         if args.stop_after == "extract":   # the set-up call of a session: dflash's cache when a run still needs it
             if not all(st.done(n) for n in dflash_stages(args)):
                 train_cache()
@@ -1167,6 +1193,8 @@ def main(argv=None) -> dict:
             return result
         result["dflash_seeds"] = {}
         for s_ in extra_seeds(args, args.dflash_seeds):
+            if no_room(seeded("f_dflash", s_)):
+                return result
             if not st.done(seeded("f_dflash", s_)):
                 train_cache()
             result["dflash_seeds"][str(s_)] = train_stage(seeded("f_dflash", s_), lambda s_=s_: dflash_side(
@@ -1176,6 +1204,8 @@ def main(argv=None) -> dict:
                 return result
         result["dflash_variants"] = {}
         for name, over in args.dflash_variants.items():
+            if no_room(f"f_{variant_run(name)}"):
+                return result
             if not st.done(f"f_{variant_run(name)}"):
                 train_cache()
             result["dflash_variants"][name] = {"overrides": over, **train_stage(

@@ -520,6 +520,13 @@ section("Cache I/O", "Reads and writes of a 27B-shape cache on the GPU machine's
         value="{read_ratio_vs_plain_get:.2f} ({read_ratio_steady:.2f} steady)", baseline="plain GETs of the same objects",
         note="the reader's own ranges replayed as plain GETs: {variant_ratios.direct_ranges_as_plain_get:.2f}: the "
              "gap is in the ranges (SeaweedFS chunk alignment), not the client; see docs/storage.md"),
+    Fig(id="store-direct-read-16", what="the same on 16 cores: SeaweedFS on 8, the reader and the plain GETs on the "
+        "other 8", file="store_s3_gpu.json",
+        value="{read_ratio_vs_plain_get:.2f} ({read_ratio_steady:.2f} steady; on 2 shared cores "
+              "{beside.read_ratio_vs_plain_get:.2f})", baseline="plain GETs of the same objects", target=">= 0.8",
+        date="2026-12-07", device="NVIDIA H100 machine's CPUs",
+        note="{mb_per_s.direct:,.0f} vs {mb_per_s.plain_get:,.0f} MB/s; the reader's ranges replayed as plain GETs: "
+             "{variant_ratios.direct_ranges_as_plain_get:.2f}"),
 ])
 
 section("Generation and evaluation", "SmolLM2-135M-Instruct on one H200 unless marked.", [

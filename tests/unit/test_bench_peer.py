@@ -586,3 +586,17 @@ def test_specforge_and_dflash_minimise_the_same_loss(specforge_objective):
     assert float(packed) == pytest.approx((float(sf_a) + float(sf_b)) / 2, rel=1e-5)
     token = _dflash_loss(ours, [a[:3], b[:3]], [a[3], b[3]], embed_VD, head_VD, recipe, "token")
     assert abs(float(token) - float(packed)) > 1e-4   # the token mean weighs the sequences by their slots instead
+
+
+def test_a_dflash_run_that_would_not_finish_waits_for_the_next_call(bench):
+    """Session 2 of the 10x run: the set-up stages again took 235 s, then steps8 ran into the call's 570 s cap.
+    Expected time: the longest finished run with its two scores, x DFLASH_RUN_MARGIN."""
+    seconds = {"f_extract": 85.2, "f_dflash": 239.8, "h_eval_dflash_mtbench": 1.6, "h_eval_dflash_humaneval": 1.1,
+               "f_dflash_seed1": 245.0, "h_eval_dflash_seed1_mtbench": 1.5, "h_eval_dflash_seed1_humaneval": 1.0}
+    expected = bench.DFLASH_RUN_MARGIN * 247.5
+    assert not bench.room_for_dflash_run(530, 234.7, seconds)
+    assert bench.room_for_dflash_run(530, 10.0, seconds)          # the next call on the warm machine
+    assert bench.room_for_dflash_run(530, 530 - expected, seconds)
+    assert not bench.room_for_dflash_run(530, 530 - expected + 0.1, seconds)
+    assert bench.room_for_dflash_run(None, 10_000.0, seconds)     # no deadline: no limit
+    assert bench.room_for_dflash_run(530, 400.0, {"f_extract": 85.2})   # nothing measured yet
