@@ -8,8 +8,12 @@ last step in metrics.jsonl stands in: at most log_every steps behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
+import signal
+import threading
+from collections.abc import Iterator
 
 from dflash.train import checkpoint as ckpt
 
@@ -21,6 +25,26 @@ class StepInterrupted(KeyboardInterrupt):
         super().__init__()
         self.global_step = global_step
         """Steps completed when the interrupt came (the next step's work is lost with it)."""
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C inside the block takes effect when the block ends, for code that a KeyboardInterrupt cut in the
+    middle leaves broken: TensorBoard's writer queue, cut between its put and the wake-up of its writer thread,
+    leaves that thread asleep with the record until its 120 s poll, and the run's close waits for it (a Ctrl-C
+    froze a sweep for minutes). Only in the main thread, and only over a handler of Python's own (not SIG_IGN)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    came = []
+    signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if came:
+            handler(signal.SIGINT, came[0])   # raises KeyboardInterrupt (the CLI's handler also arms the exit-now)
 
 
 def last_logged_step(run_dir: pathlib.Path) -> int | None:

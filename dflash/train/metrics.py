@@ -97,11 +97,13 @@ class MetricSink:
         self._jsonl.write(json.dumps(record, allow_nan=True) + "\n")
         self._jsonl.flush()
         if self._reporters:
+            from dflash.train.interrupted import interrupts_deferred
             from dflash.train.reporters import flat_scalars
 
             scalars = flat_scalars(record)
-            for reporter in self._reporters:
-                reporter.log(scalars, record["step"])
+            with interrupts_deferred():   # their writer threads' queues must not be cut mid-put
+                for reporter in self._reporters:
+                    reporter.log(scalars, record["step"])
         if self._bar is not None:
             post = {"loss": f"{record['loss']:.4f}", "acc1": f"{record['acc'][0]:.3f}",
                     "tau": f"{record['accept_len']:.2f}", "tok/s": f"{record['tokens_per_s']:.0f}",

@@ -177,3 +177,63 @@ def test_in_chain_walks_causes_and_contexts_once():
     ki.__context__ = top                     # a cycle ends the walk
     assert in_chain(top, lambda x: isinstance(x, ValueError)) is None
     assert interrupt_in_chain(ValueError()) is None
+
+
+@pytest.fixture
+def sigint_default():
+    """SIGINT at Python's own handler for the test (an xdist worker may run with it ignored), restored after."""
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def _bytecodes(n: int = 20_000) -> int:
+    """Work in Python (the interpreter runs a pending signal's handler between bytecodes)."""
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def test_ctrl_c_in_a_deferred_block_takes_effect_when_it_ends(sigint_default):
+    from dflash.train.interrupted import interrupts_deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            _bytecodes()
+            done.append("the rest of the block")
+    assert done == ["the rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupts_deferred():   # no Ctrl-C: nothing raised
+        _bytecodes()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # an ignored SIGINT stays ignored
+    with interrupts_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        _bytecodes()
+
+
+def test_a_reporter_is_never_cut_by_ctrl_c(tmp_path, sigint_default):
+    """The metrics sink logs to the reporters (TensorBoard's writer queue: a put cut between its append and its
+    writer thread's wake-up froze a Ctrl-C'd sweep for minutes) with Ctrl-C deferred to the end of the log."""
+    from dflash.train.metrics import MetricSink
+
+    class Reporter:
+        logged: list = []
+
+        def log(self, scalars, step):
+            os.kill(os.getpid(), signal.SIGINT)
+            _bytecodes()
+            self.logged.append(step)
+
+        def close(self):
+            pass
+
+    sink = MetricSink(tmp_path, enabled=True, total_steps=10, initial_step=0, progress=False, report_to=())
+    sink._reporters = [Reporter(), Reporter()]
+    with pytest.raises(KeyboardInterrupt):
+        sink.write({"step": 3, "loss": 1.0})
+    assert Reporter.logged == [3, 3]
+    sink.close()
