@@ -6,6 +6,12 @@ turns any later one into an immediate exit (130): the message may take a moment 
 store's records), and a user who presses Ctrl-C twice wants out now. Every progress bar is closed before the
 message, so no bar is redrawn after it (tqdm redraws an open bar when it is garbage collected at exit).
 SIGINT that the process ignores (a background job of a script) stays ignored.
+
+A Ctrl-C can leave a lock held: Python runs the handler between bytecodes, also at the entry of
+threading.Condition.__exit__, after the lock was taken and before it is released (CPython bpo-29988). A thread
+that needs that lock (a queue's, a future's) then never finishes, and whatever waits for it (a thread pool's
+shutdown, the interpreter's exit) waits forever. So the first Ctrl-C also starts a watchdog: if the command has not
+exited GRACE_S later, it prints the same message, saying so, and exits 130 itself.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 
 import click
@@ -22,6 +29,10 @@ import click
 from dflash.errors import interrupt_in_chain
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a process ended by Ctrl-C
+GRACE_S = 60.0  # after the first Ctrl-C, the most a command's own unwinding may take (module docstring)
+
+_message = threading.Lock()   # the message is printed once: by the unwinding command or by the watchdog
+_watch: tuple[Callable[[KeyboardInterrupt], str], float] | None = None   # (describe, grace_s) of the open block
 
 
 def close_progress_bars() -> None:
@@ -46,17 +57,36 @@ def _exit_now(_signum, _frame) -> None:
 
 def _first_interrupt(_signum, _frame) -> None:
     signal.signal(signal.SIGINT, _exit_now)
+    if _watch is not None:
+        timer = threading.Timer(_watch[1], _exit_stuck, args=_watch)
+        timer.daemon = True
+        timer.start()
     raise KeyboardInterrupt
 
 
-@contextlib.contextmanager
-def exits_on_interrupt(describe: Callable[[KeyboardInterrupt], str]) -> Iterator[None]:
-    """Run the block; on Ctrl-C print describe(the interrupt) on stderr and exit 130 (module docstring)."""
-    import threading
+def _exit_stuck(describe: Callable[[KeyboardInterrupt], str], grace_s: float) -> None:
+    """The watchdog (module docstring): the message unless the command printed it (then it is stuck in the
+    interpreter's exit, joining a thread), and exit 130."""
+    if _message.acquire(blocking=False):
+        try:
+            text = describe(KeyboardInterrupt())
+        except Exception as e:  # noqa: BLE001 - exiting matters more than the details
+            text = f"interrupted ({e})"
+        sys.stderr.write(f"\nstill stopping {grace_s:.0f} s after Ctrl-C (a thread did not finish): exiting now\n"
+                         f"{text}\n")
+        sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
 
+
+@contextlib.contextmanager
+def exits_on_interrupt(describe: Callable[[KeyboardInterrupt], str], *, grace_s: float = GRACE_S) -> Iterator[None]:
+    """Run the block; on Ctrl-C print describe(the interrupt) on stderr and exit 130, within grace_s of the
+    Ctrl-C (module docstring)."""
+    global _watch
     ours = (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     if ours:
+        _watch = (describe, grace_s)
         signal.signal(signal.SIGINT, _first_interrupt)
     try:
         yield
@@ -70,6 +100,8 @@ def exits_on_interrupt(describe: Callable[[KeyboardInterrupt], str]) -> Iterator
     finally:
         if ours and signal.getsignal(signal.SIGINT) is _first_interrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        if ours:
+            _watch = None
 
 
 def _interrupted(e: KeyboardInterrupt, describe: Callable[[KeyboardInterrupt], str], ours: bool) -> None:
@@ -77,5 +109,6 @@ def _interrupted(e: KeyboardInterrupt, describe: Callable[[KeyboardInterrupt], s
         signal.signal(signal.SIGINT, _exit_now)
     close_progress_bars()
     sys.stdout.flush()
+    _message.acquire()   # the watchdog holds it only while it prints, then exits
     click.echo(describe(e), err=True)
     raise SystemExit(EXIT_INTERRUPTED) from None

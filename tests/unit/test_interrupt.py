@@ -38,14 +38,36 @@ with exits_on_interrupt(describe):
 """
 
 
+# a command whose unwinding after Ctrl-C never ends: a lock left held (as a Ctrl-C at the entry of
+# Condition.__exit__ leaves a queue's) that a non-daemon thread waits for; "join": the block's finally joins it
+# (a thread pool's shutdown), "exit": only the interpreter's exit does
+STUCK = r"""
+import sys, threading, time
+from cli.interrupt import exits_on_interrupt
+
+lock = threading.Lock()
+with exits_on_interrupt(lambda _e: "interrupted: 3 things kept; resume with: dflash thing --resume", grace_s=2.0):
+    lock.acquire()
+    worker = threading.Thread(target=lambda: (lock.acquire(), lock.release()))
+    worker.start()
+    try:
+        print("working", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(0.05)
+    finally:
+        if sys.argv[1] == "join":
+            worker.join()
+"""
+
+
 def last_line(text: str) -> str:
     """The last non-empty line as a terminal shows it (a bar redraws its line with \\r)."""
     return [s for s in re.split(r"[\r\n]", text) if s.strip()][-1]
 
 
-def _start(describe_s: float) -> subprocess.Popen:
+def _start(arg, program: str = PROGRAM) -> subprocess.Popen:
     # SIGINT at its default in the child even when this test runs in a background job (tests/e2e/helpers_procs.py)
-    return subprocess.Popen([sys.executable, "-c", PROGRAM, str(describe_s)], cwd=ROOT, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", program, str(arg)], cwd=ROOT, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -78,6 +100,21 @@ def test_a_second_ctrl_c_while_the_message_is_built_exits_at_once():
     p.send_signal(signal.SIGINT)
     p.communicate(timeout=30)
     assert p.returncode == 130 and time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("stuck_in", ["join", "exit"])
+def test_a_command_stuck_after_ctrl_c_exits_130_when_the_grace_ends(stuck_in):
+    """The watchdog: stuck in the block's unwinding, it prints the message itself (saying why); stuck in the
+    interpreter's exit after the command's own message, it only exits. Either way 130, the message once, last."""
+    p = _start(stuck_in, STUCK)
+    seen = _wait_for(p, "working")
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    err = seen + p.communicate(timeout=60)[1]
+    assert p.returncode == 130 and time.monotonic() - t0 < 30, err
+    assert last_line(err) == "interrupted: 3 things kept; resume with: dflash thing --resume", err
+    assert err.count("resume with") == 1 and "Traceback" not in err
+    assert ("still stopping 2 s after Ctrl-C (a thread did not finish): exiting now" in err) == (stuck_in == "join")
 
 
 def test_train_message_names_the_newest_checkpoint_and_the_lost_steps(tmp_path):
