@@ -31,8 +31,9 @@ class StepInterrupted(KeyboardInterrupt):
 def interrupts_deferred() -> Iterator[None]:
     """Ctrl-C inside the block takes effect when the block ends, for code that a KeyboardInterrupt cut in the
     middle leaves broken: TensorBoard's writer queue, cut between its put and the wake-up of its writer thread,
-    leaves that thread asleep with the record until its 120 s poll, and the run's close waits for it (a Ctrl-C
-    froze a sweep for minutes). Only in the main thread, and only over a handler of Python's own (not SIG_IGN)."""
+    leaves that thread asleep with the record until its 120 s poll, or, cut at the entry of Condition.__exit__,
+    holds the queue's lock for good; the run's close then waits minutes, or forever, for that thread. Only in the
+    main thread, and only over a handler of Python's own (not SIG_IGN)."""
     handler = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or not callable(handler):
         yield
