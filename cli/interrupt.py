@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 
 import click
 
-from dflash.errors import interrupt_in_chain
+from dflash.errors import DflashError, interrupt_in_chain
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a process ended by Ctrl-C
 GRACE_S = 60.0  # after the first Ctrl-C, the most a command's own unwinding may take (module docstring)
@@ -90,8 +90,10 @@ def exits_on_interrupt(describe: Callable[[KeyboardInterrupt], str], *, grace_s:
         signal.signal(signal.SIGINT, _first_interrupt)
     try:
         yield
-    except Exception as e:  # a library's own error raised while the interrupt unwound it counts as the interrupt
-        interrupt = interrupt_in_chain(e)
+    except Exception as e:
+        # a library's own error raised while the interrupt unwound it counts as the interrupt; dflash's own errors
+        # say why they stopped the command themselves (a lost lease wakes the main thread with an interrupt)
+        interrupt = None if isinstance(e, DflashError) else interrupt_in_chain(e)
         if interrupt is None:
             raise
         _interrupted(interrupt, describe, ours)

@@ -94,15 +94,16 @@ class TrainingDiverged(DflashError):
 
 
 def in_chain(e: BaseException | None, match) -> BaseException | None:
-    """The first exception of e's chain (e, then each __cause__ or __context__) for which match(x) holds, else
-    None. A library reports its own failure while another propagates: torch.save's zip writer, cut by Ctrl-C,
-    raises RuntimeError("unexpected pos") from its __exit__ with the KeyboardInterrupt as its context."""
+    """The first exception of e's chain (e, then each __cause__, or __context__ unless `raise ... from None` hid
+    it) for which match(x) holds, else None. A library reports its own failure while another propagates:
+    torch.save's zip writer, cut by Ctrl-C, raises RuntimeError("unexpected pos") from its __exit__ with the
+    KeyboardInterrupt as its context."""
     seen = set()
     while e is not None and id(e) not in seen:
         if match(e):
             return e
         seen.add(id(e))
-        e = e.__cause__ or e.__context__
+        e = e.__cause__ if e.__cause__ is not None else None if e.__suppress_context__ else e.__context__
     return None
 
 

@@ -17,7 +17,7 @@ import torch
 from dflash.cache import CacheReader
 from dflash.cache import commit as cm
 from helpers_extract import tiny_target_and_data
-from helpers_procs import popen_signalable
+from helpers_procs import popen_signalable, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_GOOD = 24
@@ -294,7 +294,7 @@ def test_sigint_says_what_was_committed_and_how_to_resume(tiny, ref_cache, tmp_p
         p = popen_signalable(extract_args(model, data, out), cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
         wait_for(lambda: (out / "commits").is_dir() and len(ids_committed(out)) >= 2, p)
-        p.send_signal(signal.SIGSTOP)
+        stop(p)
         mid_run = len(ids_committed(out)) < NUM_GOOD
         if mid_run:
             p.send_signal(signal.SIGINT)

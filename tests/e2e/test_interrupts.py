@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from cli.main import cli
 from dflash.cache import commit as cm
 from helpers_extract import tiny_target_and_data
-from helpers_procs import popen_signalable
+from helpers_procs import popen_signalable, stop
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def interrupt(tmp_path: Path, make, *, tries: int = 4, send=None) -> tuple[subpr
                 assert p.poll() is None, f"ended early (rc={p.returncode}): {err_path.read_text()[-3000:]}"
                 assert time.monotonic() < deadline, "timed out"
                 time.sleep(0.01)
-            p.send_signal(signal.SIGSTOP)
+            stop(p)
             mid_run = p.poll() is None and not done()
             if mid_run:
                 (send or (lambda q: q.send_signal(signal.SIGINT)))(p)

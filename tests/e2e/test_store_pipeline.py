@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers_procs import stop
 from store_server import s3_server  # noqa: F401  (fixture)
 from test_extract_resume import COMMON, NUM_GOOD, _content, setup  # noqa: F401  (fixture + helpers)
 
@@ -254,7 +255,7 @@ def test_a_run_whose_lease_is_taken_stops_and_the_staging_folder_stays_bounded(s
     p, most = _run_watching([sys.executable, "-m", "cli.main", *args], env, home, until=lambda: _records(url) >= 2,
                             preexec_fn=_ignore_sigint, stderr=log)
     assert p.poll() is None, f"run ended (rc={p.returncode}) before 2 shards were on the store"
-    p.send_signal(signal.SIGSTOP)  # no shard commits between the two counts below
+    stop(p)  # no shard commits between the two counts below
     now = time.time()
     store.put(sp.LEASE_KEY, Lease(owner="other-job", host="node-thief", pid=4242, purpose="dflash extract",
                                   acquired=now, renewed=now, ttl_s=300.0).to_bytes())

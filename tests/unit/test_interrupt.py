@@ -107,10 +107,10 @@ def test_a_command_stuck_after_ctrl_c_exits_130_when_the_grace_ends(stuck_in):
     """The watchdog: stuck in the block's unwinding, it prints the message itself (saying why); stuck in the
     interpreter's exit after the command's own message, it only exits. Either way 130, the message once, last."""
     p = _start(stuck_in, STUCK)
-    seen = _wait_for(p, "working")
+    _wait_for(p, "working")
     t0 = time.monotonic()
     p.send_signal(signal.SIGINT)
-    err = seen + p.communicate(timeout=60)[1]
+    err = p.communicate(timeout=60)[1]   # what came after "working" (the rest of its line may stay unread)
     assert p.returncode == 130 and time.monotonic() - t0 < 30, err
     assert last_line(err) == "interrupted: 3 things kept; resume with: dflash thing --resume", err
     assert err.count("resume with") == 1 and "Traceback" not in err
@@ -274,3 +274,17 @@ def test_a_reporter_is_never_cut_by_ctrl_c(tmp_path, sigint_default):
         sink.write({"step": 3, "loss": 1.0})
     assert Reporter.logged == [3, 3]
     sink.close()
+
+
+def test_in_chain_stops_where_raise_from_none_hid_the_context():
+    """A dflash error raised `from None` while an interrupt unwinds (the extraction's lost lease wakes the main
+    thread with one) is its own reason, not the interrupt."""
+    from dflash.errors import DflashError, interrupt_in_chain
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise DflashError("lost the extraction lease") from None
+    except DflashError as e:
+        assert isinstance(e.__context__, KeyboardInterrupt) and interrupt_in_chain(e) is None
