@@ -234,31 +234,37 @@ def stored_layout(storage: str, hidden_size: int) -> StoredLayout:
                         group_dtype=gdt, group_width=groups, has_scales="scales" in arrays)
 
 
-def non_finite_values(storage: str, array: str, stored: np.ndarray) -> int:
-    """How many of a shard array's stored elements decode to nan or inf (`dflash cache verify`): bf16 bits with an
+def non_finite_mask(storage: str, array: str, stored: np.ndarray) -> np.ndarray | None:
+    """Which of a shard array's stored elements decode to nan or inf (bool, stored's shape): bf16 bits with an
     all-ones exponent, e4m3 NaN bytes (S.1111.111), float32 scales, and the 4-bit formats' group-scale NaN marks
-    (their codes have no non-finite value); 0 for the arrays that hold no features (ids, masks, samples)."""
-    def bf16_bits(v: np.ndarray) -> int:
-        return int(np.count_nonzero((v.view(np.uint16) & 0x7F80) == 0x7F80))
+    (their codes have no non-finite value); None for the arrays that hold no features (ids, masks, samples)."""
+    def bf16_bits(v: np.ndarray) -> np.ndarray:
+        return (v.view(np.uint16) & 0x7F80) == 0x7F80
 
-    def e4m3_bytes(v: np.ndarray) -> int:
-        return int(np.count_nonzero((v.view(np.uint8) & 0x7F) == quant4.E4M3_NAN))
+    def e4m3_bytes(v: np.ndarray) -> np.ndarray:
+        return (v.view(np.uint8) & 0x7F) == quant4.E4M3_NAN
 
     if array == "scales":   # fp8's per-row scales, and the row scales of a 4-bit e4m3 format: float32
-        return int(np.count_nonzero(~np.isfinite(stored.view(np.float32))))
+        return ~np.isfinite(stored.view(np.float32))
     storage = resolve_storage(storage)
     if storage == "bf16":
-        return bf16_bits(stored) if array == "hidden" else 0
+        return bf16_bits(stored) if array == "hidden" else None
     if storage == "fp8":
-        return e4m3_bytes(stored) if array == "hidden" else 0
+        return e4m3_bytes(stored) if array == "hidden" else None
     if array != "group_scales":
-        return 0
+        return None
     scale = quant4.parse_quant4(storage).scale
     if scale == "bf16":
         return bf16_bits(stored)
     if scale == "e8m0":
-        return int(np.count_nonzero(stored.view(np.uint8) == quant4.E8M0_NAN))
+        return stored.view(np.uint8) == quant4.E8M0_NAN
     return e4m3_bytes(stored)
+
+
+def non_finite_values(storage: str, array: str, stored: np.ndarray) -> int:
+    """How many of a shard array's stored elements decode to nan or inf (`dflash cache verify`; non_finite_mask)."""
+    bad = non_finite_mask(storage, array, stored)
+    return 0 if bad is None else int(np.count_nonzero(bad))
 
 
 def storage_description(storage: str) -> str:
@@ -313,14 +319,11 @@ def check_stored_finite(layout: StoredLayout, hidden: np.ndarray, scales: np.nda
                                   row_scales=None if scales is None else torch.from_numpy(scales), fmt=fmt)
         return
     if layout.storage == "fp8":
-        bad = ~np.isfinite(scales)
-        what = "token-tap row(s)"
+        bad, what = non_finite_mask("fp8", "scales", scales), "token-tap row(s)"
     else:
-        bits = hidden.view(np.uint16)
-        if int((bits & 0x7FFF).max(initial=0)) < 0x7F80:
+        if int((hidden.view(np.uint16) & 0x7FFF).max(initial=0)) < 0x7F80:   # no all-ones exponent: one pass
             return
-        bad = (bits & 0x7F80) == 0x7F80
-        what = "value(s)"
+        bad, what = non_finite_mask("bf16", "hidden", hidden), "value(s)"
     n = int(np.count_nonzero(bad))
     if n:
         first = np.unravel_index(int(np.argmax(bad)), bad.shape)
