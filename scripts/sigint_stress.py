@@ -26,16 +26,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "e2e")]
 from dflash.cache import commit as cm  # noqa: E402
 from helpers_extract import tiny_target_and_data  # noqa: E402
 from helpers_procs import popen_signalable, stop  # noqa: E402
+from test_interrupts import EXTRACT, SWEEP, last_line  # noqa: E402  (the e2e tests' tiny runs)
 
-EXTRACT = ["--taps", "0,2,4", "--max-length", "192", "--batch-tokens", "384", "--shard-tokens", "160"]
-SWEEP = """
-base: {mask_token_id: 256, num_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16,
-       intermediate_size: 128, block_size: 4, num_anchors: 8, batch_tokens: 1024, steps: 60, log_every: 1,
-       save_every: 3}
-runs:
-  - {name: a, lr: 0.001}
-  - {name: b, lr: 0.002}
-"""
 CONVERSATIONS = 12
 HANG_S = 150.0
 SLOW_S = 40.0
@@ -43,11 +35,6 @@ SLOW_S = 40.0
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
-
-
-def last_line(text: str) -> str:
-    lines = [s for s in text.replace("\r", "\n").splitlines() if s.strip()]
-    return lines[-1] if lines else ""
 
 
 def one_run(i: int, *, command: str, work: pathlib.Path, model: str, data: str, cache: str, delay: float,
@@ -80,6 +67,7 @@ def one_run(i: int, *, command: str, work: pathlib.Path, model: str, data: str, 
             return f"HANG: still running {HANG_S:.0f} s after SIGINT"
     seconds = time.monotonic() - t0
     text = (work / f"err{i}").read_text()
+    text = text if text.strip() else "(nothing on stderr)"
     if done:
         if p.returncode not in (0, -signal.SIGINT):   # -2: SIGINT during the interpreter's exit, the work done
             return f"finished run exited {p.returncode}: {last_line(text)[-300:]}"
