@@ -27,11 +27,15 @@ COMMAND_MODULES = (
 
 
 class DflashGroup(click.Group):
-    """Turns DflashError into a one-line message and exit 1; other errors keep their traceback."""
+    """Turns DflashError into a one-line message and exit 1; other errors keep their traceback. A Ctrl-C outside a
+    command's work (cli.interrupt handles the one inside it) exits 130 with one line, not click's "Aborted!" and 1."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            from cli.interrupt import interrupted_outside_work
+            interrupted_outside_work()
         except DflashError as e:
             from cli.interrupt import close_progress_bars
             close_progress_bars()  # the error is the last line, not a bar redrawn after it

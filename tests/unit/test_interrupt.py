@@ -59,6 +59,19 @@ with exits_on_interrupt(lambda _e: "interrupted: 3 things kept; resume with: dfl
             worker.join()
 """
 
+# a dflash command interrupted before its work began (where a real one loads its config and imports torch)
+STARTING = r"""
+import sys, time
+from cli.main import cli
+
+@cli.command("starting")
+def starting():
+    print("working", file=sys.stderr, flush=True)
+    time.sleep(60)
+
+cli(["starting"], prog_name="dflash")
+"""
+
 
 def last_line(text: str) -> str:
     """The last non-empty line as a terminal shows it (a bar redraws its line with \\r)."""
@@ -88,6 +101,17 @@ def test_ctrl_c_exits_130_with_the_message_as_the_last_line():
     err = seen + p.communicate(timeout=60)[1]
     assert p.returncode == 130, err
     assert last_line(err) == "interrupted: 3 things kept; resume with: dflash thing --resume", err
+    assert "Aborted" not in err and "Traceback" not in err
+
+
+def test_ctrl_c_while_a_command_starts_exits_130_with_one_line_not_clicks_aborted():
+    p = _start(0, STARTING)
+    seen = _wait_for(p, "working")
+    p.send_signal(signal.SIGINT)
+    err = seen + p.communicate(timeout=60)[1]
+    assert p.returncode == 130, err
+    # communicate() reads the pipe past _wait_for's text buffer, which holds the newline after "working"
+    assert last_line(err).removeprefix("working").startswith("interrupted while the command was starting"), err
     assert "Aborted" not in err and "Traceback" not in err
 
 
