@@ -873,10 +873,19 @@ def summarise(result: dict) -> None:
         a, b = result.get(f"tau_dflash_{ds}"), result.get(f"tau_specforge_{ds}")
         if a is not None and b is not None:
             checks[f"{ds}_dflash_ge_specforge_minus_1pct"] = a >= 0.99 * b
-        # with seeds on both sides, the same check on the seed means (one run's luck out of the comparison)
+        # with dflash's seeds, the same check on their mean (one run's luck out of the comparison), against
+        # SpecForge's seed mean when it has seeds, else its one run (the --scale runs: one SpecForge seed)
         ma, mb = (result.get(f"{w}_seed_spread", {}).get(ds, {}).get("mean") for w in ("dflash", "specforge"))
         if ma is not None and mb is not None:
             checks[f"{ds}_dflash_seed_mean_ge_specforge_seed_mean_minus_1pct"] = ma >= 0.99 * mb
+        elif ma is not None and b is not None:
+            checks[f"{ds}_dflash_seed_mean_ge_specforge_minus_1pct"] = ma >= 0.99 * b
+        if ma is not None and (mb if mb is not None else b) is not None:
+            ref = mb if mb is not None else b
+            result.setdefault("dflash_seed_mean_vs_specforge", {})[ds] = {
+                "relative": (ma - ref) / ref,
+                "dflash_seed_spread": result["dflash_seed_spread"][ds]["max_minus_min_over_mean"],
+                "specforge": "seed mean" if mb is not None else "one run"}
     if result.get("time_to_peer_tau_ratio") is not None:
         checks["time_to_peer_tau_le_half"] = result["time_to_peer_tau_ratio"] <= 0.5
     if z:

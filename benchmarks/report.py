@@ -636,11 +636,13 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
               "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}% / "
               "{=100*j('dflash_seed_spread.humaneval.max_minus_min_over_mean'):.1f}%); sequence normalization "
               "{variant_effects.sequence.mtbench.tau:.3f} / {variant_effects.sequence.humaneval.tau:.3f}; full blocks "
-              "{variant_effects.fullblocks.mtbench.tau:.3f} / {variant_effects.fullblocks.humaneval.tau:.3f}",
+              "{variant_effects.fullblocks.mtbench.tau:.3f} / {variant_effects.fullblocks.humaneval.tau:.3f}; "
+              "8-sample steps {variant_effects.steps8.mtbench.tau:.3f} / {variant_effects.steps8.humaneval.tau:.3f}",
         baseline="the untrained drafter {stage_out[h_eval_untrained_mtbench].tau:.3f} / "
                  "{stage_out[h_eval_untrained_humaneval].tau:.3f}",
         target="dflash >= SpecForge's final tau - 1% on both",
-        note="SpecForge's run (one seed, ~50 min) and the 8-sample-step variant come in later sessions"),
+        note="SpecForge's run (one seed, ~50 min) spans sessions: {=j('specforge_segments')[-1]['end_step']:,} of "
+             "{=2*j('specforge_cut.micro_steps_per_epoch'):,} micro-steps so far"),
     Fig(id="peer-seqnorm", what="dflash train --loss-normalization sequence (SpecForge's per-sequence mean), MT-Bench, "
         "3 seeds", file="peer_seqnorm_probe_h200.json",
         value="{=join(j('probe.tau_mtbench_sequence'), '.3f', ' / ')}",

@@ -302,13 +302,21 @@ def test_summary_numbers_and_checks(bench):
     assert sp["runs"] == ["dflash", "dflash_seed1", "dflash_seed2"] and sp["mtbench"]["taus"] == [1.50, 1.44, 1.47]
     assert sp["mtbench"]["max_minus_min_over_mean"] == pytest.approx(0.06 / 1.47)
     assert r["tau_dflash_mtbench"] == 1.50   # the headline stays the main run's (seed --seed)
-    assert "specforge_seed_spread" not in r and not any("seed_mean" in k for k in r["checks"])
+    assert "specforge_seed_spread" not in r and not any("seed_mean_ge_specforge_seed" in k for k in r["checks"])
+    # one SpecForge run: dflash's seed mean against it (humaneval: the main run's 1.40 fails, the mean 1.4133 of
+    # 1.40, 1.43, 1.41 passes 0.99 * 1.42)
+    assert r["checks"]["mtbench_dflash_seed_mean_ge_specforge_minus_1pct"] is True
+    assert r["checks"]["humaneval_dflash_seed_mean_ge_specforge_minus_1pct"] is True
+    assert r["dflash_seed_mean_vs_specforge"]["mtbench"] == pytest.approx(
+        {"relative": 0.02 / 1.45, "dflash_seed_spread": 0.06 / 1.47, "specforge": "one run"})
     ev["specforge_seed1"] = {"mtbench": {"tau": 1.55}, "humaneval": {"tau": 1.40}}
     bench.summarise(r)
     assert r["specforge_seed_spread"]["runs"] == ["specforge", "specforge_seed1"]
     assert r["specforge_seed_spread"]["mtbench"]["mean"] == pytest.approx(1.50)
     assert r["checks"]["mtbench_dflash_seed_mean_ge_specforge_seed_mean_minus_1pct"] is False   # 1.47 < 0.99 * 1.5
     assert r["checks"]["humaneval_dflash_seed_mean_ge_specforge_seed_mean_minus_1pct"] is True   # 1.4133 vs 1.41
+    assert not any(k.endswith("seed_mean_ge_specforge_minus_1pct") for k in r["checks"])
+    assert r["dflash_seed_mean_vs_specforge"]["mtbench"]["specforge"] == "seed mean"
     assert "specforge_seed1" in bench.format_table(r)
 
 
