@@ -185,8 +185,8 @@ def check_target(fingerprint, model_path: str) -> int:
 def check_greedy(fingerprint, *, cache_dir: str, approximate: bool) -> None:
     if not fingerprint.target_greedy and not approximate:
         raise ConfigError(
-            f"cache {cache_dir} is not marked target_greedy: its responses are not the target's own greedy "
-            "outputs, so the accept chain would follow a path the target never takes and tau would not be "
+            f"cache {cache_dir} is not marked target_greedy: its extraction could not show that the responses are "
+            "this target's own greedy outputs (its `target_greedy False (...)` line says why), so tau would not be "
             "exact. Make the eval set with `dflash generate` and extract that, or pass --approximate")
 
 
