@@ -1007,7 +1007,7 @@ def parse_args(argv=None):
     ap.add_argument("--specforge-parts", metavar="DIR", help="the parts and manifest of --specforge-pack carried "
                     "back in: joined, checked and unpacked when the run folder has no checkpoint of its own")
     ap.add_argument("--specforge-deadline", type=float, metavar="S", help="SpecForge stops by S seconds after this "
-                    "process started, whatever the stages before it took (run_h200.sh peerx: 530 of the call's 570)")
+                    "process started, whatever the stages before it took (run_h200.sh peerx: 555 of the call's 585)")
     ap.add_argument("--specforge-cut-after-saves", type=int, metavar="N", help="stop SpecForge right after its "
                     "N-th checkpoint of this call, as a cut at the limit does (the CPU check of cut and resume)")
     ap.add_argument("--no-cpu-blockers", dest="cpu_blockers", action="store_false", help="CPU: skip the runs that "

@@ -123,11 +123,12 @@ peerx() { gguf_joined || return 1; mkdir -p $PEER_W
              && grep -q '"scale": "x10"' benchmarks/results/peer_specforge_h200.json; then
             cp benchmarks/results/peer_specforge_h200.json $PEER_W/; fi
           local resume=(); [ -f $PEER_W/peer_specforge_h200.json ] && resume=(--resume)
-          # SpecForge stops itself right after the last checkpoint that lands before 530 s of the call (or at
-          # 530 s), then its checkpoint is packed (~300 MB: ~10 s) and the JSON written, before the call's 570 s
-          local lim=${LIMIT:-570}
+          # SpecForge stops itself right after the last checkpoint that lands before 555 s of the call (or at
+          # 555 s), then its checkpoint is packed (281 MiB: under 1 s on the H100 of 2026-12-07) and the JSON
+          # written, before the call's 585 s (a device command's limit is 600 s: call with timeout_s 600)
+          local lim=${LIMIT:-585}
           capped "$lim" python3 benchmarks/bench_peer.py --scale x10 --gguf "$GGUF" --wheels .whl \
-            --workdir $PEER_W/work --json $PEER_W/peer_specforge_h200.json --specforge-deadline $((lim - 40)) \
+            --workdir $PEER_W/work --json $PEER_W/peer_specforge_h200.json --specforge-deadline $((lim - 30)) \
             --specforge-pack $PEER_PACK --specforge-parts $PEER_PARTS "${resume[@]}" "$@"
           local r=$?
           [ -n "${OUT:-}" ] && cp $PEER_W/peer_specforge_h200.json $PEER_PACK/*.manifest.json "$OUT"/ 2>/dev/null
