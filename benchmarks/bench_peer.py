@@ -880,8 +880,8 @@ def summarise(result: dict) -> None:
             checks[f"{ds}_dflash_seed_mean_ge_specforge_seed_mean_minus_1pct"] = ma >= 0.99 * mb
         elif ma is not None and b is not None:
             checks[f"{ds}_dflash_seed_mean_ge_specforge_minus_1pct"] = ma >= 0.99 * b
-        if ma is not None and (mb if mb is not None else b) is not None:
-            ref = mb if mb is not None else b
+        ref = mb if mb is not None else b
+        if ma is not None and ref is not None:
             result.setdefault("dflash_seed_mean_vs_specforge", {})[ds] = {
                 "relative": (ma - ref) / ref,
                 "dflash_seed_spread": result["dflash_seed_spread"][ds]["max_minus_min_over_mean"],
