@@ -1,16 +1,18 @@
-"""Ctrl-C at random moments of real `dflash sweep` or `dflash extract` processes on a tiny target: every run must
-exit 130 with its message as the last line (or 0 when it had finished), within the hang guard, and an extraction's
-rerun must complete a cache that `dflash cache verify` passes. A sweep run that takes over 40 s is reported SLOW (an
+"""Ctrl-C at random moments of real `dflash sweep`, `dflash extract` or `dflash generate` processes on a tiny target:
+every run must exit 130 with its message as the last line (or 0 when it had finished), within the hang guard; an
+extraction's rerun must complete a cache that `dflash cache verify` passes, and a generation's rerun must write the
+records an uninterrupted run writes. A sweep run that takes over 40 s is reported SLOW (an
 uninterrupted one takes ~5 s). Random by design, so not in CI: each defect it found is pinned by a deterministic
 test in tests/unit/test_interrupt.py.
 
-Usage: python scripts/sigint_stress.py sweep|extract [--runs 100] [--max-delay 3] [--work DIR]
+Usage: python scripts/sigint_stress.py sweep|extract|generate [--runs 100] [--max-delay 3] [--work DIR]
 Exit status 1 when any run went wrong; every run's stderr stays in DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import pathlib
 import random
@@ -26,7 +28,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "e2e")]
 from dflash.cache import commit as cm  # noqa: E402
 from helpers_extract import tiny_target_and_data  # noqa: E402
 from helpers_procs import popen_signalable, stop  # noqa: E402
-from test_interrupts import EXTRACT, SWEEP, last_line  # noqa: E402  (the e2e tests' tiny runs)
+from test_interrupts import EXTRACT, GENERATE, SWEEP, last_line  # noqa: E402  (the e2e tests' tiny runs)
 
 CONVERSATIONS = 12
 HANG_S = 150.0
@@ -45,6 +47,10 @@ def one_run(i: int, *, command: str, work: pathlib.Path, model: str, data: str, 
         args = cli("sweep", str(work / "sweep.yaml"), "--cache", cache, "--model", model, "--output", str(out),
                    "--device", "cpu")
         started, finished = (lambda: any((out / "runs").glob("*/checkpoints/step-*.pt"))), (out / "results.md").exists
+    elif command == "generate":
+        out = work / f"gen{i}.jsonl.gz"
+        args = cli("generate", "--model", model, "--data", data, "--output", str(out), *GENERATE)
+        started, finished = pathlib.Path(f"{out}.parts/commits.jsonl").exists, out.exists
     else:
         args = cli("extract", "--model", model, "--data", data, "--output", str(out), *EXTRACT)
         started = (out / "commits").is_dir
@@ -81,16 +87,27 @@ def one_run(i: int, *, command: str, work: pathlib.Path, model: str, data: str, 
         verify = subprocess.run(cli("cache", "verify", str(out)), cwd=ROOT, env=env, capture_output=True, text=True)
         if rerun.returncode or verify.returncode:
             return f"rerun exit {rerun.returncode}, verify exit {verify.returncode}: {verify.stdout[-300:]}"
+    if command == "generate":
+        rerun = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+        if rerun.returncode:
+            return f"rerun exit {rerun.returncode}: {last_line(rerun.stderr or '(nothing)')[-300:]}"
+        if records(out) != records(work / "generated.jsonl.gz"):
+            return "the resumed generation's records differ from an uninterrupted run's"
     return None
+
+
+def records(path: pathlib.Path) -> list[str]:
+    with gzip.open(path, "rt") as f:
+        return f.read().splitlines()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["sweep", "extract"], help="the command to interrupt")
+    ap.add_argument("command", choices=["sweep", "extract", "generate"], help="the command to interrupt")
     ap.add_argument("--runs", type=int, default=100, help="interrupted runs (default 100; ~7 s each for sweep)")
     ap.add_argument("--max-delay", type=float, default=3.0,
                     help="SIGINT at a uniform random delay up to this many seconds after the run's first "
-                         "checkpoint (sweep) or commit (extract) (default 3)")
+                         "checkpoint (sweep) or commit (extract, generate) (default 3)")
     ap.add_argument("--work", default=None, help="folder for the tiny target, the runs and their stderr "
                                                  "(default: a new temporary folder)")
     a = ap.parse_args()
@@ -102,6 +119,9 @@ def main() -> int:
     subprocess.run(cli("extract", "--model", model, "--data", data, "--output", cache, *EXTRACT, "--no-progress"),
                    cwd=ROOT, env=env, check=True, capture_output=True)
     (work / "sweep.yaml").write_text(SWEEP)
+    if a.command == "generate":   # what every interrupted and resumed generation must end with
+        subprocess.run(cli("generate", "--model", model, "--data", data, "--output", str(work / "generated.jsonl.gz"),
+                           *GENERATE), cwd=ROOT, env=env, check=True, capture_output=True)
     bad = 0
     for i in range(a.runs):
         what = one_run(i, command=a.command, work=work, model=model, data=data, cache=cache, delay=a.max_delay,

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 EXTRACT = ["--taps", "0,2,4", "--max-length", "192", "--batch-tokens", "384", "--shard-tokens", "160"]
 TINY = ["--config", "configs/train_tiny.yaml", "--device", "cpu"]
+GENERATE = ["--max-new-tokens", "24", "--batch-size", "1", "--chunk-conversations", "1", "--device", "cpu"]
 # each step of the tiny drafter takes milliseconds: many steps and a checkpoint every 3 leave time to interrupt
 LONG = ["--steps", "60", "--save-every", "3", "--log-every", "1"]
 SWEEP = """
@@ -234,8 +235,7 @@ def test_generate(tiny, tmp_path):
     def make(attempt):
         out = tmp_path / f"gen{attempt}.jsonl.gz"
         log = Path(f"{out}.parts") / "commits.jsonl"
-        return (["generate", "--model", model, "--data", data, "--output", str(out), "--max-new-tokens", "24",
-                 "--batch-size", "1", "--chunk-conversations", "1", "--device", "cpu"],
+        return (["generate", "--model", model, "--data", data, "--output", str(out), *GENERATE],
                 lambda: log.exists() and log.read_text().count("\n") >= 1, out.exists)
     p, err, attempt = interrupt(tmp_path, make)
     assert p.returncode == 130, err[-3000:]
