@@ -307,12 +307,21 @@ def encode_stored(hidden_TKD: torch.Tensor, storage: str, *, check_finite: bool 
     return EncodedHidden(hidden=q.codes, scales=q.row_scales, group_scales=q.group_scales)
 
 
+def bf16_all_finite(bits: np.ndarray) -> bool:
+    """No element of these bf16 bits has an all-ones exponent (non_finite_mask's rule), in two max reductions
+    and no temporary: as int16, +nan/+inf are 0x7F80-0x7FFF, above every positive finite value; as uint16,
+    -nan/-inf are 0xFF80-0xFFFF, above every negative one. 29 ms per 400 MB on one core here, against 72 ms for
+    masking the sign bit first (which also allocates a copy of the batch)."""
+    return (int(bits.view(np.int16).max(initial=-32768)) < 0x7F80
+            and int(bits.view(np.uint16).max(initial=0)) < 0xFF80)
+
+
 def check_stored_finite(layout: StoredLayout, hidden: np.ndarray, scales: np.ndarray | None,
                         group_scales: np.ndarray | None) -> None:
     """DataError (one line, naming the first bad place) when a batch's stored arrays (host copies) hold NaN/Inf
     features, so none is ever written: 4-bit, the encoder's NaN marks in the group scales; fp8, the row scales
-    (amax/448 is nan or inf exactly when its row holds one); bf16, the bits themselves (an all-ones exponent:
-    one pass over the batch, ~0.2 s per GB on one core, which is why the cache writer's thread runs it)."""
+    (amax/448 is nan or inf exactly when its row holds one); bf16, the bits themselves (bf16_all_finite: ~70 ms
+    per GB on one core, which is why the cache writer's thread runs it)."""
     fmt = layout.quant4
     if fmt is not None:
         quant4.raise_if_nonfinite(group_scales=torch.from_numpy(group_scales),
@@ -321,7 +330,7 @@ def check_stored_finite(layout: StoredLayout, hidden: np.ndarray, scales: np.nda
     if layout.storage == "fp8":
         bad, what = non_finite_mask("fp8", "scales", scales), "token-tap row(s)"
     else:
-        if int((hidden.view(np.uint16) & 0x7FFF).max(initial=0)) < 0x7F80:   # no all-ones exponent: one pass
+        if bf16_all_finite(hidden):
             return
         bad, what = non_finite_mask("bf16", "hidden", hidden), "value(s)"
     n = int(np.count_nonzero(bad))

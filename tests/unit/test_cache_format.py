@@ -1,5 +1,6 @@
 """format.py: fingerprint json and mismatch naming, fp8 quantization error bound, chunk sizing."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -7,7 +8,7 @@ from hypothesis import strategies as st
 
 from dflash.cache import FP8_MAX, Fingerprint, dequantize_fp8, encode_hidden, quantize_fp8
 from dflash.cache.commit import parse_commit_log, parse_shard_name, shard_name
-from dflash.cache.format import choose_chunk_tokens
+from dflash.cache.format import bf16_all_finite, choose_chunk_tokens, non_finite_mask
 from dflash.errors import CacheFormatError, CacheMismatchError, ConfigError
 
 
@@ -86,3 +87,14 @@ def test_commit_log_torn_tail_is_ignored():
         parse_commit_log("{bad\n", source="x")
     assert parse_shard_name(shard_name(rank=3, seq=12)) == (3, 12)
     assert parse_shard_name("junk") is None
+
+
+def test_bf16_all_finite_agrees_with_the_mask_on_every_bit_pattern():
+    """The writer's fast bf16 check and cache verify's mask are one rule: each of the 65,536 patterns, alone
+    beside a finite value, is refused exactly when the mask marks it."""
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    marked = non_finite_mask("bf16", "hidden", patterns)
+    fast = np.array([not bf16_all_finite(np.array([0x3F80, p], dtype=np.uint16)) for p in patterns])
+    assert np.array_equal(fast, marked)
+    assert int(marked.sum()) == 2 * 128   # +-inf and the 254 nans: sign x 7 mantissa bits
+    assert bf16_all_finite(np.empty(0, dtype=np.uint16))
