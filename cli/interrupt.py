@@ -106,14 +106,11 @@ def exits_on_interrupt(describe: Callable[[KeyboardInterrupt], str], *, grace_s:
             _watch = None
 
 
-def interrupted_outside_work() -> None:
+def interrupted_outside_work(e: KeyboardInterrupt) -> None:
     """A Ctrl-C before a command's work began (loading its config, importing torch) or after it ended (its last
-    lines): nothing of it is half-written."""
-    close_progress_bars()
-    sys.stdout.flush()
-    click.echo("interrupted while the command was starting or finishing, outside its work: nothing is "
-               "half-written; run it again to see where it stands", err=True)
-    raise SystemExit(EXIT_INTERRUPTED)
+    lines): nothing of it is half-written. Exits as an interrupted block does."""
+    _interrupted(e, lambda _e: "interrupted while the command was starting or finishing, outside its work: nothing "
+                               "is half-written; run it again to see where it stands", ours=True)
 
 
 def _interrupted(e: KeyboardInterrupt, describe: Callable[[KeyboardInterrupt], str], ours: bool) -> None:

@@ -33,9 +33,9 @@ class DflashGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             from cli.interrupt import interrupted_outside_work
-            interrupted_outside_work()
+            interrupted_outside_work(e)
         except DflashError as e:
             from cli.interrupt import close_progress_bars
             close_progress_bars()  # the error is the last line, not a bar redrawn after it
