@@ -642,7 +642,7 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
                  "{stage_out[h_eval_untrained_humaneval].tau:.3f}",
         target="dflash >= SpecForge's final tau - 1% on both",
         note="SpecForge's run (one seed, ~50 min) spans sessions: {=j('specforge_segments')[-1]['end_step']:,} of "
-             "{=2*j('specforge_cut.micro_steps_per_epoch'):,} micro-steps so far"),
+             "{=j('specforge_cut.epochs')*j('specforge_cut.micro_steps_per_epoch'):,} micro-steps so far"),
     Fig(id="peer-seqnorm", what="dflash train --loss-normalization sequence (SpecForge's per-sequence mean), MT-Bench, "
         "3 seeds", file="peer_seqnorm_probe_h200.json",
         value="{=join(j('probe.tau_mtbench_sequence'), '.3f', ' / ')}",
