@@ -116,7 +116,7 @@ peer() { gguf_joined || return 1; mkdir -p /tmp/peer
 # call seeds it from the committed benchmarks/results/peer_specforge_h200.json (when it is a --scale x10 run), so
 # the finished stages are kept and only the cheap ones (target, training set, eval caches) are redone. SpecForge's
 # checkpoint parts: packed into $PEER_PACK on a cut (peerout brings them back), carried in as .assets/peer_ckpt/*
-# (stashed into $PEER_PARTS like the GGUF parts, one ~15 MiB part a call).
+# (stashed into $PEER_PARTS like the GGUF parts, as many ~15 MiB parts a call as fit: benchmarks/README.md).
 PEER_W=/tmp/peerx PEER_PACK=/tmp/peerx/pack PEER_PARTS=$ASSETS/peer_ckpt
 peerx() { gguf_joined || return 1; mkdir -p $PEER_W
           if [ ! -f $PEER_W/peer_specforge_h200.json ] && [ -f benchmarks/results/peer_specforge_h200.json ] \
