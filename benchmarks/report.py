@@ -601,9 +601,52 @@ section("Generation and evaluation", "SmolLM2-135M-Instruct on one H200 unless m
               "{evaluator_vs_dflash_eval.dflash_eval_tau:.4f} (bf16)", baseline="dflash eval"),
 ])
 
-section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and dflash on the same 1,168 whole "
+section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and dflash on the same whole "
         "regenerated conversations (SpecForge's token ids and loss masks), the same drafter and the same target-greedy "
-        "eval caches.", [
+        "eval caches: 11,736 conversations for 2 epochs (the 10x run), and before it the first 1,168.", [
+    Fig(id="peer-x10", what="held-out tau MT-Bench / HumanEval, dflash vs SpecForge, 11,736 conversations, 2 epochs "
+        "(2,934 steps)", file="peer_specforge_h200.json",
+        value="dflash {tau_dflash_mtbench:.3f} / {tau_dflash_humaneval:.3f} (3-seed mean "
+              "{dflash_seed_spread.mtbench.mean:.3f} / {dflash_seed_spread.humaneval.mean:.3f}, spread "
+              "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}% / "
+              "{=100*j('dflash_seed_spread.humaneval.max_minus_min_over_mean'):.1f}%), SpecForge "
+              "{tau_specforge_mtbench:.3f} / {tau_specforge_humaneval:.3f}: dflash "
+              "{=100*(j('tau_dflash_mtbench')/j('tau_specforge_mtbench')-1):+.1f}% / "
+              "{=100*(j('tau_dflash_humaneval')/j('tau_specforge_humaneval')-1):+.1f}%, its seed mean "
+              "{=100*j('dflash_seed_mean_vs_specforge.mtbench.relative'):+.2f}% / "
+              "{=100*j('dflash_seed_mean_vs_specforge.humaneval.relative'):+.1f}%",
+        baseline="SpecForge (one run)", target="dflash >= SpecForge - 1%",
+        note="both drafters load in z-lab's DFlashDraftModel with no missing or unexpected keys; "
+             "{=sum(j('checks').values())} of {=len(j('checks'))} checks hold; SpecForge's run is "
+             "{=len(j('specforge_segments'))} segments (each after the first resumed from the checkpoint before it) on "
+             "{=', '.join(sorted(set(s['card'] for s in j('specforge_segments'))))}"),
+    Fig(id="peer-x10-time", what="wall time to SpecForge's final MT-Bench tau, same card", file="peer_specforge_h200.json",
+        value="dflash {time_to_peer_tau.dflash_first_at_or_above.wall_s:.0f} s (step "
+              "{time_to_peer_tau.dflash_first_at_or_above.step:,}: tau {time_to_peer_tau.dflash_first_at_or_above.tau:.3f}"
+              "), SpecForge {time_to_peer_tau.specforge_wall_s:,.0f} s: ratio {time_to_peer_tau_ratio:.3f}",
+        baseline="SpecForge (online HF target, 1 sequence per micro-batch; its segments' start-up and training)",
+        target="<= 0.5",
+        note="dflash's 2-epoch run ends {=100*(j('tau_dflash_mtbench')/j('tau_specforge_mtbench')-1):+.1f}% from "
+             "SpecForge's MT-Bench tau, so the time is taken on {time_to_peer_tau.dflash_run} from the same cache "
+             "(extraction and held-out evaluations counted); that run ends at {eval.dflash_epochs3.mtbench.tau:.3f} / "
+             "{eval.dflash_epochs3.humaneval.tau:.3f} in {=j('dflash.extract_wall_s')+j('dflash_long.wall_s'):.0f} s"),
+    Fig(id="peer-x10-zlab", what="both drafters of the 10x run in z-lab's own decoding loop",
+        file="peer_specforge_h200.json", value="tau {zlab_loop_tau_dflash:.3f} / {zlab_loop_tau_specforge:.3f} "
+        "(dflash / SpecForge, {zlab.limit} prompts per set)"),
+    Fig(id="peer-x10-dflash", what="which difference from SpecForge costs tau: dflash's variants on the 10x set, "
+        "held-out tau MT-Bench / HumanEval, one seed each", file="peer_specforge_h200.json",
+        value="sequence normalization "
+              "{variant_effects.sequence.mtbench.tau:.3f} / {variant_effects.sequence.humaneval.tau:.3f}; full blocks "
+              "{variant_effects.fullblocks.mtbench.tau:.3f} / {variant_effects.fullblocks.humaneval.tau:.3f}; "
+              "8-sample steps {variant_effects.steps8.mtbench.tau:.3f} / {variant_effects.steps8.humaneval.tau:.3f}",
+        baseline="dflash's defaults {tau_dflash_mtbench:.3f} / {tau_dflash_humaneval:.3f} (3-seed spread "
+                 "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}% / "
+                 "{=100*j('dflash_seed_spread.humaneval.max_minus_min_over_mean'):.1f}%)",
+        note="largest difference from the defaults {=100*max(abs(v[d]['vs_dflash']) for v in "
+             "j('variant_effects').values() for d in ('mtbench', 'humaneval')):.1f}%; "
+             "{=sum(abs(v[d]['vs_dflash']) <= j('dflash_seed_spread')[d]['max_minus_min_over_mean'] for v in "
+             "j('variant_effects').values() for d in ('mtbench', 'humaneval'))} of "
+             "{=2*len(j('variant_effects'))} differences inside the seed spread of their eval"),
     Fig(id="peer-specforge", what="held-out tau MT-Bench / HumanEval, dflash vs SpecForge", file="peer_specforge_1175_h200.json",
         value="dflash {tau_dflash_mtbench:.3f} / {tau_dflash_humaneval:.3f} (3 seeds: MT-Bench spread "
               "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}%), SpecForge {tau_specforge_mtbench:.3f} / "
@@ -630,19 +673,6 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
                  "{stage_out[h_eval_untrained_humaneval].tau:.3f}", target="SpecForge's final MT-Bench tau >= 1.5",
         note="no SpecForge run at this point: the held-out curve is flat over the last 300 steps, so the 10x "
              "comparison trains 2 epochs ({versions.device})"),
-    Fig(id="peer-x10-dflash", what="dflash at 2 epochs of the 10x set (11,736 conversations, 2,934 steps), held-out "
-        "tau MT-Bench / HumanEval", file="peer_specforge_h200.json",
-        value="{dflash_seed_spread.mtbench.mean:.3f} / {dflash_seed_spread.humaneval.mean:.3f} (3 seeds: spread "
-              "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}% / "
-              "{=100*j('dflash_seed_spread.humaneval.max_minus_min_over_mean'):.1f}%); sequence normalization "
-              "{variant_effects.sequence.mtbench.tau:.3f} / {variant_effects.sequence.humaneval.tau:.3f}; full blocks "
-              "{variant_effects.fullblocks.mtbench.tau:.3f} / {variant_effects.fullblocks.humaneval.tau:.3f}; "
-              "8-sample steps {variant_effects.steps8.mtbench.tau:.3f} / {variant_effects.steps8.humaneval.tau:.3f}",
-        baseline="the untrained drafter {stage_out[h_eval_untrained_mtbench].tau:.3f} / "
-                 "{stage_out[h_eval_untrained_humaneval].tau:.3f}",
-        target="dflash >= SpecForge's final tau - 1% on both",
-        note="SpecForge's run (one seed, ~50 min) spans sessions: {=j('specforge_segments')[-1]['end_step']:,} of "
-             "{=j('specforge_cut.epochs')*j('specforge_cut.micro_steps_per_epoch'):,} micro-steps so far"),
     Fig(id="peer-seqnorm", what="dflash train --loss-normalization sequence (SpecForge's per-sequence mean), MT-Bench, "
         "3 seeds", file="peer_seqnorm_probe_h200.json",
         value="{=join(j('probe.tau_mtbench_sequence'), '.3f', ' / ')}",
