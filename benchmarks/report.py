@@ -601,6 +601,18 @@ section("Generation and evaluation", "SmolLM2-135M-Instruct on one H200 unless m
               "{evaluator_vs_dflash_eval.dflash_eval_tau:.4f} (bf16)", baseline="dflash eval"),
 ])
 
+SEED_SPREAD = ("{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}% / "
+               "{=100*j('dflash_seed_spread.humaneval.max_minus_min_over_mean'):.1f}%")
+"""A bench_peer run's dflash 3-seed spread, MT-Bench / HumanEval ((max - min) / mean)."""
+
+
+def zlab_loop_fig(fid: str, file: str, who: str) -> Fig:
+    """A bench_peer run's drafters in z-lab's own decoding loop (its `zlab_loop_tau_*`)."""
+    return Fig(id=fid, what=f"{who} in z-lab's own decoding loop", file=file,
+               value="tau {zlab_loop_tau_dflash:.3f} / {zlab_loop_tau_specforge:.3f} (dflash / SpecForge, "
+                     "{zlab.limit} prompts per set)")
+
+
 section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and dflash on the same whole "
         "regenerated conversations (SpecForge's token ids and loss masks), the same drafter and the same target-greedy "
         "eval caches: 11,736 conversations for 2 epochs (the 10x run), and before it the first 1,168.", [
@@ -608,8 +620,7 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
         "(2,934 steps)", file="peer_specforge_h200.json",
         value="dflash {tau_dflash_mtbench:.3f} / {tau_dflash_humaneval:.3f} (3-seed mean "
               "{dflash_seed_spread.mtbench.mean:.3f} / {dflash_seed_spread.humaneval.mean:.3f}, spread "
-              "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}% / "
-              "{=100*j('dflash_seed_spread.humaneval.max_minus_min_over_mean'):.1f}%), SpecForge "
+              + SEED_SPREAD + "), SpecForge "
               "{tau_specforge_mtbench:.3f} / {tau_specforge_humaneval:.3f}: dflash "
               "{=100*(j('tau_dflash_mtbench')/j('tau_specforge_mtbench')-1):+.1f}% / "
               "{=100*(j('tau_dflash_humaneval')/j('tau_specforge_humaneval')-1):+.1f}%, its seed mean "
@@ -630,9 +641,7 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
              "SpecForge's MT-Bench tau, so the time is taken on {time_to_peer_tau.dflash_run} from the same cache "
              "(extraction and held-out evaluations counted); that run ends at {eval.dflash_epochs3.mtbench.tau:.3f} / "
              "{eval.dflash_epochs3.humaneval.tau:.3f} in {=j('dflash.extract_wall_s')+j('dflash_long.wall_s'):.0f} s"),
-    Fig(id="peer-x10-zlab", what="both drafters of the 10x run in z-lab's own decoding loop",
-        file="peer_specforge_h200.json", value="tau {zlab_loop_tau_dflash:.3f} / {zlab_loop_tau_specforge:.3f} "
-        "(dflash / SpecForge, {zlab.limit} prompts per set)"),
+    zlab_loop_fig("peer-x10-zlab", "peer_specforge_h200.json", "both drafters of the 10x run"),
     Fig(id="peer-x10-dflash", what="which difference from SpecForge costs tau: dflash's variants on the 10x set, "
         "held-out tau MT-Bench / HumanEval, one seed each", file="peer_specforge_h200.json",
         value="sequence normalization "
@@ -640,8 +649,7 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
               "{variant_effects.fullblocks.mtbench.tau:.3f} / {variant_effects.fullblocks.humaneval.tau:.3f}; "
               "8-sample steps {variant_effects.steps8.mtbench.tau:.3f} / {variant_effects.steps8.humaneval.tau:.3f}",
         baseline="dflash's defaults {tau_dflash_mtbench:.3f} / {tau_dflash_humaneval:.3f} (3-seed spread "
-                 "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}% / "
-                 "{=100*j('dflash_seed_spread.humaneval.max_minus_min_over_mean'):.1f}%)",
+                 + SEED_SPREAD + ")",
         note="largest difference from the defaults {=100*max(abs(v[d]['vs_dflash']) for v in "
              "j('variant_effects').values() for d in ('mtbench', 'humaneval')):.1f}%; "
              "{=sum(abs(v[d]['vs_dflash']) <= j('dflash_seed_spread')[d]['max_minus_min_over_mean'] for v in "
@@ -660,14 +668,11 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
               "held-out evaluations included), SpecForge {time_to_peer_tau.specforge_wall_s:.0f} s",
         baseline="SpecForge (online HF target, 1 sequence per micro-batch)",
         note="dflash never reached SpecForge's MT-Bench tau, so no time ratio"),
-    Fig(id="peer-zlab-loop", what="both drafters in z-lab's own decoding loop (10 prompts per set)",
-        file="peer_specforge_1175_h200.json", value="tau {zlab_loop_tau_dflash:.3f} / {zlab_loop_tau_specforge:.3f} "
-        "(dflash / SpecForge)"),
+    zlab_loop_fig("peer-zlab-loop", "peer_specforge_1175_h200.json", "both drafters"),
     Fig(id="peer-x10-one-epoch", what="dflash alone at one epoch of the 10x set (11,736 conversations, 1,467 steps), "
         "held-out tau MT-Bench / HumanEval", file="peer_specforge_x10_e1_h200.json",
         value="{dflash_seed_spread.mtbench.mean:.3f} / {dflash_seed_spread.humaneval.mean:.3f} (3 seeds: spread "
-              "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}% / "
-              "{=100*j('dflash_seed_spread.humaneval.max_minus_min_over_mean'):.1f}%); sequence normalization "
+              + SEED_SPREAD + "); sequence normalization "
               "{variant_effects.sequence.mtbench.tau:.3f} / {variant_effects.sequence.humaneval.tau:.3f}",
         baseline="the untrained drafter {stage_out[h_eval_untrained_mtbench].tau:.3f} / "
                  "{stage_out[h_eval_untrained_humaneval].tau:.3f}", target="SpecForge's final MT-Bench tau >= 1.5",
