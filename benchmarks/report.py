@@ -606,6 +606,15 @@ SEED_SPREAD = ("{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1
 """A bench_peer run's dflash 3-seed spread, MT-Bench / HumanEval ((max - min) / mean)."""
 
 
+def vs_specforge(ds: str) -> str:
+    """dflash's tau on eval `ds` relative to SpecForge's, in percent (a figure template fragment)."""
+    return f"{{=100*(j('tau_dflash_{ds}')/j('tau_specforge_{ds}')-1):+.1f}}%"
+
+
+VS_SPECFORGE = vs_specforge("mtbench") + " / " + vs_specforge("humaneval")
+"""vs_specforge on both evals, MT-Bench / HumanEval."""
+
+
 def zlab_loop_fig(fid: str, file: str, who: str) -> Fig:
     """A bench_peer run's drafters in z-lab's own decoding loop (its `zlab_loop_tau_*`)."""
     return Fig(id=fid, what=f"{who} in z-lab's own decoding loop", file=file,
@@ -622,8 +631,7 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
               "{dflash_seed_spread.mtbench.mean:.3f} / {dflash_seed_spread.humaneval.mean:.3f}, spread "
               + SEED_SPREAD + "), SpecForge "
               "{tau_specforge_mtbench:.3f} / {tau_specforge_humaneval:.3f}: dflash "
-              "{=100*(j('tau_dflash_mtbench')/j('tau_specforge_mtbench')-1):+.1f}% / "
-              "{=100*(j('tau_dflash_humaneval')/j('tau_specforge_humaneval')-1):+.1f}%, its seed mean "
+              + VS_SPECFORGE + ", its seed mean "
               "{=100*j('dflash_seed_mean_vs_specforge.mtbench.relative'):+.2f}% / "
               "{=100*j('dflash_seed_mean_vs_specforge.humaneval.relative'):+.1f}%",
         baseline="SpecForge (one run)", target="dflash >= SpecForge - 1%",
@@ -637,10 +645,10 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
               "), SpecForge {time_to_peer_tau.specforge_wall_s:,.0f} s: ratio {time_to_peer_tau_ratio:.3f}",
         baseline="SpecForge (online HF target, 1 sequence per micro-batch; its segments' start-up and training)",
         target="<= 0.5",
-        note="dflash's 2-epoch run ends {=100*(j('tau_dflash_mtbench')/j('tau_specforge_mtbench')-1):+.1f}% from "
+        note="dflash's 2-epoch run ends " + vs_specforge("mtbench") + " from "
              "SpecForge's MT-Bench tau, so the time is taken on {time_to_peer_tau.dflash_run} from the same cache "
              "(extraction and held-out evaluations counted); that run ends at {eval.dflash_epochs3.mtbench.tau:.3f} / "
-             "{eval.dflash_epochs3.humaneval.tau:.3f} in {=j('dflash.extract_wall_s')+j('dflash_long.wall_s'):.0f} s"),
+             "{eval.dflash_epochs3.humaneval.tau:.3f}"),
     zlab_loop_fig("peer-x10-zlab", "peer_specforge_h200.json", "both drafters of the 10x run"),
     Fig(id="peer-x10-dflash", what="which difference from SpecForge costs tau: dflash's variants on the 10x set, "
         "held-out tau MT-Bench / HumanEval, one seed each", file="peer_specforge_h200.json",
@@ -658,8 +666,7 @@ section("Side by side with SpecForge", "SpecForge@40d8feff's DFlash trainer and 
     Fig(id="peer-specforge", what="held-out tau MT-Bench / HumanEval, dflash vs SpecForge", file="peer_specforge_1175_h200.json",
         value="dflash {tau_dflash_mtbench:.3f} / {tau_dflash_humaneval:.3f} (3 seeds: MT-Bench spread "
               "{=100*j('dflash_seed_spread.mtbench.max_minus_min_over_mean'):.1f}%), SpecForge {tau_specforge_mtbench:.3f} / "
-              "{tau_specforge_humaneval:.3f}: dflash {=100*(j('tau_dflash_mtbench')/j('tau_specforge_mtbench')-1):+.1f}% / "
-              "{=100*(j('tau_dflash_humaneval')/j('tau_specforge_humaneval')-1):+.1f}%",
+              "{tau_specforge_humaneval:.3f}: dflash " + VS_SPECFORGE,
         baseline="SpecForge (one run)", target="dflash >= SpecForge - 1%",
         note="both drafters load in z-lab's DFlashDraftModel with no missing or unexpected keys; token ids of "
              "{training_set.agreement.ids_equal:,} of {training_set.agreement.num_candidates:,} conversations agree"),
