@@ -856,12 +856,13 @@ def disk_plan(cache_bytes: dict[str, int], *, free: int, drop: bool, order: list
 
 
 def planned_tokens(model: str, data: list[str], work: pathlib.Path, *, dtype: str, device: str, max_length: int,
-                   batch_tokens: int, storage: str = "bf16", into: pathlib.Path | None = None):
+                   batch_tokens: int, storage: str = "bf16", taps: tuple[int, ...] | None = None,
+                   into: pathlib.Path | None = None):
     """The extraction dry run of `data` (tokenizes on the host): its launch result, with planned_tokens /
     planned_samples / skip_counts. `into`: the folder the cache will be extracted to; the dry run stores its
     tokenization there (CACHE/_tokenized), so the extraction and a later call's dry run load it instead of
     tokenizing again (13.0M tokens of whole conversations took minutes on the H200 host). None: a probe folder,
-    removed."""
+    removed. `taps`: the cache's (None: the default 5), which the dry run's free-space check sizes."""
     from dflash.extract.driver import ExtractConfig
     from dflash.extract.launch import launch
 
@@ -870,7 +871,7 @@ def planned_tokens(model: str, data: list[str], work: pathlib.Path, *, dtype: st
         into.mkdir(parents=True, exist_ok=True)  # an existing folder keeps the dry run's tokenization
     cfg = ExtractConfig(model=model, data=tuple(data), output=str(probe), storage=storage, dtype=dtype,
                         device=device, max_length=max_length, batch_tokens=batch_tokens, show_progress=False,
-                        dry_run=True)
+                        taps=taps, dry_run=True)
     t0 = time.perf_counter()
     try:
         res = launch(cfg, num_procs=1, echo=lambda *a, **k: None)
@@ -996,7 +997,8 @@ def check_disk(args, model: str, caches: dict, plan: list, work: pathlib.Path, *
     est = {}
     for c, (files, storage, taps) in todo.items():
         res, cfg = planned_tokens(model, files, work, dtype=dtype, device=device, max_length=args.max_length,
-                                  batch_tokens=args.extract_batch_tokens, storage=storage, into=work / f"cache_{c}")
+                                  batch_tokens=args.extract_batch_tokens, storage=storage, taps=taps,
+                                  into=work / f"cache_{c}")
         est[c] = estimate_cache_bytes(num_tokens=res.planned_tokens, num_samples=res.planned_samples,
                                       num_taps=len(taps) if taps else default_taps,
                                       hidden_size=conf["hidden_size"], storage=storage,
