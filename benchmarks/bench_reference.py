@@ -403,6 +403,38 @@ def pack_runs(plan: list, work: pathlib.Path, *, finished: frozenset[str], dest:
     return out
 
 
+def packed_only(args, out_json: pathlib.Path) -> dict:
+    """--pack-only: pack_runs for the runs of --workdir (run_<name> folders) in a process of its own, so that a call
+    whose training process ended without its own `finally` (killed where it stood) still hands on its newest
+    checkpoint. A run whose newest checkpoint packed_runs already records is left as it is (no second ~250 MB
+    pack)."""
+    from dflash.durable import replace_text
+    from dflash.train.checkpoint import checkpoint_step, latest_checkpoint
+
+    if not (args.workdir and args.pack_runs and out_json.is_file()):
+        raise SystemExit("--pack-only needs --workdir, --pack-runs and an existing --json")
+    work, result = pathlib.Path(args.workdir), json.loads(out_json.read_text())
+    packed, finished = result.get("packed_runs") or {}, frozenset(result.get("runs", {}))
+    stale = []
+    for run in sorted(work.glob("run_*")):
+        name, ckpt = run.name[len("run_"):], latest_checkpoint(run)
+        newest = checkpoint_step(ckpt) if ckpt is not None else None
+        if name in finished or (newest is not None and packed.get(name, {}).get("step") != newest):
+            stale.append((name, None, None))
+    if not stale:
+        log(f"--pack-only: packed_runs already holds every run's newest checkpoint ({packed_steps(packed)})")
+        return result
+    result["packed_runs"] = pack_runs(stale, work, finished=finished, dest=pathlib.Path(args.pack_runs),
+                                      packed=packed)
+    replace_text(out_json, json.dumps(result, indent=2) + "\n")
+    log(f"--pack-only: {packed_steps(result['packed_runs'])}; written {out_json}")
+    return result
+
+
+def packed_steps(packed: dict) -> str:
+    return ", ".join(f"{k} at step {v['step']}" for k, v in packed.items()) or "no run"
+
+
 def restore_runs(plan: list, work: pathlib.Path, *, finished: frozenset[str], folder: pathlib.Path | None,
                  packed: dict) -> dict:
     """Run name -> step of each planned run not finished whose folder here holds no checkpoint (a fresh machine)
@@ -767,6 +799,10 @@ def parse_args(argv=None):
     ap.add_argument("--run-parts", metavar="DIR",
                     help="the parts and manifests of --pack-runs carried in: a run whose folder here holds no "
                          "checkpoint (a fresh machine) is joined, checked against packed_runs and resumed from them")
+    ap.add_argument("--pack-only", action="store_true",
+                    help="with --json, --workdir and --pack-runs: pack every cut run of --workdir whose newest "
+                         "checkpoint --json's packed_runs does not hold yet, record it there and exit (run_h200.sh "
+                         "stretch runs it after each training call, in a process of its own)")
     ap.add_argument("--stretch", metavar="JSON",
                     help="put a stretch run's result JSON (more data and epochs, the same eval responses: "
                          "run_h200.sh stretch) into --json under 'stretch', with its figures and goals at the top "
@@ -1027,6 +1063,8 @@ def main(argv=None) -> dict:
         return merge_into(args, out_json)
     if args.stretch:
         return stretch_merged(args, out_json)
+    if args.pack_only:
+        return packed_only(args, out_json)
     own_work = args.workdir is None
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="dflash-reference-"))
     if not args.resume and not own_work and work.is_dir() and any(work.iterdir()):

@@ -160,7 +160,9 @@ if s: json.dump(s, open(sys.argv[2], "w"), indent=2)' benchmarks/results/quality
               --online-compile on --eval-responses benchmarks/assets/peer --drop-caches \
               --skip all_bf16,all_seed1,all_noise,all_seqnorm,n2000,n8000 --pack-runs $STRETCH_PACK \
               --run-parts $STRETCH_PARTS --plot-dir $STRETCH_W/plots "${resume[@]}" "$@"
-            r=$?
+            r=$?  # a training process killed where it stood packs nothing: its newest checkpoint packed here
+            [ -f $STRETCH_JSON ] && python3 benchmarks/bench_reference.py --json $STRETCH_JSON --workdir $STRETCH_W/work \
+              --pack-runs $STRETCH_PACK --pack-only
             [ -n "${OUT:-}" ] && cp $STRETCH_JSON $STRETCH_PACK/*.manifest.json "$OUT"/ 2>/dev/null
             return $r; }
 smollm2step() { gguf_joined || return 1

@@ -495,6 +495,28 @@ def test_cut_run_resumed_from_its_parts_on_a_fresh_machine(tmp_path):
     assert not list(pack.iterdir())
 
 
+def test_pack_only_hands_on_the_newest_checkpoint_a_call_left_unpacked(tmp_path):
+    """--pack-only (run_h200.sh stretch runs it after the training process, however that ended): a cut run whose
+    newest checkpoint the JSON's packed_runs does not record is packed and recorded; called again, nothing is
+    packed a second time; without its folders and JSON it refuses."""
+    job = _small_jobs(tmp_path, save_every=2, online=True, online_storage="int4")
+    cut = job("run_all_int4")
+    cut["args"] = types.SimpleNamespace(**vars(cut["args"]), cut_after_steps=2)
+    with pytest.raises(SystemExit, match="stopped at step 2"):
+        br.train_once(**cut)
+    out, pack = tmp_path / "stretch.json", tmp_path / "pack"
+    out.write_text(json.dumps({"runs": {}, "packed_runs": {"all_int4": {"step": 0}}}))
+    args = types.SimpleNamespace(workdir=str(tmp_path), pack_runs=str(pack))
+    got = br.packed_only(args, out)["packed_runs"]
+    assert got["all_int4"]["step"] == 2 and json.loads(out.read_text())["packed_runs"] == got
+    stamps = {f.name: f.stat().st_mtime_ns for f in pack.iterdir()}
+    assert len(stamps) == got["all_int4"]["parts"] + 1      # the parts and their manifest
+    assert br.packed_only(args, out)["packed_runs"] == got
+    assert {f.name: f.stat().st_mtime_ns for f in pack.iterdir()} == stamps
+    with pytest.raises(SystemExit, match="--pack-only needs"):
+        br.packed_only(types.SimpleNamespace(workdir=str(tmp_path), pack_runs=None), out)
+
+
 def test_online_reference_plan_and_the_stretch_figures(tmp_path):
     """--online-reference: every run on all the data reads the one-tap token cache, the live target's taps rounded
     as --storage; --stretch puts a stretch result into the reference's JSON with its figures beside their goals,
