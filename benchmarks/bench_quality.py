@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import faulthandler
 import json
 import os
 import pathlib
@@ -534,7 +535,9 @@ def earlier_result(args, out_json: pathlib.Path) -> dict | None:
 
 def exit_on_sigterm() -> None:
     """SIGTERM (what `timeout` sends at a call's limit) raises SystemExit, so `finally` blocks record the result
-    and stop the spawned trainings instead of the process dying where it stands."""
+    and stop the spawned trainings instead of the process dying where it stands. faulthandler too: a process
+    that still dies there (a crash while the cut unwinds) leaves every thread's stack in the call's log."""
+    faulthandler.enable()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
 
 

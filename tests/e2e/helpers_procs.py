@@ -3,7 +3,7 @@
 Why: a signal ignored (SIG_IGN) at exec stays ignored in the new program (POSIX), and CPython installs its
 KeyboardInterrupt handler only when SIGINT is not ignored at start-up. A non-interactive shell starts a
 background job (`bash .ci/run > log &`) with SIGINT and SIGQUIT ignored, pytest and its xdist workers inherit
-that, and so would every extraction a test starts: its SIGINT was then a no-op (seen 2026-12-01: the SIGINT
+that, and so would every extraction a test starts: its SIGINT was then a no-op (the SIGINT
 test's run exited 0 with all 24 samples committed; /proc/PID/status SigIgn 0x...06 in the workers and their
 children). The same holds for a user's `dflash extract ... &` in a script; that is the shell's rule, not ours.
 """
