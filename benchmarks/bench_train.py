@@ -171,8 +171,28 @@ def is_annotation(event) -> bool:
 
 def kernel_summary(prof, *, steps: int, wall_s: float) -> dict:
     """GPU time per optimizer step by kernel kind and the top kernels, from a torch.profiler run of `steps`
-    steps that took `wall_s`: where a step's time goes, and how much of it the GPU sits idle."""
-    return summarize_events(prof.key_averages(), steps=steps, wall_s=wall_s)  # aggregates the whole trace: once
+    steps that took `wall_s`: where a step's time goes, and how much of it the GPU sits idle; with the eager
+    ops behind the kernels that are not matmuls (eager_ops), by input shape."""
+    out = summarize_events(prof.key_averages(), steps=steps, wall_s=wall_s)  # aggregates the whole trace: once
+    out["eager_ops"] = eager_ops(prof.key_averages(group_by_input_shape=True), steps=steps)
+    return out
+
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_scaled_mm")
+
+
+def eager_ops(events, *, steps: int, top: int = 25) -> list[dict]:
+    """The aten ops whose own kernels take GPU time, matmuls left out, by input shape (a profile recorded with
+    record_shapes): which tensors the copy, fill and elementwise kernels of a step work on (a kernel's name
+    gives its dtype, not what it was called on)."""
+    from torch.autograd import DeviceType
+
+    rows = [{"op": e.key, "input_shapes": [list(x) for x in e.input_shapes if x],
+             "ms_per_step": e.self_device_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
+            for e in events
+            if e.device_type == DeviceType.CPU and e.key.startswith("aten::") and e.key not in MATMUL_OPS
+            and e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
 
 
 def summarize_events(events, *, steps: int, wall_s: float) -> dict:
@@ -270,7 +290,8 @@ def run_resident(cfg, device: torch.device, *, warmup: int, profile_steps: int =
         if profile_steps and step == cfg.steps - profile_steps and device.type == "cuda":
             sync(device)
             prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                           torch.profiler.ProfilerActivity.CUDA]))
+                                                           torch.profiler.ProfilerActivity.CUDA],
+                                               record_shapes=True))
             prof[0].__enter__()
             t_prof[0] = time.perf_counter()
 

@@ -12,9 +12,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
 import bench_train  # noqa: E402
 
 
-def ev(key, ms, count=2, device=DeviceType.CUDA, annotation=False, cpu_ms=0.0):
+def ev(key, ms, count=2, device=DeviceType.CUDA, annotation=False, cpu_ms=0.0, shapes=()):
     return SimpleNamespace(key=key, self_device_time_total=ms * 1e3, count=count, device_type=device,
-                           is_user_annotation=annotation, self_cpu_time_total=cpu_ms * 1e3)
+                           is_user_annotation=annotation, self_cpu_time_total=cpu_ms * 1e3, input_shapes=shapes)
 
 
 def test_the_optimizer_range_is_not_counted_beside_its_kernels():
@@ -33,3 +33,20 @@ def test_the_optimizer_range_is_not_counted_beside_its_kernels():
     assert s["gpu_idle_fraction"] == pytest.approx(0.125)
     assert [r["kernel"][:6] for r in s["top_kernels"]] == ["nvjet_", "void a", "void a"]
     assert s["host_cuda_calls"] == [{"call": "cudaLaunchKernel", "ms_per_step": 4.0, "calls_per_step": 1.0}]
+
+
+def test_eager_ops_name_the_tensors_of_the_kernels_that_are_not_matmuls():
+    """eager_ops: the aten ops that launched kernels of their own, by input shape, slowest first; matmuls,
+    kernels themselves and ops that launched nothing are left out."""
+    cpu = DeviceType.CPU
+    events = [
+        ev("aten::mm", 300.0, device=cpu, shapes=([8192, 5120], [5120, 17408])),
+        ev("aten::add", 6.0, count=4, device=cpu, shapes=([8192, 5120], [8192, 5120], [])),
+        ev("aten::copy_", 9.0, count=6, device=cpu, shapes=([5120, 17408], [5120, 17408], [])),
+        ev("aten::view", 0.0, device=cpu, shapes=([8192, 5120], [])),
+        ev("void at::native::vectorized_elementwise_kernel<CUDAFunctor_add<float>>", 6.0),
+    ]
+    assert bench_train.eager_ops(events, steps=2) == [
+        {"op": "aten::copy_", "input_shapes": [[5120, 17408], [5120, 17408]], "ms_per_step": 4.5,
+         "calls_per_step": 3.0},
+        {"op": "aten::add", "input_shapes": [[8192, 5120], [8192, 5120]], "ms_per_step": 3.0, "calls_per_step": 2.0}]
