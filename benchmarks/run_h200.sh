@@ -6,7 +6,7 @@
 #   the call's timeout, so the bench stops itself and its JSON comes back through $OUT)
 # Stages (what each measures and its result file: benchmarks/README.md):
 #   io | cache | extract [ARGS]      bench_cache (cold reads, ~4 min) and/or bench_extract 600K tokens (~7 min)
-#   train | trainreal | steptail     bench_train, bench_train_real, bench_step_tail (27B drafter shape)
+#   train | trainreal [ARGS] | steptail   bench_train, bench_train_real, bench_step_tail (27B drafter shape)
 #   sweep | check                    bench_sweep --synthetic; the gpu-marked tests + bench_block_mask
 #   quality GGUF_PART... [--resume]  bench_quality (SmolLM2, bf16 vs fp8, 3 seeds)
 #   reference [ARGS] [--resume]      bench_reference on the committed data (every call after the first: --resume)
@@ -49,7 +49,7 @@ extract() { capped "${1:-410}" python3 benchmarks/bench_extract.py --tokens 6000
               "${@:2}"; }
 train() { capped "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
 sweep() { capped "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
-trainreal() { capped "${1:-560}" python3 benchmarks/bench_train_real.py; }
+trainreal() { capped 560 python3 benchmarks/bench_train_real.py "$@"; }
 steptail() { capped "${1:-240}" python3 benchmarks/bench_step_tail.py; }
 quality() { local t=$1; shift
             capped "$t" python3 benchmarks/bench_quality.py --train-prompts 2000 --steps 400 --seeds 3 --workdir /tmp/bq \
@@ -201,7 +201,7 @@ case "$stage" in
   cache) cache || rc=$? ;;
   extract) extract 560 "$@" || rc=$? ;;
   train) train || rc=$? ;;
-  trainreal) trainreal || rc=$? ;;
+  trainreal) trainreal "$@" || rc=$? ;;
   steptail) steptail || rc=$? ;;
   sweep) sweep || rc=$? ;;
   check) t0=$SECONDS; gpu_tests 420 || rc=$?  # the bench gets what is left of 570 s: both within one call
