@@ -1283,16 +1283,28 @@ acceptance over the mean of the two (train_acceptance_over_heldout)."""
 def stretch_into(base: dict, stretch: dict) -> dict:
     """`base` (the reference's result) with a stretch run's result under "stretch" and its figures at the top
     level beside their goals (stretch_tau_mtbench, stretch_tau_humaneval, stretch_tau_sharegpt_heldout,
-    stretch_train_acceptance_over_heldout, stretch_steps, stretch_epochs, stretch_tokens; None until its
-    reference run finished: its curve so far is in stretch.partial_curves); base's own runs and figures stay."""
+    stretch_train_acceptance_over_heldout, stretch_steps, stretch_epochs, stretch_tokens, stretch_finished): the
+    finished reference run's, or, while it is cut, those of its last held-out evaluation (stretch.partial_curves;
+    stretch_finished False, stretch_tokens None). None before its first evaluation. base's own runs and figures
+    stay."""
     if base.get("eval_responses_sha256") != stretch.get("eval_responses_sha256"):
         raise SystemExit("the stretch scored on other eval responses than the reference (eval_responses_sha256): "
                          "its tau would not compare; pass --eval-responses benchmarks/assets/peer")
     out = copy.deepcopy(base)
-    ref = stretch.get("runs", {}).get(f"all_{stretch.get('reference_storage')}")
-    for key in ("tau_mtbench", "tau_humaneval", "tau_sharegpt_heldout", "train_acceptance_over_heldout"):
-        out[f"stretch_{key}"] = stretch.get(key) if ref else None
-    out["stretch_steps"], out["stretch_tokens"] = (ref["steps"], ref["tokens"]) if ref else (None, None)
+    name = f"all_{stretch.get('reference_storage')}"
+    ref, cut = stretch.get("runs", {}).get(name), (stretch.get("partial_curves") or {}).get(name)
+    keys = ("tau_mtbench", "tau_humaneval", "tau_sharegpt_heldout", "train_acceptance_over_heldout")
+    if ref:
+        figures, steps, tokens = {k: stretch.get(k) for k in keys}, ref["steps"], ref["tokens"]
+    elif cut and cut["step"]:
+        mt, he = set_tau(cut, "mtbench"), set_tau(cut, "humaneval")
+        figures = dict(zip(keys, (mt, he, set_tau(cut, "sharegpt"),
+                                  acceptance_over_heldout(cut["train_accept_len"][-1], mt, he))))
+        steps, tokens = cut["step"][-1], None
+    else:
+        figures, steps, tokens = dict.fromkeys(keys), None, None
+    out.update({f"stretch_{k}": v for k, v in figures.items()})
+    out["stretch_steps"], out["stretch_tokens"], out["stretch_finished"] = steps, tokens, ref is not None
     out["stretch_epochs"] = stretch.get("config", {}).get("epochs")
     out["stretch_goals"] = STRETCH_GOALS
     mt, he, ratio = (out[f"stretch_{k}"] for k in ("tau_mtbench", "tau_humaneval", "train_acceptance_over_heldout"))
@@ -1303,6 +1315,14 @@ def stretch_into(base: dict, stretch: dict) -> dict:
                                           and ratio <= STRETCH_GOALS["train_acceptance_over_heldout_at_most"]}
     out["stretch"] = stretch
     return out
+
+
+def acceptance_over_heldout(train_accept_len: float | None, tau_mtbench: float | None,
+                            tau_humaneval: float | None) -> float | None:
+    """The trainer's batch acceptance over the mean held-out MT-Bench / HumanEval tau (how much better the drafter
+    does on what it trained on): None where a term is missing."""
+    taus = [t for t in (tau_mtbench, tau_humaneval) if t]
+    return train_accept_len / statistics.mean(taus) if train_accept_len and taus else None
 
 
 def stretch_merged(args, out_json: pathlib.Path) -> dict:
@@ -1337,9 +1357,8 @@ def summarise(result: dict) -> None:
         # the reference run's own evaluations and steps, at the default --eval-every (bench_eval_overhead's rule)
         result["eval_overhead_fraction"] = ref.get("eval_overhead_fraction")
         result["eval_overhead_at_eval_every"] = default_eval_every()
-        taus = [t for t in (ref["tau_mtbench"], ref["tau_humaneval"]) if t]
-        acc = ref.get("final_train_accept_len")
-        result["train_acceptance_over_heldout"] = acc / statistics.mean(taus) if acc and taus else None
+        result["train_acceptance_over_heldout"] = acceptance_over_heldout(ref.get("final_train_accept_len"),
+                                                                          ref["tau_mtbench"], ref["tau_humaneval"])
     for storage in STORAGES:  # each storage on all the data against bf16: fp8_rel_diff_*, int4_rel_diff_*
         run = runs.get(f"all_{storage}")
         if bf16 and run and storage != "bf16":

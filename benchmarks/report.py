@@ -185,22 +185,21 @@ section("Drafter quality (held-out tau)", "SmolLM2-135M-Instruct target, tau = t
         baseline="the greedy-only run: see tau-greedy-only", target="<= 1.6",
         note="held-out tau here is the mean of MT-Bench and HumanEval"),
     Fig(id="tau-stretch", what="the stretch: the reference recipe on the greedy and both sampled regenerations, "
-        "3 epochs (cut, to be continued): held-out tau, MT-Bench / HumanEval / unseen ShareGPT",
+        "3 epochs planned: held-out tau, MT-Bench / HumanEval / unseen ShareGPT",
         file="quality_reference_h200.json",
-        value="{=j('stretch.partial_curves.all_int4[mtbench_greedy.jsonl][-1]'):.3f} / "
-              "{=j('stretch.partial_curves.all_int4[humaneval_greedy.jsonl][-1]'):.3f} / "
-              "{=j('stretch.partial_curves.all_int4[sharegpt_greedy.jsonl][-1]'):.3f} at step {=j('stretch.partial_curves.all_int4.step[-1]'):,}",
+        value="{stretch_tau_mtbench:.3f} / {stretch_tau_humaneval:.3f} / {stretch_tau_sharegpt_heldout:.3f} at "
+              "step {stretch_steps:,}{=' (the run was cut there)' if not j('stretch_finished') else ''}; trainer's "
+              "batch acceptance / held-out {stretch_train_acceptance_over_heldout:.2f}",
         baseline="the 2-epoch reference: {runs.all_int4.tau_mtbench:.3f} / {runs.all_int4.tau_humaneval:.3f} / "
-                 "{runs.all_int4.tau_sharegpt:.3f}",
+                 "{runs.all_int4.tau_sharegpt:.3f}, batch acceptance / held-out {train_acceptance_over_heldout:.2f}",
         target=">= {stretch_goals.tau_mtbench_at_least} / >= {stretch_goals.tau_humaneval_at_least}, "
-               "train acceptance / held-out <= {stretch_goals.train_acceptance_over_heldout_at_most}",
+               "batch acceptance / held-out <= {stretch_goals.train_acceptance_over_heldout_at_most}",
         device="{stretch.versions.device}", date="{stretch.date}",
         command="bash benchmarks/run_h200.sh stretch (each call; benchmarks/README.md, \"The reference run's stretch\")",
         note="{=j('stretch.caches.train_tokens.tokens')/1e6:.1f}M tokens, {stretch.caches.train_tokens.samples:,} "
-             "samples, trained online with int4 rounding; the trainer's batch acceptance at that step "
-             "{=j('stretch.partial_curves.all_int4.train_accept_len[-1]'):.2f}; MT-Bench over the last 500 steps "
-             "{=j('stretch.partial_curves.all_int4[mtbench_greedy.jsonl][-1]')-j('stretch.partial_curves.all_int4[mtbench_greedy.jsonl][-2]'):+.3f}; plot "
-             "quality_reference_stretch.png"),
+             "samples, trained online with int4 rounding; stretch_checks {stretch_checks}; MT-Bench over the last "
+             "500 steps {=j('stretch.partial_curves.all_int4[mtbench_greedy.jsonl][-1]')-j('stretch.partial_curves.all_int4[mtbench_greedy.jsonl][-2]'):+.3f}; "
+             "plot quality_reference_stretch.png"),
     Fig(id="tau-reference-seed1", what="reference recipe, seed 1 (the seed-to-seed spread)",
         file="quality_reference_h200.json",
         value="{runs.all_seed1.tau_mtbench:.3f} / {runs.all_seed1.tau_humaneval:.3f} / {runs.all_seed1.tau_sharegpt:.3f}",

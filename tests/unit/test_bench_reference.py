@@ -539,8 +539,19 @@ def test_online_reference_plan_and_the_stretch_figures(tmp_path):
     assert got["stretch_checks"] == {"tau_mtbench_at_least_2_5": True, "tau_humaneval_at_least_2_8": False,
                                      "train_over_heldout_at_most_1_6": True}
     assert got["tau_mtbench"] == 2.33 and got["runs"] == base["runs"] and got["stretch"] == stretch
-    cut = stretch | {"runs": {}, "curves": {}, "partial_curves": {"all_int4": curve}}
-    assert br.stretch_into(base, cut)["stretch_tau_mtbench"] is None      # not finished: no figure yet
+    assert got["stretch_finished"] and got["stretch_tokens"] == 43_000_000
+    # cut: the figures of its last held-out evaluation, flagged; before the first one, none
+    cut = stretch | {"runs": {}, "curves": {},
+                     "partial_curves": {"all_int4": curve | {"sharegpt_greedy.jsonl": [2.5, 2.9],
+                                                             "train_accept_len": [2.4, 3.45]}}}
+    got = br.stretch_into(base, cut)
+    assert (got["stretch_tau_mtbench"], got["stretch_tau_humaneval"], got["stretch_tau_sharegpt_heldout"],
+            got["stretch_steps"], got["stretch_finished"], got["stretch_tokens"]) == (2.2, 2.4, 2.9, 1000, False, None)
+    assert got["stretch_train_acceptance_over_heldout"] == pytest.approx(3.45 / 2.3)
+    assert got["stretch_checks"] == {"tau_mtbench_at_least_2_5": False, "tau_humaneval_at_least_2_8": False,
+                                     "train_over_heldout_at_most_1_6": True}
+    fresh = br.stretch_into(base, cut | {"partial_curves": {}})
+    assert fresh["stretch_tau_mtbench"] is None and not any(fresh["stretch_checks"].values())
     with pytest.raises(SystemExit, match="other eval responses"):
         br.stretch_into(base, stretch | {"eval_responses_sha256": {"mtbench": "x"}})
     # the command: --json updated in place, the stretch's curve drawn beside the reference's
