@@ -6,8 +6,10 @@ before and after (dflash.serve.metrics), and sets them beside the counters `dfla
 cache (its exact offline accept chains, dflash.eval.evaluate). It also checks that the served text is the
 cached greedy response token for token.
 
-In float32 the two are equal exactly: the drafter sees the same features and blocks in both, and a greedy
-target step accepts the same drafts (measured on the real SmolLM2 with vLLM's CPU build, tests/e2e). In bf16
+In float32 the two are equal exactly wherever the engine's float32 drafter logits agree with torch's to within
+the drafter's near-ties: the drafter sees the same features and blocks in both, and a greedy target step accepts
+the same drafts (measured on the real SmolLM2 with vLLM's CPU build, tests/e2e; on a Xeon with AVX-512-BF16 two
+near-tie drafts of 555 went the other way: docs/serve.md). In bf16
 they are not: the target's greedy text itself changes between engines at bf16 near-ties (a different matmul
 order flips an argmax), and from there the served requests decode other tokens than the cache holds, so only
 a tolerance on the acceptance length and per-position rates makes sense (`tolerance`, docs/serve.md).

@@ -93,11 +93,17 @@ def _check_against_hf(model_dir, cache_dir, taps):
         s = reader.read(i)
         with torch.no_grad():
             hs = model(torch.from_numpy(s.input_ids.astype(np.int64))[None], output_hidden_states=True).hidden_states
-        ref_TKD = torch.stack([hs[k + 1][0] for k in taps], dim=1).to(torch.bfloat16)
+        ref32_TKD = torch.stack([hs[k + 1][0] for k in taps], dim=1)
+        ref_TKD = ref32_TKD.to(torch.bfloat16)
         assert s.hidden.dtype == torch.bfloat16 and s.hidden.shape == ref_TKD.shape
-        # bf16 storage of an fp32 run: at most one bf16 rounding step apart (batched vs unbatched fp32
-        # matmuls may differ in the last fp32 bits, which can flip a bf16 rounding).
-        torch.testing.assert_close(s.hidden.float(), ref_TKD.float(), rtol=8e-3, atol=1e-5)
+        # bf16 storage of an fp32 run: one bf16 rounding step apart (8e-3 of the element), plus the fp32 noise
+        # of batched vs unbatched matmuls, which scales with the row's magnitude, not the element's: ~2 fp32
+        # ulps of the row's largest value (on an AVX-512-BF16 Xeon an element of 1.2e-3 in a row reaching 543
+        # came out 2.3e-5 apart; 1e-5 of absolute slack held on the CPUs before it).
+        err_TKD = (s.hidden.float() - ref_TKD.float()).abs()
+        bound_TKD = 8e-3 * ref_TKD.float().abs() + 2.5e-7 * ref32_TKD.abs().amax(-1, keepdim=True)
+        assert (err_TKD <= bound_TKD).all(), f"sample {i}: {int((err_TKD > bound_TKD).sum())} values apart, " \
+            f"worst {float((err_TKD - bound_TKD).max()):.3g} over the bound"
         num_bit_equal += int(torch.equal(s.hidden.view(torch.uint16), ref_TKD.view(torch.uint16)))
     return len(reader), num_bit_equal
 
