@@ -15,6 +15,8 @@ sequence, 5 taps (1, 16, 31, 46, 61) of a 64-layer target. Measures, on the same
   (C) with --compare-loss-impl: run B again with the other TrainConfig.loss_impl (fused = LM-head logits once
       per supervised row, checkpoint = chunk-checkpointed CE over all rows): tok/s, MFU, memory of both, and
       the largest per-window loss difference between them (the same math up to fp32 summation order).
+  (D), (E) with --compare-compile / --compare-wgrad-fusion: run B again with TrainConfig.compile_elementwise /
+      wgrad_fusion flipped: tok/s of both and their largest per-window loss difference.
 Medians over the measured steps; the warm-up steps (flex attention compilation, allocator growth) are
 excluded from both. benchmarks/bench_train_real.py runs (A) and (B) on real ShareGPT lengths too.
 
@@ -341,6 +343,10 @@ def main() -> None:
                    help="TrainConfig.compile_elementwise of runs A and B (auto = on CUDA)")
     p.add_argument("--compare-compile", action="store_true",
                    help="run D: run B's resident steps with compile_elementwise flipped; report both tok/s")
+    p.add_argument("--wgrad-fusion", choices=("auto", "on", "off"), default="off",
+                   help="TrainConfig.wgrad_fusion of runs A and B (weight gradients added into .grad by the matmul)")
+    p.add_argument("--compare-wgrad-fusion", action="store_true",
+                   help="run E: run B's resident steps with wgrad_fusion flipped; report both tok/s")
     p.add_argument("--profile-steps", type=int, default=2,
                    help="profile the last N resident steps of run B with torch.profiler (CUDA; 0 = off); "
                         "they are left out of B's medians")
@@ -382,7 +388,8 @@ def main() -> None:
 
     kw = train_kwargs(sh, cache=work / "cache", target=work / "target", steps=total_steps, batch_tokens=batch_tokens,
                       log_every=args.log_every, peak=peak, seed=args.seed, num_readers=args.num_readers,
-                      prefetch=args.prefetch, loss_impl=args.loss_impl, compile_elementwise=args.compile_elementwise)
+                      prefetch=args.prefetch, loss_impl=args.loss_impl, compile_elementwise=args.compile_elementwise,
+                      wgrad_fusion=args.wgrad_fusion)
     cfg_a = TrainConfig(output=str(work / "run_a"), **kw)
     if not args.keep_checkpoints:
         patch_out_saving()
@@ -421,14 +428,18 @@ def main() -> None:
             TrainConfig(output=str(work / "run_c"), **{**kw, "loss_impl": other}), device, args.warmup)},
             base=args.loss_impl, fast=fused_name, slow="checkpoint", speedup_key="fused_speedup")
 
-    compile_cmp = None
-    if args.compare_compile and resident:
-        compiled_now = compile_wanted(args.compile_elementwise, device)
-        flipped = "off" if compiled_now else "on"
-        say(f"run D: the same resident steps with compile_elementwise={flipped}")
-        compile_cmp = compare_runs({("on" if compiled_now else "off"): resident, flipped: _fresh_resident(
-            TrainConfig(output=str(work / "run_d"), **{**kw, "compile_elementwise": flipped}), device, args.warmup)},
-            base="on" if compiled_now else "off", fast="on", slow="off", speedup_key="compiled_speedup")
+    def flipped_run(run: str, field: str, speedup_key: str) -> dict:
+        """Run B's resident steps again with an auto/on/off TrainConfig field flipped: compare_runs of the two."""
+        now = "on" if compile_wanted(kw[field], device) else "off"
+        flipped = "off" if now == "on" else "on"
+        say(f"run {run}: the same resident steps with {field}={flipped}")
+        return compare_runs({now: resident, flipped: _fresh_resident(
+            TrainConfig(output=str(work / f"run_{run.lower()}"), **{**kw, field: flipped}), device, args.warmup)},
+            base=now, fast="on", slow="off", speedup_key=speedup_key)
+
+    compile_cmp = flipped_run("D", "compile_elementwise", "compiled_speedup") \
+        if args.compare_compile and resident else None
+    wgrad_cmp = flipped_run("E", "wgrad_fusion", "fused_speedup") if args.compare_wgrad_fusion and resident else None
 
     mfus = mfu_fields(mfu, peak=peak)
     rows = [("trainer, fp8 disk cache (A)", tok_s, f"MFU {mfu:.3f} of the measured {peak / 1e12:.3g}T, "
@@ -440,7 +451,8 @@ def main() -> None:
         rows.append(("loader stall 1 - A/B", None, f"{stall:.3f} (target <= {REFERENCE['target_loader_stall_fraction']})"))
     for label, cmp, names, ratio in (("loss_impl", compare, ("checkpoint", fused_name),
                                       f"{fused_name} / checkpoint"),
-                                     ("compile_elementwise", compile_cmp, ("off", "on"), "compiled / eager")):
+                                     ("compile_elementwise", compile_cmp, ("off", "on"), "compiled / eager"),
+                                     ("wgrad_fusion", wgrad_cmp, ("off", "on"), "fused / autograd")):
         if cmp:
             rows.extend(variant_rows(label, cmp, names, ratio))
     rows.append(("reference: plain PyTorch step", REFERENCE["plain_pytorch_tok_s"],
@@ -482,6 +494,9 @@ def main() -> None:
         "compile_elementwise": args.compile_elementwise,
         "compile_compare": {k: v for k, v in compile_cmp.items() if k != "other_records"} if compile_cmp else None,
         "compile_other_records": compile_cmp["other_records"] if compile_cmp else None,
+        "wgrad_fusion": args.wgrad_fusion,
+        "wgrad_compare": {k: v for k, v in wgrad_cmp.items() if k != "other_records"} if wgrad_cmp else None,
+        "wgrad_other_records": wgrad_cmp["other_records"] if wgrad_cmp else None,
         "profile": resident["profile"] if resident else None,
     }
     res_dir = ROOT / "benchmarks" / "results"

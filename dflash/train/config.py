@@ -173,6 +173,10 @@ class TrainConfig:
     """Run the drafter's norms, RoPE and SiLU-gating, and the fused LM-head CE's elementwise work (train.fused_ce,
     with loss_impl=fused), as torch.compile'd fused kernels: auto = on CUDA only (CPU compilation needs a C++
     toolchain and gains little), on, off. Same math up to float rounding."""
+    wgrad_fusion: str = "off"
+    """Add each linear weight's gradient into its fp32 .grad inside the weight-gradient matmul (train.wgrad)
+    instead of autograd's bf16 gradient, cast and add: auto = on CUDA, on, off. Same math up to float rounding;
+    off until it is timed on the 27B drafter shape."""
 
     online: bool = False
     """Compute the drafter's taps with the live target for every micro-batch instead of reading them from the
@@ -255,8 +259,9 @@ class TrainConfig:
         if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError(f"lr={self.lr}, grad_clip={self.grad_clip}, weight_decay={self.weight_decay}: "
                               "lr must be > 0, grad_clip and weight_decay >= 0")
-        if self.compile_elementwise not in COMPILE_SETTINGS:
-            raise ConfigError(f"compile_elementwise={self.compile_elementwise!r}: choose auto, on or off")
+        for name in ("compile_elementwise", "wgrad_fusion"):
+            if getattr(self, name) not in COMPILE_SETTINGS:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: choose auto, on or off")
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ConfigError(f"loss_normalization={self.loss_normalization!r}: "
                               f"choose {', '.join(LOSS_NORMALIZATIONS[:-1])} or {LOSS_NORMALIZATIONS[-1]}")
@@ -327,14 +332,15 @@ class TrainConfig:
 
 
 # Fields that may differ between a run and its resume (paths, bookkeeping); anything else changes the math.
-# loss_impl, compile_elementwise and online_compile change only float rounding (and checkpoints written before
+# loss_impl, compile_elementwise, wgrad_fusion and online_compile change only float rounding (and checkpoints written before
 # they existed lack the fields). Not online: live features are unrounded, an fp8 or bf16 cache's are not.
 # extra_caches too: which samples the caches hold is checked against the checkpoint's cache record instead;
 # init_from only seeds a fresh run's weights (a resume loads its checkpoint's).
 RESUME_MUTABLE = frozenset({"cache", "extra_caches", "init_from", "model", "output", "log_every", "save_every",
                             "keep_checkpoints",
                             "num_readers", "prefetch", "verify_checksums", "peak_flops", "stop_after_steps",
-                            "loss_impl", "compile_elementwise", "online_compile", "eval_cache", "eval_every",
+                            "loss_impl", "compile_elementwise", "wgrad_fusion", "online_compile", "eval_cache",
+                            "eval_every",
                             "eval_limit", "report_to"})
 
 

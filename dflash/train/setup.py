@@ -24,6 +24,7 @@ from dflash.train.build import (build_drafter_config, check_target_matches, reso
 from dflash.train.config import TrainConfig
 from dflash.train.distributed import DistInfo
 from dflash.train.loader import EpochPlan, config_plan
+from dflash.train.wgrad import fuse_weight_grads
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -251,6 +252,10 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
         drafter.compile_elementwise()
         reasons.append(f"norms, RoPE, SiLU-gating and the fused CE's elementwise work: torch.compile'd "
                        f"(compile_elementwise={cfg.compile_elementwise})")
+    if compile_wanted(cfg.wgrad_fusion, info.device):
+        n = fuse_weight_grads(drafter)
+        reasons.append(f"{n} linear layers add their weight gradients into .grad in the matmul "
+                       f"(wgrad_fusion={cfg.wgrad_fusion})")
     reasons.append(describe_drafter(dc, drafter))
     # each epoch planned once for the step count, the CPU estimate and the sample denominator
     plan_of = functools.cache(lambda e: config_plan(cfg, reader.index.length, epoch=e, world_size=info.world_size,
