@@ -6,7 +6,7 @@
 #   the call's timeout, so the bench stops itself and its JSON comes back through $OUT)
 # Stages (what each measures and its result file: benchmarks/README.md):
 #   io | cache | extract [ARGS]      bench_cache (cold reads, ~4 min) and/or bench_extract 600K tokens (~7 min)
-#   train | trainreal [ARGS] | steptail   bench_train, bench_train_real, bench_step_tail (27B drafter shape)
+#   train [ARGS] | trainreal [ARGS] | steptail   bench_train, bench_train_real, bench_step_tail (27B drafter)
 #   sweep | check                    bench_sweep --synthetic; the gpu-marked tests + bench_block_mask
 #   quality GGUF_PART... [--resume]  bench_quality (SmolLM2, bf16 vs fp8, 3 seeds)
 #   reference [ARGS] [--resume]      bench_reference on the committed data (every call after the first: --resume)
@@ -47,7 +47,7 @@ cache() { capped 330 python3 benchmarks/bench_cache.py --tokens 200000 --drop-ca
           rm -rf /tmp/dflash_bench_cache; }
 extract() { capped "${1:-410}" python3 benchmarks/bench_extract.py --tokens 600000 --peer-tokens 100000 --fla-conv \
               "${@:2}"; }
-train() { capped "${1:-560}" python3 benchmarks/bench_train.py --compare-compile --profile-steps 2; }
+train() { capped 560 python3 benchmarks/bench_train.py --compare-compile --profile-steps 2 "$@"; }
 sweep() { capped "${1:-560}" python3 benchmarks/bench_sweep.py --synthetic; }
 trainreal() { capped 560 python3 benchmarks/bench_train_real.py "$@"; }
 steptail() { capped "${1:-240}" python3 benchmarks/bench_step_tail.py; }
@@ -200,7 +200,7 @@ case "$stage" in
   io) cache; extract || rc=$? ;;
   cache) cache || rc=$? ;;
   extract) extract 560 "$@" || rc=$? ;;
-  train) train || rc=$? ;;
+  train) train "$@" || rc=$? ;;   # e.g. --compare-wgrad-fusion --result-name h100_wgrad
   trainreal) trainreal "$@" || rc=$? ;;
   steptail) steptail || rc=$? ;;
   sweep) sweep || rc=$? ;;
