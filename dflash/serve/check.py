@@ -53,6 +53,8 @@ class ServeCheckResult:
     engine_version: str | None = None
     """What the server's /version answered (None: it did not)."""
     seconds: dict[str, float] = field(default_factory=dict)
+    differing_requests: list[dict] = field(default_factory=list)
+    """request_differences: the requests whose served counters differ from their own offline accept chain."""
 
     @property
     def ok(self) -> bool:
@@ -64,7 +66,7 @@ class ServeCheckResult:
                 "differences": self.differences, "tolerance": self.tolerance, "num_requests": self.num_requests,
                 "server": self.server, "eval_source": self.eval_source, "sources": list(self.sources),
                 "dtype": self.dtype, "engine": self.engine, "engine_version": self.engine_version,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "differing_requests": self.differing_requests}
 
 
 def compare_counts(served: SpecDecodeCounts, offline: SpecDecodeCounts, *, tolerance: float = 0.0,
@@ -97,6 +99,27 @@ def compare_counts(served: SpecDecodeCounts, offline: SpecDecodeCounts, *, toler
     for i, (x, y) in enumerate(zip(served.acceptance_by_position, offline.acceptance_by_position)):
         if not abs(x - y) <= tolerance:
             out.append(f"acceptance at position {i}: served {x:.4f} vs offline {y:.4f} (tolerance {tolerance})")
+    return out
+
+
+def request_differences(served: dict[int, SpecDecodeCounts], chains: dict[int, list[int]], *,
+                        num_speculative_tokens: int) -> list[dict]:
+    """The requests (by sample id, ascending) whose served counters differ from the ones their offline accept
+    chain implies, each with both accepted-per-position lists and the offline chain: where a mismatch sits, so a
+    flip of a few drafts in one response reads apart from a server that runs another drafter (every response
+    off). A request with no offline chain (a 1-token response) counts as no step."""
+    out = []
+    for sid in sorted(served):
+        steps = chains.get(sid, [])
+        hist = [0] * (num_speculative_tokens + 2)
+        for s in steps:
+            hist[s] += 1
+        offline = counts_from_steps(hist, num_speculative_tokens=num_speculative_tokens)
+        got = served[sid]
+        if (got.num_drafts, got.accepted_per_position) != (offline.num_drafts, offline.accepted_per_position):
+            out.append({"sample_id": sid, "served_accepted_per_position": list(got.accepted_per_position),
+                        "offline_accepted_per_position": list(offline.accepted_per_position),
+                        "offline_chain": list(steps)})
     return out
 
 
@@ -164,14 +187,15 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
                              cfg=EvalConfig(dtype=eval_dtype, limit=limit, chunk_anchors=chunk_anchors),
                              progress=False)
         step_counts, offline_tau = res.overall.step_counts, res.overall.tau
+        chains = dict(zip(res.overall.sequence_ids, res.overall.per_sequence_steps))
         requests = cache_requests(cache_dir, limit=limit)
         eval_source, sources = Path(str(cache_dir).rstrip("/")).name, tuple(s.name for s in res.per_source)
     else:
         from dflash.serve.responses import offline_step_counts, read_responses
 
         requests = read_responses(responses, limit=limit)
-        step_counts, offline_tau = offline_step_counts(drafter_dir=drafter_dir, model=model, requests=requests,
-                                                       dtype=eval_dtype)
+        step_counts, offline_tau, chains = offline_step_counts(drafter_dir=drafter_dir, model=model,
+                                                               requests=requests, dtype=eval_dtype)
         files = [responses] if isinstance(responses, (str, Path)) else list(responses)
         eval_source, sources = "responses", tuple(Path(f).name for f in files)
     seconds["dflash_eval"] = time.perf_counter() - t0
@@ -187,10 +211,12 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
         name = srv.served_model(base_url)
         before = counts(base_url)
         t1 = time.perf_counter()
-        mismatches = []
-        for r in requests:
+        mismatches, per_request = [], {}
+        for r in requests:   # one at a time, the counters read around each: every request's own counts
+            ahead = counts(base_url)
             got = srv.greedy_completion(base_url, model=name, prompt_ids=r.prompt_ids,
                                         max_tokens=len(r.response_ids))
+            per_request[r.sample_id] = counts(base_url).minus(ahead)
             if got != r.response_ids:
                 mismatches.append(r.sample_id)
         seconds["requests"] = time.perf_counter() - t1
@@ -200,7 +226,9 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
                                 text_mismatches=mismatches, differences=diffs, tolerance=tolerance,
                                 num_requests=len(requests), server=server_desc, eval_source=eval_source,
                                 sources=sources, dtype=eval_dtype, engine_version=srv.engine_version(base_url),
-                                seconds=seconds)
+                                seconds=seconds,
+                                differing_requests=request_differences(per_request, chains,
+                                                                       num_speculative_tokens=K))
 
     if url is not None:
         return run(url, url)
@@ -236,4 +264,12 @@ def format_check(res: ServeCheckResult) -> str:
                                                                        f" within {res.tolerance}"))
     else:
         lines += ["MISMATCH:"] + [f"  {d}" for d in res.differences]
+    if res.differing_requests:
+        shown = res.differing_requests[:5]
+        lines.append(f"responses whose counts differ: {len(res.differing_requests)}/{res.num_requests} "
+                     "(sample id: accepted per position, served | dflash eval)")
+        lines += [f"  {d['sample_id']}: {' '.join(map(str, d['served_accepted_per_position']))} | "
+                  f"{' '.join(map(str, d['offline_accepted_per_position']))}" for d in shown]
+        if len(res.differing_requests) > len(shown):
+            lines.append(f"  ... and {len(res.differing_requests) - len(shown)} more (--json lists them all)")
     return "\n".join(lines)

@@ -49,9 +49,9 @@ def read_responses(paths, *, limit: int | None = None) -> list[CheckRequest]:
 
 
 def offline_step_counts(*, drafter_dir: str, model: str, requests: list[CheckRequest], dtype: str = "float32",
-                        device: str | None = None) -> tuple[list[int], float]:
-    """(step_counts, tau): dflash eval's TauStats.step_counts and headline tau over the requests, from the
-    target's features computed here."""
+                        device: str | None = None) -> tuple[list[int], float, dict[int, list[int]]]:
+    """(step_counts, tau, steps): dflash eval's TauStats.step_counts and headline tau over the requests, and
+    each request's accept chain by sample id, from the target's features computed here."""
     import numpy as np
     import torch
 
@@ -69,7 +69,7 @@ def offline_step_counts(*, drafter_dir: str, model: str, requests: list[CheckReq
     embed, head, _ = embedding_and_head(model, dtype=dt)
     embed, head = embed.to(device), head.to(device)
     counts = [0] * (cfg.block_size + 1)
-    taus = []
+    taus, chains = [], {}
     with torch.no_grad():
         for r in requests:
             seq = torch.tensor(r.prompt_ids + r.response_ids, device=device)
@@ -79,7 +79,8 @@ def offline_step_counts(*, drafter_dir: str, model: str, requests: list[CheckReq
             L = accept_lengths(drafter, embed_VD=embed, lm_head_VD=head, input_ids_T=seq, hidden_TKD=feats,
                                start=start, end=end, mask_token_id=cfg.mask_token_id)
             steps = walk_accept_chain(L, start, end)
+            chains[r.sample_id] = steps
             for s in steps:
                 counts[s] += 1
             taus.append(float(np.mean(steps)))
-    return counts, float(np.mean(taus)) if taus else float("nan")
+    return counts, float(np.mean(taus)) if taus else float("nan"), chains

@@ -118,6 +118,7 @@ def test_served_acceptance_equals_dflash_eval(shape, smollm2_greedy_eval, smollm
                                        server.url, "--no-record"], prog_name="dflash")
         assert res.exit_code == 1 and "MISMATCH:" in res.stdout and "num_accepted_tokens: served" in res.stdout, \
             res.output
+        assert f"responses whose counts differ: {len(ev.records)}/{len(ev.records)}" in res.stdout, res.output
         assert not (tmp_path / "untrained" / "serve_check.json").exists()
 
 
@@ -179,11 +180,12 @@ def _check_served(res, *, shape, K, offline, ev_json, num_records, log) -> bool:
     exact = (served["num_drafts"], served["num_accepted_tokens"], served["accepted_per_position"]) == \
         (offline.num_drafts, offline.num_accepted_tokens, list(offline.accepted_per_position))
     assert served["num_draft_tokens"] == K * served["num_drafts"]
-    if exact:   # vLLM's counters equal dflash eval's, count for count
+    if exact:   # vLLM's counters equal dflash eval's, count for count, response by response
         assert served["mean_acceptance_length"] == pytest.approx(ev_json["overall"]["tau_token_weighted"])
-        assert out["ok"] is True and res.exit_code == 0
-    else:
+        assert out["ok"] is True and res.exit_code == 0 and out["differing_requests"] == []
+    else:       # a near-tie flip: a few responses part, not every one (as a server running another drafter)
         assert out["ok"] is False and res.exit_code == 1 and out["differences"]
+        assert 0 < len(out["differing_requests"]) < num_records, out["differing_requests"]
         got = SpecDecodeCounts(num_drafts=served["num_drafts"], num_draft_tokens=served["num_draft_tokens"],
                                num_accepted_tokens=served["num_accepted_tokens"],
                                accepted_per_position=tuple(served["accepted_per_position"]))

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
-from dflash.serve.check import compare_counts
+from dflash.serve.check import compare_counts, format_check, request_differences
 from dflash.serve.metrics import SpecDecodeCounts, counts_from_steps, parse_prometheus, vllm_counts
 
 # The shape of vLLM 0.32's /metrics (HELP/TYPE comments, a model_name and engine label on every counter,
@@ -101,6 +101,42 @@ def test_compare_exact_and_with_tolerance():
         ["drafted tokens per step: served 1 != offline 3"]
     none = SpecDecodeCounts(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=(0, 0, 0))
     assert "verified no draft" in compare_counts(none, off)[0]
+
+
+def test_request_differences_name_the_responses_that_part():
+    """Per request: served counters against the ones the request's own offline chain implies. The block-16
+    drafter's case on an AVX-512-BF16 Xeon: one response of five, two of its 13 drafts accepting other lengths
+    (served chain 1 2 2 1 3 1 1 1 1 6 1 1 2, dflash eval's 1 2 2 1 3 2 1 1 2 4 1 1 2)."""
+    K = 15
+
+    def served_of(chain):
+        hist = [0] * (K + 2)
+        for s in chain:
+            hist[s] += 1
+        return counts_from_steps(hist, num_speculative_tokens=K)
+
+    same = [1, 2, 2, 1, 3]
+    offline = [1, 2, 2, 1, 3, 2, 1, 1, 2, 4, 1, 1, 2]
+    served = {0: served_of(same), 4: served_of([1, 2, 2, 1, 3, 1, 1, 1, 1, 6, 1, 1, 2]), 7: served_of([])}
+    got = request_differences(served, {0: same, 4: offline}, num_speculative_tokens=K)   # 7: a 1-token response
+    assert got == [{"sample_id": 4, "served_accepted_per_position": [5, 2, 1, 1, 1] + [0] * 10,
+                    "offline_accepted_per_position": [7, 2, 1] + [0] * 12, "offline_chain": offline}]
+    assert request_differences(served, {0: [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 4: offline}, num_speculative_tokens=K)[0][
+        "sample_id"] == 0   # ascending ids; a server running another drafter differs on every response
+
+
+def test_format_check_lists_the_differing_responses():
+    from dflash.serve.check import ServeCheckResult
+
+    off = counts_from_steps([0, 10, 5, 3, 2], num_speculative_tokens=3)
+    diff = [{"sample_id": i, "served_accepted_per_position": [1, 0, 0], "offline_accepted_per_position": [2, 0, 0],
+             "offline_chain": [2]} for i in range(7)]
+    res = ServeCheckResult(served=off, offline=off, offline_tau=1.5, text_mismatches=[], differences=["x"],
+                           tolerance=0.0, num_requests=9, server="url", differing_requests=diff)
+    text = format_check(res)
+    assert "responses whose counts differ: 7/9" in text and "  0: 1 0 0 | 2 0 0" in text
+    assert "... and 2 more (--json lists them all)" in text
+    assert res.to_json()["differing_requests"] == diff
 
 
 def test_launch_command_is_the_model_cards():
