@@ -332,8 +332,9 @@ class TrainConfig:
 
 
 # Fields that may differ between a run and its resume (paths, bookkeeping); anything else changes the math.
-# loss_impl, compile_elementwise, wgrad_fusion and online_compile change only float rounding (and checkpoints written before
-# they existed lack the fields). Not online: live features are unrounded, an fp8 or bf16 cache's are not.
+# loss_impl, compile_elementwise, wgrad_fusion and online_compile change only float rounding (and checkpoints
+# written before they existed lack the fields). Not online: live features are unrounded, an fp8 or bf16 cache's
+# are not.
 # extra_caches too: which samples the caches hold is checked against the checkpoint's cache record instead;
 # init_from only seeds a fresh run's weights (a resume loads its checkpoint's).
 RESUME_MUTABLE = frozenset({"cache", "extra_caches", "init_from", "model", "output", "log_every", "save_every",
