@@ -62,8 +62,9 @@ class TauStats:
     """sequence_ids[i]: the sample id (cache index) of per_sequence_tau[i]; a 1-token response has neither."""
     step_counts: list[int] = field(default_factory=list)
     """step_counts[k] = target steps that emitted k tokens (index 0 unused; k = 1..block_size)."""
-    per_sequence_steps: list[list[int]] = field(default_factory=list)
-    """per_sequence_steps[i]: the tokens each target step of sequence i emitted, in order (its accept chain)."""
+    per_sequence_steps: list[np.ndarray] = field(default_factory=list)
+    """per_sequence_steps[i]: the tokens each target step of sequence i emitted, in order (its accept chain;
+    int16, so a large eval set's chains stay small)."""
     response_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -74,7 +75,7 @@ class TauStats:
         if not steps:
             return  # a 1-token response has no step to count
         self.per_sequence_tau.append(float(np.mean(steps)))
-        self.per_sequence_steps.append(list(steps))
+        self.per_sequence_steps.append(np.asarray(steps, dtype=np.int16))
         self.sequence_ids.append(sequence_id)
         for s in steps:
             self.step_counts[s] += 1

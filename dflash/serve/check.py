@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def compare_counts(served: SpecDecodeCounts, offline: SpecDecodeCounts, *, toler
     return out
 
 
-def request_differences(served: dict[int, SpecDecodeCounts], chains: dict[int, list[int]], *,
+def request_differences(served: dict[int, SpecDecodeCounts], chains: Mapping[int, Sequence[int]], *,
                         num_speculative_tokens: int) -> list[dict]:
     """The requests (by sample id, ascending) whose served counters differ from the ones their offline accept
     chain implies, each with both accepted-per-position lists and the offline chain: where a mismatch sits, so a
@@ -110,7 +111,7 @@ def request_differences(served: dict[int, SpecDecodeCounts], chains: dict[int, l
     off). A request with no offline chain (a 1-token response) counts as no step."""
     out = []
     for sid in sorted(served):
-        steps = chains.get(sid, [])
+        steps = [int(s) for s in chains.get(sid, ())]
         hist = [0] * (num_speculative_tokens + 2)
         for s in steps:
             hist[s] += 1
@@ -119,7 +120,7 @@ def request_differences(served: dict[int, SpecDecodeCounts], chains: dict[int, l
         if (got.num_drafts, got.accepted_per_position) != (offline.num_drafts, offline.accepted_per_position):
             out.append({"sample_id": sid, "served_accepted_per_position": list(got.accepted_per_position),
                         "offline_accepted_per_position": list(offline.accepted_per_position),
-                        "offline_chain": list(steps)})
+                        "offline_chain": steps})
     return out
 
 

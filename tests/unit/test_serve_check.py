@@ -118,7 +118,11 @@ def test_request_differences_name_the_responses_that_part():
     same = [1, 2, 2, 1, 3]
     offline = [1, 2, 2, 1, 3, 2, 1, 1, 2, 4, 1, 1, 2]
     served = {0: served_of(same), 4: served_of([1, 2, 2, 1, 3, 1, 1, 1, 1, 6, 1, 1, 2]), 7: served_of([])}
-    got = request_differences(served, {0: same, 4: offline}, num_speculative_tokens=K)   # 7: a 1-token response
+    import numpy as np
+
+    chains = {0: np.asarray(same, dtype=np.int16), 4: np.asarray(offline, dtype=np.int16)}   # as TauStats holds them
+    got = request_differences(served, chains, num_speculative_tokens=K)   # 7: a 1-token response
+    assert json.loads(json.dumps(got)) == got
     assert got == [{"sample_id": 4, "served_accepted_per_position": [5, 2, 1, 1, 1] + [0] * 10,
                     "offline_accepted_per_position": [7, 2, 1] + [0] * 12, "offline_chain": offline}]
     assert request_differences(served, {0: [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 4: offline}, num_speculative_tokens=K)[0][
