@@ -187,20 +187,19 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
         res = evaluate_cache(drafter_dir=drafter_dir, cache_dir=cache_dir, model=model,
                              cfg=EvalConfig(dtype=eval_dtype, limit=limit, chunk_anchors=chunk_anchors),
                              progress=False)
-        step_counts, offline_tau = res.overall.step_counts, res.overall.tau
-        chains = dict(zip(res.overall.sequence_ids, res.overall.per_sequence_steps))
+        stats = res.overall
         requests = cache_requests(cache_dir, limit=limit)
         eval_source, sources = Path(str(cache_dir).rstrip("/")).name, tuple(s.name for s in res.per_source)
     else:
-        from dflash.serve.responses import offline_step_counts, read_responses
+        from dflash.serve.responses import offline_stats, read_responses
 
         requests = read_responses(responses, limit=limit)
-        step_counts, offline_tau, chains = offline_step_counts(drafter_dir=drafter_dir, model=model,
-                                                               requests=requests, dtype=eval_dtype)
+        stats = offline_stats(drafter_dir=drafter_dir, model=model, requests=requests, dtype=eval_dtype)
         files = [responses] if isinstance(responses, (str, Path)) else list(responses)
         eval_source, sources = "responses", tuple(Path(f).name for f in files)
     seconds["dflash_eval"] = time.perf_counter() - t0
-    offline = counts_from_steps(step_counts, num_speculative_tokens=K)
+    offline = counts_from_steps(stats.step_counts, num_speculative_tokens=K)
+    chains = dict(zip(stats.sequence_ids, stats.per_sequence_steps))
 
     def counts(base_url: str) -> SpecDecodeCounts:
         try:
@@ -223,7 +222,7 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
         seconds["requests"] = time.perf_counter() - t1
         served = counts(base_url).minus(before)
         diffs = compare_counts(served, offline, tolerance=tolerance, text_mismatches=len(mismatches))
-        return ServeCheckResult(served=served, offline=offline, offline_tau=offline_tau,
+        return ServeCheckResult(served=served, offline=offline, offline_tau=stats.tau,
                                 text_mismatches=mismatches, differences=diffs, tolerance=tolerance,
                                 num_requests=len(requests), server=server_desc, eval_source=eval_source,
                                 sources=sources, dtype=eval_dtype, engine_version=srv.engine_version(base_url),

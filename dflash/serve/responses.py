@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash.errors import DataError
 from dflash.serve.request import CheckRequest
+
+if TYPE_CHECKING:
+    from dflash.eval.evaluate import TauStats
 
 
 def read_responses(paths, *, limit: int | None = None) -> list[CheckRequest]:
@@ -48,15 +52,15 @@ def read_responses(paths, *, limit: int | None = None) -> list[CheckRequest]:
     return out
 
 
-def offline_step_counts(*, drafter_dir: str, model: str, requests: list[CheckRequest], dtype: str = "float32",
-                        device: str | None = None) -> tuple[list[int], float, dict[int, list[int]]]:
-    """(step_counts, tau, steps): dflash eval's TauStats.step_counts and headline tau over the requests, and
-    each request's accept chain by sample id, from the target's features computed here."""
-    import numpy as np
+def offline_stats(*, drafter_dir: str, model: str, requests: list[CheckRequest], dtype: str = "float32",
+                  device: str | None = None) -> TauStats:
+    """dflash eval's accept-chain statistics (TauStats: step counts, tau, each request's chain by sample id) over
+    the requests, from the target's features computed here."""
     import torch
 
     from dflash.drafter.export import load_drafter
     from dflash.dtypes import dtype_of
+    from dflash.eval.evaluate import TauStats
     from dflash.eval.live import tap_features
     from dflash.eval.tau import accept_lengths, walk_accept_chain
     from dflash.target.head import embedding_and_head
@@ -68,8 +72,7 @@ def offline_step_counts(*, drafter_dir: str, model: str, requests: list[CheckReq
     drafter, cfg = load_drafter(drafter_dir, device=device, dtype=dt)
     embed, head, _ = embedding_and_head(model, dtype=dt)
     embed, head = embed.to(device), head.to(device)
-    counts = [0] * (cfg.block_size + 1)
-    taus, chains = [], {}
+    stats = TauStats(name="responses", block_size=cfg.block_size)
     with torch.no_grad():
         for r in requests:
             seq = torch.tensor(r.prompt_ids + r.response_ids, device=device)
@@ -78,9 +81,5 @@ def offline_step_counts(*, drafter_dir: str, model: str, requests: list[CheckReq
             start, end = len(r.prompt_ids), len(seq)
             L = accept_lengths(drafter, embed_VD=embed, lm_head_VD=head, input_ids_T=seq, hidden_TKD=feats,
                                start=start, end=end, mask_token_id=cfg.mask_token_id)
-            steps = walk_accept_chain(L, start, end)
-            chains[r.sample_id] = steps
-            for s in steps:
-                counts[s] += 1
-            taus.append(float(np.mean(steps)))
-    return counts, float(np.mean(taus)) if taus else float("nan"), chains
+            stats.add(walk_accept_chain(L, start, end), end - start, r.sample_id)
+    return stats
