@@ -23,7 +23,8 @@ def _drafter() -> DFlashDrafter:
 
 
 def _loss_and_grads(model, feats, embeds, dtype, start):
-    """One forward/backward of a packed 2-block batch over a 12-token context, .grad starting at `start`."""
+    """One forward/backward of 8 query rows over a 12-token context (mask None: every query sees every key),
+    .grad starting at `start`."""
     for p, s in zip(model.parameters(), start):
         p.grad = s.clone()
     q_pos = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11])
