@@ -343,7 +343,7 @@ def main() -> None:
                    help="TrainConfig.compile_elementwise of runs A and B (auto = on CUDA)")
     p.add_argument("--compare-compile", action="store_true",
                    help="run D: run B's resident steps with compile_elementwise flipped; report both tok/s")
-    p.add_argument("--wgrad-fusion", choices=("auto", "on", "off"), default="off",
+    p.add_argument("--wgrad-fusion", choices=("auto", "on", "off"), default="auto",
                    help="TrainConfig.wgrad_fusion of runs A and B (weight gradients added into .grad by the matmul)")
     p.add_argument("--compare-wgrad-fusion", action="store_true",
                    help="run E: run B's resident steps with wgrad_fusion flipped; report both tok/s")

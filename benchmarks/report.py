@@ -390,6 +390,11 @@ section("Training", "The 27B drafter shape (5 layers at hidden 5120, vocab 248,3
     Fig(id="train-compiled", what="training, compiled vs eager norms/RoPE/SiLU", file="train_h200.json",
         value="{compile_compare.on.tok_s:,.0f} vs {compile_compare.off.tok_s:,.0f} tok/s (x{compile_compare.compiled_speedup:.2f})",
         baseline="eager"),
+    Fig(id="train-wgrad", what="training, weight gradients added into the fp32 .grad by the matmul (wgrad_fusion) "
+        "vs autograd's bf16 gradient, cast and add, GPU-resident batches", file="train_h200_wgrad.json",
+        value="{wgrad_compare.on.step_time_s:.4f} vs {wgrad_compare.off.step_time_s:.4f} s a step "
+              "(x{wgrad_compare.fused_speedup:.4f}); largest per-window loss difference {wgrad_compare.max_loss_diff:.1e}",
+        baseline="wgrad_fusion off, same steps, same run"),
     Fig(id="train-driver", what="training through the one driver, 27B drafter shape, equal 2,048-token sequences",
         file="train_h200_driver.json",
         value="{tok_s:,.0f} tok/s, MFU {mfu:.3f} of the measured {=j('matmul_peak_flops')/1e12:.0f}T "
@@ -416,8 +421,11 @@ section("Training", "The 27B drafter shape (5 layers at hidden 5120, vocab 248,3
               "{h100_run.workloads.real.profile.gpu_idle_fraction:.2f}",
         target="MFU >= 0.75", device="{h100_run.machine.device}", date="{h100_run.date}",
         command="{h100_run.command}",
-        note="matmul and flex attention carry the counted FLOPs (80% of the step); elementwise, optimizer and "
-             "copies take the other 20%, and the burst peak is 1.14x what the card sustains under load"),
+        note="matmul and flex attention carry the counted FLOPs ("
+             "{=(j('h100_run.workloads.real.profile.ms_per_step_by_kind.matmul')+j('h100_run.workloads.real.profile.ms_per_step_by_kind[flex attention]'))"
+             "/j('h100_run.workloads.real.profile.step_ms')*100:.0f}% of the step); elementwise, optimizer and copies take the rest, and "
+             "the burst peak is {=j('h100_run.matmul_peak_flops')/j('h100_run.matmul_sustained_flops'):.2f}x what the "
+             "card sustains under load; wgrad_fusion on (TrainConfig's default on CUDA)"),
     Fig(id="train-real-lengths-first", what="same, the first run of it (another draw of samples)",
         file="train_real_lengths_h200_first.json",
         value="{=j('mfu')*j('matmul_peak_flops')/1e12:.0f} TFLOP/s achieved: MFU {mfu:.3f} of a measured "
