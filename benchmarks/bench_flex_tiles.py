@@ -13,11 +13,14 @@ Samples of --min-len..--max-len tokens are packed to the step's context tokens; 
 (dflash.train.objective.packed_layout, dflash.drafter.attention.flex_block_mask). Each variant is one
 torch.compile of flex_attention (dynamo reset between variants): "default" as the drafter calls it, the
 kernel_options rows ("drafter": what flex_block_attention passes, dflash.drafter.attention.flex_kernel_options),
-and "max-autotune" (mode max-autotune-no-cudagraphs: inductor tries its flex configs).
+"max-autotune" (mode max-autotune-no-cudagraphs: inductor tries its flex configs), and "expand_kv" (K and V repeated
+to the query heads, no GQA in the kernel: what the drafter's training calls do on CUDA at heads above 64 dims,
+dflash.drafter.attention.flex_expands_kv).
 Reported per shape and variant: median forward and forward+backward ms over --repeats after two warm-up calls,
 the first call's seconds (compile, autotune), and TFLOP/s over the visible (query, key) pairs
 (4 * pairs * head_dim * heads forward; backward counted as 2.5x forward), plus the largest output difference
-against the default variant. A variant that fails records its error and the probe goes on.
+and the largest q/k/v gradient difference (relative to the largest element) against the first variant, all
+variants backpropagating the same output gradient. A variant that fails records its error and the probe goes on.
 
     python benchmarks/bench_flex_tiles.py --out benchmarks/results/flex_tiles_h200.json    # CUDA only
 
@@ -29,7 +32,8 @@ forward is fine (194 TFLOP/s), the backward takes 19.2 of the 21.8 ms and nothin
 max-autotune picks 64 x 64 / 2 stages / 4 warps at the same 22.0 ms (flex_tiles_hd256_h200.json). At the 27B
 drafter's own heads (128 dims) the default is the best tried: 1.60 ms forward (209 TFLOP/s), 8.28 forward +
 backward (142 TFLOP/s); max-autotune 8.28 after 137 s; bwd_32x64 14.0 and bwd_64_s1_w8 16.4
-(flex_tiles_27b_h200.json).
+(flex_tiles_27b_h200.json). Repeating K and V to the query heads (expand_kv) makes forward + backward 1.19-1.29x
+faster at the 27B drafter's heads and is neutral at SmolLM2's (flex_tiles_expand_kv_h200.json).
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ VARIANTS = {
     "bwd_64_s1_w8": {"kernel_options": {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
                                         "num_stages": 1, "num_warps": 8}},
     "max-autotune": {"mode": "max-autotune-no-cudagraphs"},
+    # K and V repeated to the query heads (no GQA in the kernel), the repeat and its backward's sum timed too: the
+    # backward's dK/dV programs are one per (key tile, KV head), each looping over the group's query heads, and on
+    # the block layout the few context tiles carry nearly all the work; per query head there are 4x more programs
+    "expand_kv": {"expand_kv": True},
 }
 
 
@@ -93,38 +101,50 @@ def visible_pairs(layout) -> int:
     return int((layout.anchor_J.sum() + B * layout.num_blocks) * B)
 
 
-def run_variant(name: str, spec: dict, q, k, v, bm, repeats: int) -> tuple[dict, torch.Tensor | None]:
+def run_variant(name: str, spec: dict, q, k, v, bm, repeats: int) -> tuple[dict, tuple | None]:
     import torch._dynamo
     import torch.nn.attention.flex_attention as fa
 
     torch._dynamo.reset()
     fn = torch.compile(fa.flex_attention, **({"mode": spec["mode"]} if "mode" in spec else {}))
-    kw = {"block_mask": bm, "enable_gqa": True}
+    expand = spec.get("expand_kv", False)
+    kw = {"block_mask": bm, "enable_gqa": not expand}
     if "kernel_options" in spec:
         kw["kernel_options"] = spec["kernel_options"]
     elif spec.get("drafter"):
         kw["kernel_options"] = flex_kernel_options(q.shape[-1], q.device.type)
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
-    dout = torch.randn_like(q)
+    # the same output gradient for every variant, so their input gradients compare
+    dout = torch.randn(q.shape, dtype=q.dtype, device=q.device,
+                       generator=torch.Generator(device=q.device).manual_seed(1))
+
+    group = q.shape[1] // k.shape[1]
+
+    def call():
+        if expand:
+            return fn(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), **kw)
+        return fn(q, k, v, **kw)
 
     def fwd():
         with torch.no_grad():
-            return fn(q, k, v, **kw)
+            return call()
 
-    def fwd_bwd():
-        out = fn(q, k, v, **kw)
+    def fwd_bwd(keep: bool = False):
+        out = call()
         out.backward(dout)
+        grads = (q.grad, k.grad, v.grad) if keep else None
         q.grad = k.grad = v.grad = None
+        return grads
 
     try:
         t = time.perf_counter()
         out = fwd()
-        fwd_bwd()
+        grads = fwd_bwd(keep=True)
         torch.cuda.synchronize()
         first_s = time.perf_counter() - t
         row = {"first_call_s": round(first_s, 2), "fwd_ms": 1e3 * timed(fwd, q.device, repeats)[0],
                "fwd_bwd_ms": 1e3 * timed(fwd_bwd, q.device, repeats)[0]}
-        return row, out.detach()
+        return row, (out.detach(), grads)
     except Exception as e:  # noqa: BLE001  (a variant the kernel refuses is a result, not the end of the probe)
         return {"error": error_line(e)}, None
 
@@ -171,7 +191,11 @@ def main() -> None:
                 if ref is None:
                     ref = out
                 else:
-                    row["max_abs_diff_vs_first"] = float((out.float() - ref.float()).abs().max())
+                    row["max_abs_diff_vs_first"] = float((out[0].float() - ref[0].float()).abs().max())
+                    # gradients of q, k, v against the first variant's, relative to its largest element
+                    row["max_grad_rel_diff_vs_first"] = max(
+                        float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                        for a, b in zip(out[1], ref[1]))
             row["spec"] = VARIANTS[name]
             entry["variants"][name] = row
             print(f"[bench_flex_tiles] {shape} {name}: {json.dumps(row)}", flush=True)

@@ -505,6 +505,16 @@ section("Training", "The 27B drafter shape (5 layers at hidden 5120, vocab 248,3
               "({shapes.27b.variants.default.fwd_tflop_s:.0f} / {shapes.27b.variants.default.fwd_bwd_tflop_s:.0f} TFLOP/s)",
         baseline="max-autotune's pick {shapes.27b.variants[max-autotune].fwd_bwd_ms:.2f} ms; other backward tilings "
                  "{shapes.27b.variants.bwd_32x64.fwd_bwd_ms:.1f} and {shapes.27b.variants.bwd_64_s1_w8.fwd_bwd_ms:.1f} ms"),
+    Fig(id="flex-expand-kv", what="same, K and V repeated to the query heads (the repeat and its backward's sum "
+        "included) vs flex's GQA, forward + backward; samples of 1,024-2,048 tokens", file="flex_tiles_expand_kv_h200.json",
+        value="27B heads {shapes.27b_long.variants.expand_kv.fwd_bwd_ms:.2f} ms vs {shapes.27b_long.variants.default.fwd_bwd_ms:.2f} "
+              "(x{=j('shapes.27b_long.variants.default.fwd_bwd_ms')/j('shapes.27b_long.variants.expand_kv.fwd_bwd_ms'):.2f}; forward alone "
+              "{shapes.27b_long.variants.expand_kv.fwd_ms:.2f} vs {shapes.27b_long.variants.default.fwd_ms:.2f}); samples of 128-2,048 tokens "
+              "x{=j('shapes.27b.variants.default.fwd_bwd_ms')/j('shapes.27b.variants.expand_kv.fwd_bwd_ms'):.2f}; SmolLM2 heads "
+              "x{=j('shapes.smollm2.variants.default.fwd_bwd_ms')/j('shapes.smollm2.variants.expand_kv.fwd_bwd_ms'):.2f}",
+        baseline="flex's GQA (enable_gqa), same layout, same call",
+        note="outputs equal; the drafter repeats K and V when a backward runs on CUDA at heads above 64 dims "
+             "(flex_expands_kv)"),
     Fig(id="flex-tiles-hd256", what="same, 256-dim heads (Qwen3.5-27B's own attention)", file="flex_tiles_hd256_h200.json",
         value="forward {shapes.27b.variants.default.fwd_ms:.1f} ms ({shapes.27b.variants.default.fwd_tflop_s:.0f} TFLOP/s), "
               "forward + backward {shapes.27b.variants.default.fwd_bwd_ms:.1f} ms",

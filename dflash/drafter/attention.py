@@ -427,6 +427,20 @@ def flex_kernel_options(head_dim: int, device_type: str) -> dict | None:
     return dict(SMALL_HEAD_FORWARD_TILES) if device_type == "cuda" and head_dim <= 64 else None
 
 
+def flex_expands_kv(head_dim: int, device_type: str, *, backward: bool) -> bool:
+    """Whether flex_block_attention repeats K and V to the query heads instead of using flex's GQA: on CUDA, at
+    heads of more than 64 dims, when a backward will run.
+
+    Why: flex's backward runs one dK/dV program per (key tile, KV head), each looping over its group's query heads,
+    and on the block layout the few context tiles carry nearly all that work, so too few programs share the GPU.
+    Per query head there are group-size times more. At the 27B drafter's heads (32 / 8 of 128 dims) forward +
+    backward took 6.35 against 8.20 ms with the repeat and its backward's sum included, the forward alone 1.77
+    against 1.47 ms, on an H100 (results/flex_tiles_expand_kv_h200.json); hence not for forward-only calls. Same
+    outputs; the K/V gradients differ by bf16 rounding (the repeat's backward sums the heads in bf16). At 64-dim
+    heads (SmolLM2's, with other forward tiles) it measured neutral, so those keep GQA."""
+    return backward and device_type == "cuda" and head_dim > 64
+
+
 def flex_block_attention(q_hQd: torch.Tensor, k_hKd: torch.Tensor, v_hKd: torch.Tensor,
                          block_mask, *, compiled: bool = True) -> torch.Tensor:
     """Flex attention with a prebuilt BlockMask (build it once per forward, share across layers)."""
@@ -434,7 +448,12 @@ def flex_block_attention(q_hQd: torch.Tensor, k_hKd: torch.Tensor, v_hKd: torch.
         fn = _compiled_fn("flex_attention")
     else:
         from torch.nn.attention.flex_attention import flex_attention as fn
-    return fn(q_hQd[None], k_hKd[None], v_hKd[None], block_mask=block_mask, enable_gqa=True,
+    group = q_hQd.shape[0] // k_hKd.shape[0]
+    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q_hQd, k_hKd, v_hKd))
+    expand = group > 1 and flex_expands_kv(q_hQd.shape[-1], q_hQd.device.type, backward=backward)
+    if expand:
+        k_hKd, v_hKd = k_hKd.repeat_interleave(group, dim=0), v_hKd.repeat_interleave(group, dim=0)
+    return fn(q_hQd[None], k_hKd[None], v_hKd[None], block_mask=block_mask, enable_gqa=not expand,
               kernel_options=flex_kernel_options(q_hQd.shape[-1], q_hQd.device.type))[0]
 
 

@@ -136,6 +136,68 @@ def test_compiled_flex_with_layout_tiles_equals_dense_on_cuda_forward_and_backwa
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
+def test_flex_with_kv_repeated_to_the_query_heads_equals_dense(monkeypatch):
+    # the expansion flex_expands_kv picks on CUDA, forced on CPU (eager flex, forward only: CPU flex has no
+    # backward; the gradients are checked on CUDA below): query head i must read KV head i // group, as the GQA
+    # kernel and the dense path do
+    import dflash.drafter.attention as att
+
+    monkeypatch.setattr(att, "flex_expands_kv", lambda *a, **k: True)
+    g = torch.Generator().manual_seed(7)
+    layout = random_layout(g, num_seqs=3, block_size=4, max_len=60, max_anchors=8)
+    Q, K = layout.num_blocks * 4, layout.num_ctx + layout.num_blocks * 4
+    q = torch.randn(6, Q, 8, generator=g)
+    k, v = (torch.randn(2, K, 8, generator=g) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex = att.flex_block_attention(q, k, v, flex_block_mask(layout, tile=16), compiled=False)
+    torch.testing.assert_close(flex, dense_block_attention(q, k, v, layout, chunk_tokens=1024), rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(att, "flex_expands_kv", lambda *a, **k: False)  # and the GQA call gives the same
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(att.flex_block_attention(q, k, v, flex_block_mask(layout, tile=16), compiled=False),
+                                   flex, rtol=1e-5, atol=1e-6)
+
+
+def test_flex_repeats_kv_only_for_a_backward_on_cuda_at_large_heads():
+    # measured: forward + backward 6.35 vs 8.20 ms at 128-dim heads, the forward alone slower, 64-dim heads
+    # neutral (results/flex_tiles_expand_kv_h200.json)
+    from dflash.drafter.attention import flex_expands_kv
+
+    assert flex_expands_kv(128, "cuda", backward=True)
+    assert flex_expands_kv(256, "cuda", backward=True)
+    assert not flex_expands_kv(128, "cuda", backward=False)
+    assert not flex_expands_kv(64, "cuda", backward=True)
+    assert not flex_expands_kv(128, "cpu", backward=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flex_at_grouped_128_dim_heads_equals_dense_on_cuda():
+    # the 27B drafter's head size with a KV group of 4: the training call repeats K and V, the no-grad call uses
+    # flex's GQA; both give the dense path's output, and the training call its gradients
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    layout = random_layout(g, num_seqs=5, block_size=16, max_len=400, max_anchors=60).to(dev)
+    Q, K = layout.num_blocks * 16, layout.num_ctx + layout.num_blocks * 16
+    q = torch.randn(8, Q, 128, generator=g).to(dev).requires_grad_()
+    k, v = (torch.randn(2, K, 128, generator=g).to(dev).requires_grad_() for _ in range(2))
+    from dflash.drafter.attention import flex_block_attention
+
+    outs = []
+    for flex in (True, False):  # the repeat's backward sums a KV head's gradient over its group
+        o = (flex_block_attention(q, k, v, flex_block_mask(layout), compiled=True) if flex
+             else dense_block_attention(q, k, v, layout, chunk_tokens=1024))
+        outs.append((o.detach(), torch.autograd.grad(o.pow(2).sum(), (q, k, v))))
+    (flex, flex_grads), (dense, dense_grads) = outs
+    torch.testing.assert_close(flex, dense, rtol=2e-3, atol=2e-3)
+    for a, b in zip(flex_grads, dense_grads):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    with torch.no_grad():
+        gqa = flex_block_attention(q, k, v, flex_block_mask(layout), compiled=True)
+    torch.testing.assert_close(gqa, flex, rtol=2e-3, atol=2e-3)
+
+
 def test_flex_kernel_options_small_heads_on_cuda_only():
     # 64 x 64 forward tiles for heads of <= 64 dims on CUDA (measured 2.9x on the H200, flex_tiles_h200.json);
     # the 27B drafter's 256-dim heads would not fit them in shared memory, and CPU flex takes no tile options.
