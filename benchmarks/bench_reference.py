@@ -131,6 +131,22 @@ def default_train_data(args, model: str, work: pathlib.Path, device: str, dtype:
     return regenerate_train_data(args, model, work, device, dtype)
 
 
+def reference_recipe(*, data: bool = True) -> dict:
+    """The reference run's data and recipe (quality_reference_h200.json's all_int4): the greedy and the seed-1
+    sampled regenerations, an int4 cache, 2 epochs, scored on the committed eval responses. --methods trains every
+    method on it (where a flag does not say otherwise), so each is compared with the reference at its steps.
+    data=False: the recipe without the training files (--train-data given)."""
+    recipe = {"storage": "int4", "epochs": 2, "eval_responses": str(REPO / "benchmarks" / "assets" / "peer")}
+    if not data:
+        return recipe
+    q = REPO / "benchmarks" / "assets" / "quality"
+    sampled = [str(p) for p in sorted(q.glob("sharegpt_sampled_t0.8_s1-*.jsonl.gz"))]
+    if not sampled:  # a slim tree (benchmarks/slim_tree.sh) whose call did not get them back from the stash
+        raise SystemExit(f"--methods trains on the reference's data, and {q} holds no sharegpt_sampled_t0.8_s1-* "
+                         "files: carry the whole tree (or pass --train-data)")
+    return recipe | {"train_data": bq.committed_regenerated_files() + sampled}
+
+
 def train_data_inputs(args) -> list[str]:
     """The regenerated conversation files a run trains on: --train-data, else (GPU) the committed whole
     conversations (benchmarks/assets/quality/sharegpt_whole-*.jsonl.gz), else none (regenerated in the run)."""
@@ -730,7 +746,8 @@ def parse_args(argv=None):
     ap.add_argument("--sharegpt", help="conversations to regenerate when --train-data is absent (default: package)")
     ap.add_argument("--train-conversations", type=int, help="conversations regenerated when --train-data is absent")
     ap.add_argument("--scaling", help="comma-separated record counts of the data-scaling runs (GPU 2000,8000)")
-    ap.add_argument("--epochs", type=int, default=6, help="epochs of every run (the paper's 6)")
+    ap.add_argument("--epochs", type=int, help="epochs of every run (default the paper's 6; --methods: the reference "
+                    "recipe's 2)")
     ap.add_argument("--steps", type=int, help="fixed steps instead of epochs (tiny runs)")
     ap.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (GPU 500)")
     ap.add_argument("--noise-start", type=float, default=0.1, help="peak relative feature noise of the noise run")
@@ -822,7 +839,9 @@ def parse_args(argv=None):
         args.train_prompts = 12
     mine = (dict(train_conversations=12, scaling="4,8", steps=8, eval_every=4, storage="bf16") if args.tiny else
             dict(train_conversations=100000, scaling="2000,8000", eval_every=500, storage="fp8"))  # > package: all
-    bq.fill_unset(args, mine)
+    if args.methods and not args.tiny:
+        mine |= reference_recipe(data=args.train_data is None)
+    bq.fill_unset(args, {"epochs": 6} | mine)
     if not args.tiny:  # whole conversations are longer than bench_quality's first turns; the eval responses
         # stay at bench_quality's 256 tokens, so its tau table (1.30 / 1.77) is scored on the same kind of cache
         for k, v in dict(max_new_tokens=512, eval_max_new_tokens=256, max_length=2048).items():

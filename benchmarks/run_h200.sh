@@ -17,6 +17,7 @@
 #   peer [ARGS]                      bench_peer: SpecForge's DFlash trainer side by side (peer snapshots in shared/)
 #   peerx [ARGS] | peerout PART...   bench_peer --scale x10 across sessions; the SpecForge checkpoint parts back
 #   stretch [ARGS] | stretchout PART...   the reference run's stretch across sessions; its checkpoint parts back
+#   methods [ARGS]                   bench_reference --methods (DFlash, DFlash 2, variable prefix) across sessions
 #   stash                            nothing but stashing the carried GGUF / weed / checkpoint parts, regenerations
 #   flextiles [ARGS]                 bench_flex_tiles (flex attention tile options, no target needed)
 #   storegpu [ARGS]                  bench_store, SeaweedFS and client on halves of the cores (weed parts stashed)
@@ -165,6 +166,23 @@ if s: json.dump(s, open(sys.argv[2], "w"), indent=2)' benchmarks/results/quality
               --pack-runs $STRETCH_PACK --pack-only
             [ -n "${OUT:-}" ] && cp $STRETCH_JSON $STRETCH_PACK/*.manifest.json "$OUT"/ 2>/dev/null
             return $r; }
+# the methods comparison (docs/dflash2.md): DFlash, DFlash 2 and each with the variable-prefix objective, DFlash and
+# DFlash 2 also at seed 1, each on the reference run's data and recipe (bench_reference's defaults under --methods:
+# the greedy and seed-1 sampled regenerations, int4, 2 epochs), ~6 runs of ~6-9 min over 2 sessions. Every call of
+# every session the same `methods [ARGS]`; its JSON lives in $METHODS_W, seeded in a new session from the
+# committed results/methods_h200.json (finished runs kept; a run a machine took back with it is trained again) and
+# copied to $OUT after every call. The regenerations are read where the tree keeps them (carry the whole tree in a
+# session's first call, as for the stretch)
+METHODS_W=/tmp/bmethods METHODS_JSON=/tmp/bmethods/methods_h200.json
+methods() { local r; gguf_joined || return 1; mkdir -p $METHODS_W
+            [ -f $METHODS_JSON ] || [ ! -f benchmarks/results/methods_h200.json ] \
+              || cp benchmarks/results/methods_h200.json $METHODS_JSON
+            local resume=(); [ -f $METHODS_JSON ] && resume=(--resume)
+            capped "${LIMIT:-570}" python3 benchmarks/bench_reference.py --methods --workdir $METHODS_W/work \
+              --gguf "$GGUF" --json $METHODS_JSON --drop-caches --plot-dir $METHODS_W/plots "${resume[@]}" "$@"
+            r=$?
+            [ -n "${OUT:-}" ] && [ -f $METHODS_JSON ] && cp $METHODS_JSON "$OUT"/
+            return $r; }
 smollm2step() { gguf_joined || return 1
                 capped 560 python3 benchmarks/bench_smollm2_step.py --gguf "$GGUF" "$@"; }
 storage4() { local stage=$1; shift
@@ -217,6 +235,7 @@ case "$stage" in
   peerx) peerx "$@" || rc=$? ;;   # 10x, every call of every session (ARGS: --stop-after sets|extract, --one-run)
   peerout) parts_out $PEER_PACK "$@" || rc=$? ;;
   stretch) stretch "$@" || rc=$? ;;  # every call of every session; LIMIT=<seconds> for a session's last
+  methods) methods "$@" || rc=$? ;;  # every call of every session; LIMIT=<seconds> for a session's last
   stretchout) parts_out $STRETCH_PACK "$@" || rc=$? ;;
   stash) ;;                        # carry only: the GGUF / weed / checkpoint parts of this call stashed above
   flextiles) flextiles "$@" || rc=$? ;;
@@ -225,7 +244,7 @@ case "$stage" in
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stretch ARGS|stretchout PARTS|stash|flextiles ARGS|storegpu ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stretch ARGS|stretchout PARTS|methods ARGS|stash|flextiles ARGS|storegpu ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

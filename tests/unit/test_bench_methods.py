@@ -11,15 +11,25 @@ import bench_reference as br  # noqa: E402
 
 def test_methods_plan_config_and_summary(tmp_path):
     args = br.parse_args(["--methods"])
+    # the reference run's recipe unless a flag says otherwise: its data (greedy + seed-1 sampled regenerations),
+    # an int4 cache, 2 epochs, the committed eval responses
+    assert [pathlib.Path(f).name for f in args.train_data] == [
+        "sharegpt_whole-00.jsonl.gz", "sharegpt_whole-01.jsonl.gz",
+        "sharegpt_sampled_t0.8_s1-00.jsonl.gz", "sharegpt_sampled_t0.8_s1-01.jsonl.gz"]
+    assert (args.storage, args.epochs, pathlib.Path(args.eval_responses).name) == ("int4", 2, "peer")
+    mine = br.parse_args(["--methods", "--epochs", "3", "--storage", "fp8", "--train-data", "x.jsonl"])
+    assert (mine.epochs, mine.storage, mine.train_data) == (3, "fp8", ["x.jsonl"])
+    assert br.parse_args([]).epochs == 6 and br.parse_args([]).storage == "fp8"   # the reference's own runs
     plan = br.runs_plan(args)
-    assert [(p[0], p[1]) for p in plan] == [(name, "train_fp8") for name in br.METHOD_RUNS]
+    assert [(p[0], p[1]) for p in plan] == [(name, "train_int4") for name in br.METHOD_RUNS]
     over = dict((p[0], p[2]) for p in plan)
     assert over["all_dflash2"] == {"arch": "dflash2"} and over["all_dflash2_vp"]["objective"] == "variable_prefix"
     assert [p[0] for p in br.runs_plan(br.parse_args(["--methods", "--skip", "all_dflash_vp,all_dflash2_vp"]))] == [
         "all_dflash", "all_dflash_seed1", "all_dflash2", "all_dflash2_seed1"]
     cfg = br.train_config(args, model="m", cache=tmp_path / "c", out=tmp_path / "o", device="cpu", steps=None,
-                          eval_cache=None, eval_every=500, log_every=None, **over["all_dflash2_seed1"])
-    assert (cfg.arch, cfg.seed, cfg.block_size, cfg.num_anchors, cfg.epochs) == ("dflash2", 1, 16, 512, 6)
+                          eval_cache=None, eval_every=500, log_every=None, epochs=args.epochs,
+                          **over["all_dflash2_seed1"])
+    assert (cfg.arch, cfg.seed, cfg.block_size, cfg.num_anchors, cfg.epochs) == ("dflash2", 1, 16, 512, 2)
 
     def run(mt, he, sg, **over):
         return {"tau_mtbench": mt, "tau_humaneval": he, "tau_sharegpt": sg, "step_time_s_median": 0.2,
