@@ -114,26 +114,34 @@ def test_compiled_flex_with_layout_tiles_equals_dense_on_cpu():
             torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_flex_with_layout_tiles_equals_dense_on_cuda_forward_and_backward():
-    # Many 128-tiles (the trainer's size), sequences straddling tiles, anchor 0 (no context) included.
+def _cuda_flex_matches_dense(seed: int, *, num_seqs: int, heads: int, kv_heads: int, head_dim: int):
+    """Compiled flex attention (the drafter's call, 128-tiles) against the dense path on a random CUDA layout,
+    output and q/k/v gradients; returns the flex output and the inputs."""
     from dflash.drafter.attention import flex_block_attention
 
     dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(5)
-    layout = random_layout(g, num_seqs=9, block_size=16, max_len=400, max_anchors=60).to(dev)
+    g = torch.Generator().manual_seed(seed)
+    layout = random_layout(g, num_seqs=num_seqs, block_size=16, max_len=400, max_anchors=60).to(dev)
     Q, K = layout.num_blocks * 16, layout.num_ctx + layout.num_blocks * 16
-    q, k, v = (torch.randn(4, n, 64, generator=g).to(dev).requires_grad_() for n in (Q, K, K))
+    q = torch.randn(heads, Q, head_dim, generator=g).to(dev).requires_grad_()
+    k, v = (torch.randn(kv_heads, K, head_dim, generator=g).to(dev).requires_grad_() for _ in range(2))
     outs = []
     for flex in (True, False):
         o = (flex_block_attention(q, k, v, flex_block_mask(layout), compiled=True) if flex
              else dense_block_attention(q, k, v, layout, chunk_tokens=1024))
-        grads = torch.autograd.grad(o.pow(2).sum(), (q, k, v))
-        outs.append((o.detach(), grads))
-    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=2e-3, atol=2e-3)
-    for a, b in zip(outs[0][1], outs[1][1]):
+        outs.append((o.detach(), torch.autograd.grad(o.pow(2).sum(), (q, k, v))))
+    (flex, flex_grads), (dense, dense_grads) = outs
+    torch.testing.assert_close(flex, dense, rtol=2e-3, atol=2e-3)
+    for a, b in zip(flex_grads, dense_grads):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    return flex, layout, (q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flex_with_layout_tiles_equals_dense_on_cuda_forward_and_backward():
+    # Many 128-tiles (the trainer's size), sequences straddling tiles, anchor 0 (no context) included.
+    _cuda_flex_matches_dense(5, num_seqs=9, heads=4, kv_heads=4, head_dim=64)
 
 
 def test_flex_with_kv_repeated_to_the_query_heads_equals_dense(monkeypatch):
@@ -174,25 +182,11 @@ def test_flex_repeats_kv_only_for_a_backward_on_cuda_at_large_heads():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_flex_at_grouped_128_dim_heads_equals_dense_on_cuda():
-    # the 27B drafter's head size with a KV group of 4: the training call repeats K and V, the no-grad call uses
-    # flex's GQA; both give the dense path's output, and the training call its gradients
-    dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(11)
-    layout = random_layout(g, num_seqs=5, block_size=16, max_len=400, max_anchors=60).to(dev)
-    Q, K = layout.num_blocks * 16, layout.num_ctx + layout.num_blocks * 16
-    q = torch.randn(8, Q, 128, generator=g).to(dev).requires_grad_()
-    k, v = (torch.randn(2, K, 128, generator=g).to(dev).requires_grad_() for _ in range(2))
+    # the 27B drafter's head size with a KV group of 4: the training call repeats K and V (the repeat's backward
+    # sums a KV head's gradient over its group), the no-grad call uses flex's GQA; both give the dense output
     from dflash.drafter.attention import flex_block_attention
 
-    outs = []
-    for flex in (True, False):  # the repeat's backward sums a KV head's gradient over its group
-        o = (flex_block_attention(q, k, v, flex_block_mask(layout), compiled=True) if flex
-             else dense_block_attention(q, k, v, layout, chunk_tokens=1024))
-        outs.append((o.detach(), torch.autograd.grad(o.pow(2).sum(), (q, k, v))))
-    (flex, flex_grads), (dense, dense_grads) = outs
-    torch.testing.assert_close(flex, dense, rtol=2e-3, atol=2e-3)
-    for a, b in zip(flex_grads, dense_grads):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    flex, layout, (q, k, v) = _cuda_flex_matches_dense(11, num_seqs=5, heads=8, kv_heads=2, head_dim=128)
     with torch.no_grad():
         gqa = flex_block_attention(q, k, v, flex_block_mask(layout), compiled=True)
     torch.testing.assert_close(gqa, flex, rtol=2e-3, atol=2e-3)
