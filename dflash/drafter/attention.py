@@ -437,7 +437,9 @@ def flex_expands_kv(head_dim: int, device_type: str, *, backward: bool) -> bool:
     backward took 6.35 against 8.20 ms with the repeat and its backward's sum included, the forward alone 1.77
     against 1.47 ms, on an H100 (results/flex_tiles_expand_kv_h200.json); hence not for forward-only calls. Same
     outputs; the K/V gradients differ by bf16 rounding (the repeat's backward sums the heads in bf16). At 64-dim
-    heads (SmolLM2's, with other forward tiles) it measured neutral, so those keep GQA."""
+    heads (SmolLM2's, with other forward tiles) it measured neutral, so those keep GQA. Cost: the K and V saved for
+    the backward are group-size times larger (at the 27B drafter's 4,096-token micro-batches ~1.6 GB more over its
+    5 layers)."""
     return backward and device_type == "cuda" and head_dim > 64
 
 
