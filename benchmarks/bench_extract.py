@@ -32,6 +32,8 @@ place of the compiled chains; --compare-compile-layers times the forward-only pa
 (compile_layers_compare.speedup: layers compiled whole over the chains compiled; an FLA kernel that dynamo
 cannot trace is recorded as the compare's error). --storage none skips the extractions, so a compare alone fits
 one call: --storage none --tokens 300000 --peer-tokens 0 --compare-compile-layers --result-name h200_compile_layers.
+--profile runs the forward-only pass once more under torch.profiler (`forward_profile`: GPU ms a batch by kernel
+kind, the top kernels, the eager ops; benchmarks/kernel_profile.py), to split the forward's gap to the matmul peak.
 
 The 27B-shape target has random weights built directly on the GPU: a 54 GB checkpoint cannot be written to
 the 64 GB disk beside the cache, so `load_target` is replaced by a function returning that model (with the
@@ -70,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import (H200_SPEC_BF16, QWEN35_27B, SUSTAINED_DENOMINATOR, error_line, machine_info,  # noqa: E402
                     matmul_peak, matmul_sustained, mfu_fields, mfu_vs_sustained, package_version, sync)
+from kernel_profile import kernel_summary  # noqa: E402
 
 
 def sample_lengths(total_tokens: int, *, seed: int, batch_tokens: int,
@@ -176,9 +179,9 @@ class ForwardTimeline:
                 "between_forwards_s": span_s - forward_s}
 
 
-def forward_only(cfg, model, device, *, progress: bool = False) -> tuple[float, int, int, int]:
-    """Seconds, real tokens, padded tokens and distinct batch sizes of the same planned batches, forward only.
-    progress: a line per batch with the time so far (a compiling pass: a call cut inside it shows how far it got)."""
+def planned_inputs(cfg, model):
+    """The TappedForward of cfg's taps and the input ids of every batch of cfg's plan (rank 0 of 1), with their
+    real and padded token counts and distinct batch sizes: what forward_only and profile_forward run."""
     from dflash.extract.preflight import build_preflight
     from dflash.target.forward import TappedForward
 
@@ -194,6 +197,13 @@ def forward_only(cfg, model, device, *, progress: bool = False) -> tuple[float, 
         inputs.append(torch.from_numpy(ids))
     real = sum(len(pre.samples[i].input_ids) for b in batches for i in b.members)
     padded = sum(b.padded_tokens for b in batches)
+    return tapped, inputs, real, padded, len({len(b.members) for b in batches})
+
+
+def forward_only(cfg, model, device, *, progress: bool = False) -> tuple[float, int, int, int]:
+    """Seconds, real tokens, padded tokens and distinct batch sizes of the same planned batches, forward only.
+    progress: a line per batch with the time so far (a compiling pass: a call cut inside it shows how far it got)."""
+    tapped, inputs, real, padded, batch_sizes = planned_inputs(cfg, model)
     sync(device)
     t = time.perf_counter()
     for i, x in enumerate(inputs):
@@ -203,7 +213,25 @@ def forward_only(cfg, model, device, *, progress: bool = False) -> tuple[float, 
             sync(device)
             print(f"  batch {i + 1}/{len(inputs)} {tuple(x.shape)}: {time.perf_counter() - t:.1f} s", flush=True)
     sync(device)
-    return time.perf_counter() - t, real, padded, len({len(b.members) for b in batches})
+    return time.perf_counter() - t, real, padded, batch_sizes
+
+
+def profile_forward(cfg, model, device) -> dict:
+    """The forward-only pass once more under torch.profiler (CUDA): where a batch's time goes by kernel kind
+    (kernel_profile.kernel_summary, per batch), so the gap between the forward's MFU and the matmul peak is
+    split into kernels (FLA's linear attention, SDPA, norms and gates, copies)."""
+    tapped, inputs, real, _, _ = planned_inputs(cfg, model)
+    sync(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=True) as prof:
+        t = time.perf_counter()
+        for x in inputs:
+            out = tapped(x.to(device, non_blocking=True))
+            del out
+        sync(device)
+        wall = time.perf_counter() - t
+    summary = kernel_summary(prof, steps=len(inputs), wall_s=wall)
+    return {"batches": len(inputs), "real_tokens": real, "wall_s": wall} | summary
 
 
 def compare_compile_layers(model, layers, layers_on: bool, chains_on: bool, real: int, fo_s: float,
@@ -336,6 +364,10 @@ def main() -> None:
     p.add_argument("--compile-layers", choices=("auto", "on", "off"), default="off",
                    help="ExtractConfig.compile_layers of the extractions and the forward-only floor: each decoder "
                         "layer whole under torch.compile (in place of the norm/gate chains)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed passes, the forward-only pass once more under torch.profiler: GPU time "
+                        "per batch by kernel kind, the top kernels and eager ops (`forward_profile`; on CPU only its "
+                        "wall time)")
     p.add_argument("--compare-compile-layers", action="store_true",
                    help="also time the forward-only pass with --compile-layers flipped (compile_layers_compare; a "
                         "failing compile is recorded, the rest of the run goes on)")
@@ -440,7 +472,7 @@ def main() -> None:
     flops = target_flops(model.config, num_layers_run=num_layers_run)
     total_flops = flops.forward_flops(lengths)
     floor_tok_s = peak * real / total_flops
-    compiled_cmp, layers_cmp, peer, sustained = None, None, {}, None
+    compiled_cmp, layers_cmp, peer, sustained, fo_profile = None, None, {}, None, None
 
     def publish(*, complete: bool) -> dict:
         """The result JSON from what is measured so far (see below); the table and the JSON line once complete."""
@@ -458,10 +490,17 @@ def main() -> None:
                                    # the warm-up pass met batch sizes (and kernel compiles) the warm-up extraction
                                    # had not
                                    "first_pass_compile_s": warm_s - fo_s,
-                                   "compile_layers": args.compile_layers})
+                                   "compile_layers": args.compile_layers, "forward_profile": fo_profile})
 
     # The extraction figures first, so a call cut in the compares or the peer run below still brings them back.
     publish(complete=False)
+    if args.profile:
+        fo_profile = profile_forward(cfg_for(data, "bf16", work / "fo_cache"), model, device)
+        timeline.take()
+        print(f"profile of the forward-only pass: {fo_profile['step_ms']:.0f} ms a batch, GPU busy "
+              f"{fo_profile['gpu_busy_ms']:.0f} ms; by kind (ms a batch): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in fo_profile["ms_per_step_by_kind"].items()), flush=True)
+        publish(complete=False)
     if args.compare_compile:  # the same batches once more with the setting flipped, then back
         if compiled:
             restore_elementwise(model)

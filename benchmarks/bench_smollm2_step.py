@@ -7,7 +7,7 @@ has 30 device-minutes, so these step times decide which runs fit. This measures,
 
 - each mode alone (`--modes`: cached, online (unrounded), online_fp8, online_bf16): median step time over the
   steps after the first `--warmup`; a torch.profiler window of `--profile-steps` steps near the end: GPU busy
-  ms per step by kernel kind (bench_train.kernel_summary) against the step's wall ms (busy << wall: the host
+  ms per step by kernel kind (kernel_profile.kernel_summary) against the step's wall ms (busy << wall: the host
   sets the pace and the GPU could run something else meanwhile); and, just before it, 2 steps under
   torch.cuda.set_sync_debug_mode("warn"): the Python lines where the host waited for the GPU, per step;
 - the online modes of `--shared` (default fp8 and bf16 rounding) as one sweep group: one live target computes
@@ -106,7 +106,7 @@ def one_run(index: int, emit, jobs: list[dict]) -> dict:
 
     import torch
 
-    from bench_train import kernel_summary
+    from kernel_profile import kernel_summary
     from dflash.train.metrics import read_metrics
     from dflash.train.trainer import train
 

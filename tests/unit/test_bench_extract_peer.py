@@ -55,10 +55,14 @@ def test_tiny_run_writes_a_complete_result(tmp_path):
 
     proc = subprocess.run([sys.executable, str(BENCH / "bench_extract.py"), "--tiny", "--tokens", "4000",
                            "--storage", "fp8", "--peer-tokens", "0", "--work-dir", str(tmp_path / "w"),
-                           "--results-dir", str(tmp_path / "r")], capture_output=True, text=True, timeout=600)
+                           "--results-dir", str(tmp_path / "r"), "--profile"], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads((tmp_path / "r" / "extract_cpu.json").read_text())
     assert got["complete"] and "incomplete" not in got
     assert got["fp8"]["tok_s"] > 0 and got["fp8"]["tokens"] == got["real_tokens"] > 0
     assert 0 < got["fp8"]["ratio_vs_forward_only"] and got["matmul_sustained_flops"] > 0
     assert json.loads(proc.stdout.strip().splitlines()[-1])["fp8"]["tok_s"] == got["fp8"]["tok_s"]
+    # --profile: the forward-only pass once more under torch.profiler, per batch (no CUDA kernels on CPU)
+    prof = got["forward_profile"]
+    assert prof["real_tokens"] == got["real_tokens"] and prof["batches"] >= 1 and prof["step_ms"] > 0
