@@ -49,8 +49,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import (drop_page_cache, machine_info, make_head_only_target, make_random_fp8_cache,  # noqa: E402
-                    matmul_peak, mfu_fields, package_version, sync)
+from common import (SUSTAINED_DENOMINATOR, drop_page_cache, machine_info, make_head_only_target,  # noqa: E402
+                    make_random_fp8_cache, matmul_peak, matmul_sustained, mfu_fields, mfu_vs_sustained,
+                    package_version, sync)
 from kernel_profile import kernel_summary  # noqa: E402
 REFERENCE = {"plain_pytorch_tok_s": 7000, "plain_pytorch_mfu": 0.53, "target_mfu": 0.60,
              "target_loader_stall_fraction": 0.02}
@@ -365,7 +366,10 @@ def main() -> None:
     wgrad_cmp = flipped_run("E", "wgrad_fusion", "fused_speedup") if args.compare_wgrad_fusion and resident else None
 
     mfus = mfu_fields(mfu, peak=peak)
-    rows = [("trainer, fp8 disk cache (A)", tok_s, f"MFU {mfu:.3f} of the measured {peak / 1e12:.3g}T, "
+    sustained = matmul_sustained(device)  # after the runs: the GPU as warm as they left it
+    mfus["mfu_vs_sustained"] = mfu_vs_sustained(mfu, peak=peak, sustained=sustained)
+    rows = [("trainer, fp8 disk cache (A)", tok_s, f"MFU {mfu:.3f} of the measured {peak / 1e12:.3g}T "
+             f"({mfus['mfu_vs_sustained']:.3f} of the {sustained / 1e12:.3g}T sustained after the runs), "
              f"{mfus['mfu_vs_spec_989']:.3f} of the 989T spec; wait {wait:.3f}; {step_s:.3f} s/step; {mem:.1f} GiB")]
     if resident:
         rows.append(("same steps, GPU-resident batches (B)", resident["tok_s"],
@@ -405,6 +409,7 @@ def main() -> None:
         "peak_mem_gib": mem, "peak_reserved_gib": reserved,
         "resident_peak_mem_gib": resident["peak_mem_gib"] if resident else None,
         "steps": args.steps, "warmup_steps": args.warmup, "matmul_peak_flops": peak,
+        "matmul_sustained_flops": sustained, "mfu_vs_sustained_denominator": SUSTAINED_DENOMINATOR,
         "page_cache": cold, "cache": cache_info, "run_a_wall_s": a_wall,
         "config": {**{k: v for k, v in kw.items() if k not in ("cache", "model")},
                    "taps": list(sh["taps"]), "num_target_layers": sh["target_layers"], "vocab_size": sh["vocab"],
