@@ -250,6 +250,7 @@ esac
 # only what this call wrote: $OUT brings back at most 8 files
 [ -n "${OUT:-}" ] && find benchmarks/results /tmp/bq/quality_smollm2.json /tmp/bref/quality_reference_h200.json \
   /tmp/peer/peer_specforge_h200.json \
-  -maxdepth 1 -newer "$START" \( -name '*_h200.json' -o -name '*_gpu.json' -o -name 'quality_reference_*.png' \) \
+  -maxdepth 1 -newer "$START" \( -name '*_h200.json' -o -name '*_h200_*.json' -o -name '*_gpu.json' \
+  -o -name 'quality_reference_*.png' \) \
   -exec cp {} "$OUT"/ \; 2>/dev/null
 exit $rc
