@@ -218,7 +218,7 @@ case "$stage" in
   io) cache; extract || rc=$? ;;
   cache) cache || rc=$? ;;
   extract) extract 560 "$@" || rc=$? ;;
-  train) train "$@" || rc=$? ;;   # e.g. --compare-wgrad-fusion --result-name h100_wgrad
+  train) train "$@" || rc=$? ;;   # e.g. --compare-wgrad-fusion --result-name h200_wgrad
   trainreal) trainreal "$@" || rc=$? ;;
   steptail) steptail || rc=$? ;;
   sweep) sweep || rc=$? ;;
