@@ -177,7 +177,8 @@ METHODS_W=/tmp/bmethods METHODS_JSON=/tmp/bmethods/methods_h200.json
 methods() { local r; gguf_joined || return 1; mkdir -p $METHODS_W
             [ -f $METHODS_JSON ] || [ ! -f benchmarks/results/methods_h200.json ] \
               || cp benchmarks/results/methods_h200.json $METHODS_JSON
-            local resume=(); [ -f $METHODS_JSON ] && resume=(--resume)
+            # a call cut before its JSON's first write recorded nothing to continue: start that workdir again
+            local resume=(); if [ -f $METHODS_JSON ]; then resume=(--resume); else rm -rf $METHODS_W/work; fi
             capped "${LIMIT:-570}" python3 benchmarks/bench_reference.py --methods --workdir $METHODS_W/work \
               --gguf "$GGUF" --json $METHODS_JSON --drop-caches --plot-dir $METHODS_W/plots "${resume[@]}" "$@"
             r=$?
