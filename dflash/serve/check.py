@@ -209,18 +209,18 @@ def serve_check(*, drafter_dir: str, model: str, cache_dir: str | None = None, r
 
     def run(base_url: str, server_desc: str) -> ServeCheckResult:
         name = srv.served_model(base_url)
-        before = counts(base_url)
+        before = last = counts(base_url)
         t1 = time.perf_counter()
         mismatches, per_request = [], {}
-        for r in requests:   # one at a time, the counters read around each: every request's own counts
-            ahead = counts(base_url)
+        for r in requests:   # one at a time, the counters read between each: every request's own counts
             got = srv.greedy_completion(base_url, model=name, prompt_ids=r.prompt_ids,
                                         max_tokens=len(r.response_ids))
-            per_request[r.sample_id] = counts(base_url).minus(ahead)
+            now = counts(base_url)
+            per_request[r.sample_id], last = now.minus(last), now
             if got != r.response_ids:
                 mismatches.append(r.sample_id)
         seconds["requests"] = time.perf_counter() - t1
-        served = counts(base_url).minus(before)
+        served = last.minus(before)
         diffs = compare_counts(served, offline, tolerance=tolerance, text_mismatches=len(mismatches))
         return ServeCheckResult(served=served, offline=offline, offline_tau=stats.tau,
                                 text_mismatches=mismatches, differences=diffs, tolerance=tolerance,
