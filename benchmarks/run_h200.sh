@@ -175,8 +175,8 @@ if s: json.dump(s, open(sys.argv[2], "w"), indent=2)' benchmarks/results/quality
 # session's first call, as for the stretch)
 METHODS_W=/tmp/bmethods METHODS_JSON=/tmp/bmethods/methods_h200.json
 methods() { local r; gguf_joined || return 1; mkdir -p $METHODS_W
-            [ -f $METHODS_JSON ] || [ ! -f benchmarks/results/methods_h200.json ] \
-              || cp benchmarks/results/methods_h200.json $METHODS_JSON
+            if [ ! -f $METHODS_JSON ] && [ -f benchmarks/results/methods_h200.json ]; then
+              cp benchmarks/results/methods_h200.json $METHODS_JSON; fi
             # a call cut before its JSON's first write recorded nothing to continue: start that workdir again
             local resume=(); if [ -f $METHODS_JSON ]; then resume=(--resume); else rm -rf $METHODS_W/work; fi
             capped "${LIMIT:-570}" python3 benchmarks/bench_reference.py --methods --workdir $METHODS_W/work \
