@@ -1,5 +1,6 @@
 """LM-head cross-entropy alone: fused (train.fused_ce), fused with its compiled epilogue (fused_compiled:
-fused_ce_loss(compiled=True), what training on CUDA runs) and chunk-checkpointed (objective.chunked_ce_loss).
+fused_ce_loss(epilogue="compiled")), fused with the hand-written Triton epilogue (fused_triton, CUDA only:
+train.ce_kernel) and chunk-checkpointed (objective.chunked_ce_loss).
 
     python benchmarks/bench_fused_ce.py            # CUDA: the Qwen3.5-27B drafter head (H 5120, V 248320),
                                                    # 2 x 512 blocks of 16 rows, bf16 autocast
@@ -28,7 +29,8 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-IMPLS = ("checkpoint", "fused", "fused_compiled")
+IMPLS = ("checkpoint", "fused", "fused_compiled", "fused_triton")
+EPILOGUE = {"fused": "eager", "fused_compiled": "compiled", "fused_triton": "triton"}
 
 
 def make_case(*, H: int, V: int, J: int, B: int, device: torch.device, dtype: torch.dtype):
@@ -57,7 +59,7 @@ def run_one(impl: str, *, H, V, J, B, reps, chunk_blocks, device, dtype) -> dict
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             if impl != "checkpoint":
                 res = fused_ce_loss(h, head, labels, weights, chunk=chunk_blocks * B, block_size=B,
-                                    num_supervised=count, compiled=impl == "fused_compiled")
+                                    num_supervised=count, epilogue=EPILOGUE[impl])
             else:
                 res = chunked_ce_loss(h, head, labels, weights, chunk=chunk_blocks * B, block_size=B)
         res.weighted_ce_sum.backward()
@@ -104,7 +106,7 @@ def main() -> None:
         print(json.dumps(r))
         return
     out = {}
-    for impl in IMPLS:
+    for impl in IMPLS if device.type == "cuda" else IMPLS[:-1]:
         if device.type == "cpu":  # ru_maxrss is per process: one child per implementation
             gpath = f"/tmp/bench_fused_ce_{impl}.pt"
             cmd = [sys.executable, __file__, "--only", impl, "--grad-out", gpath, "--reps", str(args.reps),
@@ -125,6 +127,12 @@ def main() -> None:
                "compiled_loss_rel_diff": abs(out["fused_compiled"]["loss"] - out["fused"]["loss"])
                / abs(out["fused"]["loss"]),
                "compiled_grad_rel_diff": float((g_fc - g_f).norm() / g_f.norm())}
+    if "fused_triton" in out:
+        g_t = out["fused_triton"].pop("grad")
+        summary.update(triton_speedup_vs_compiled=out["fused_compiled"]["time_s"] / out["fused_triton"]["time_s"],
+                       triton_loss_rel_diff=abs(out["fused_triton"]["loss"] - out["fused"]["loss"])
+                       / abs(out["fused"]["loss"]),
+                       triton_grad_rel_diff=float((g_t - g_f).norm() / g_f.norm()))
     print(json.dumps(summary))
 
 

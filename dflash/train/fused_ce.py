@@ -20,7 +20,7 @@ unselected rows have w = 0, so they count in no metric (objective.ce_metrics tre
 Tradeoff: the forward does the backward's work even when the caller never calls backward (the train step always
 does); under no_grad, or when the hidden rows do not require grad, the gradient part is skipped.
 
-compiled=True (training with compile_elementwise, i.e. on CUDA by default): a chunk's elementwise work after the
+epilogue="compiled" (training with compile_elementwise, i.e. on CUDA by default): a chunk's elementwise work after the
 head matmul (fp32 cast, argmax, log-softmax, exp, one-hot, weight, cast) is one torch.compile'd function,
 chunk_terms, instead of the eager path's ~8 passes with fp32 [n, V] temporaries: by count ~6-10 instead of ~36
 bytes of memory traffic per logit (inductor's CPU code for it is one kernel whose only [n, V] buffer is the bf16
@@ -29,7 +29,8 @@ step, 3.7e9 logits) that is ~100 GB less traffic per step; an H200 profile put t
 elementwise work at ~46 ms of a ~480 ms step. On the H200 (results/fused_ce_h200.json, that shape, 13,789 supervised
 rows of 16,384): compiled 0.114 s, eager 0.138 s, the checkpointed path 0.256 s, equal losses. Same math in the
 log-sum-exp form (CE = lse - logit[label], grad = (exp(logit - lse) - onehot) * w), equal to the eager path up
-to fp32 rounding (test_fused_ce).
+to fp32 rounding (test_fused_ce). epilogue="triton" (train.ce_kernel) does the same work as one hand-written
+kernel that reads each row's logits twice and writes the gradient over them.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ import torch
 
 from dflash.compiled import compiled_op
 from dflash.errors import ConfigError
+from dflash.train.ce_kernel import ce_rows_inplace
 from dflash.train.objective import CELoss, ce_metrics
 
-__all__ = ["chunk_terms", "chunk_value_terms", "fused_ce_loss", "supervised_rows"]
+__all__ = ["EPILOGUES", "chunk_terms", "chunk_value_terms", "fused_ce_loss", "supervised_rows"]
+
+EPILOGUES = ("eager", "compiled", "triton")
 
 
 def supervised_rows(weights_N: torch.Tensor, *, count: int | None) -> torch.Tensor:
@@ -86,7 +90,7 @@ class _FusedHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, lm_head_VH, labels_N, weights_N, rows_R, chunk: int, need_grad: bool,
-                compiled: bool):
+                epilogue: str):
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
         correct_R = torch.zeros(rows_R.shape[0], dtype=torch.bool, device=hidden_NH.device)
         grad_NH = torch.zeros_like(hidden_NH) if need_grad else None
@@ -98,7 +102,14 @@ class _FusedHeadCE(torch.autograd.Function):
             l_n = labels_N.index_select(0, r_n).clamp(min=0)
             w_n = weights_N.index_select(0, r_n)
             logits_nV = h_nH @ lm_head_VH.T          # ambient autocast: the same matmul as the checkpointed path
-            if compiled:
+            if epilogue == "triton":
+                part, correct_R[i:i + chunk] = ce_rows_inplace(logits_nV, l_n, w_n, write_grad=need_grad)
+                if need_grad:   # logits_nV now holds the gradient
+                    grad_NH.index_copy_(0, r_n, (logits_nV @ lm_head_VH).to(grad_NH.dtype))
+                del logits_nV
+                ce_sum = ce_sum + part
+                continue
+            if epilogue == "compiled":
                 if need_grad:
                     part, correct_R[i:i + chunk], g_nV = compiled_op(chunk_terms)(logits_nV, l_n, w_n)
                     del logits_nV
@@ -141,14 +152,16 @@ class _FusedHeadCE(torch.autograd.Function):
 
 def fused_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: torch.Tensor,
                   weights_N: torch.Tensor, *, chunk: int = 2048, block_size: int,
-                  num_supervised: int | None = None, compiled: bool = False) -> CELoss:
+                  num_supervised: int | None = None, epilogue: str = "eager") -> CELoss:
     """objective.chunked_ce_loss with the head matmul once per supervised row (see the module docstring).
 
     `chunk` = rows of one logits chunk (transient memory ~ chunk x V x 10 bytes at most: bf16 logits, fp32
     logits and fp32 log-softmax; or fp32 log-softmax and the low-precision gradient; compiled: the logits and
     the gradient, ~ chunk x V x 4 bytes in bf16). `num_supervised` = rows with weight > 0 if the host knows
-    it (no device sync), else None (one sync). `compiled` = each chunk's elementwise work as one
-    torch.compile'd function (chunk_terms; the module docstring says why). The head must be frozen
+    it (no device sync), else None (one sync). `epilogue` = how each chunk's elementwise work runs: "eager"
+    (torch ops), "compiled" (one torch.compile'd function, chunk_terms; the module docstring says why) or
+    "triton" (train.ce_kernel: one hand-written kernel that writes the gradient over the logits; CUDA only).
+    The head must be frozen
     (lm_head_VH.requires_grad False): a trainable head would need the weight gradient, which this path never
     forms; use chunked_ce_loss for that.
     """
@@ -156,6 +169,8 @@ def fused_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: t
     assert N % block_size == 0, "rows must be whole blocks"
     if chunk < 1:
         raise ConfigError(f"chunk={chunk}: must be >= 1 rows")
+    if epilogue not in EPILOGUES:
+        raise ConfigError(f"epilogue={epilogue!r}: choose {', '.join(EPILOGUES)}")
     if lm_head_VH.requires_grad and torch.is_grad_enabled():
         raise ConfigError("fused_ce_loss needs a frozen LM head (it forms no head gradient); "
                           "use loss_impl='checkpoint' (objective.chunked_ce_loss) to train the head")
@@ -163,7 +178,7 @@ def fused_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: t
     rows_R = supervised_rows(weights_N, count=num_supervised)
     need_grad = torch.is_grad_enabled() and hidden_NH.requires_grad
     ce_sum, correct_R = _FusedHeadCE.apply(hidden_NH, lm_head_VH, labels_N, weights_N, rows_R, chunk, need_grad,
-                                           compiled)
+                                           epilogue)
     correct_N = torch.zeros(N, dtype=torch.bool, device=hidden_NH.device).index_copy_(0, rows_R, correct_R)
     weight_sum = weights_N.sum()
     loss = ce_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)

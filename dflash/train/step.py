@@ -151,7 +151,8 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
     if loss_impl in ("fused", "fused_eager"):
         terms = fused_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B,
                               num_supervised=hb.supervised_tokens,
-                              compiled=loss_impl == "fused" and drafter.elementwise_compiled)
+                              epilogue="compiled" if loss_impl == "fused" and drafter.elementwise_compiled
+                              else "eager")
     else:
         assert loss_impl == "checkpoint", loss_impl
         terms = chunked_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B)

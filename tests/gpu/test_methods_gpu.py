@@ -158,7 +158,7 @@ class Probe:
         def fused_ce_loss(real):
             def f(hidden, head, labels, weights, **kw):
                 if self.active:
-                    self.ce.append(dict(compiled=kw.get("compiled"), dtype=hidden.dtype,
+                    self.ce.append(dict(epilogue=kw.get("epilogue"), dtype=hidden.dtype,
                                         host_count=kw.get("num_supervised"), device_count=int((weights > 0).sum())))
                 return real(hidden, head, labels, weights, **kw)
             return f
@@ -251,7 +251,7 @@ def check_cuda_paths(probe: Probe, *, attns: set, selector: bool) -> None:
     assert set(probe.masks) == attns
     for name in ("rms_norm", "apply_rope", "silu_mul", "chunk_terms"):
         assert probe.compiled[name] > 0, (name, probe.compiled)
-    assert probe.ce and all(c["compiled"] and c["dtype"] == torch.bfloat16 for c in probe.ce), probe.ce
+    assert probe.ce and all(c["epilogue"] == "compiled" and c["dtype"] == torch.bfloat16 for c in probe.ce), probe.ce
     assert all(c["host_count"] == c["device_count"] for c in probe.ce), probe.ce
     if selector:
         assert probe.selector and all(math.isfinite(s) and s >= 0 for s, _ in probe.selector), probe.selector

@@ -264,7 +264,7 @@ def test_chunk_terms_are_the_cross_entropy_its_gradient_and_the_hits():
 
 
 def test_compiled_epilogue_matches_the_eager_fused_path():
-    """fused_ce_loss(compiled=True) (torch.compile of chunk_terms, here inductor's CPU backend) against the eager
+    """fused_ce_loss(epilogue="compiled") (torch.compile of chunk_terms, here inductor's CPU backend) against the eager
     fused path in fp32: chunks of several sizes (one dynamic-shape compile), all rows masked, and the flag the
     trainer reads from the drafter (DFlashDrafter.compile_elementwise)."""
     from dflash.drafter.config import DrafterConfig
@@ -273,9 +273,9 @@ def test_compiled_epilogue_matches_the_eager_fused_path():
     hidden, head, labels, weights, B = _case(seed=12, J=10, H=24, V=301, dtype=torch.float32)
     n = int((weights > 0).sum())
     out = []
-    for compiled in (False, True):
+    for epilogue in ("eager", "compiled"):
         h = hidden.detach().clone().requires_grad_(True)
-        res = fused_ce_loss(h, head, labels, weights, chunk=7, block_size=B, num_supervised=n, compiled=compiled)
+        res = fused_ce_loss(h, head, labels, weights, chunk=7, block_size=B, num_supervised=n, epilogue=epilogue)
         res.weighted_ce_sum.backward()
         out.append((res, h.grad))
     (ref, g_ref), (res, g) = out
@@ -284,7 +284,7 @@ def test_compiled_epilogue_matches_the_eager_fused_path():
     _same_metrics(res, ref)
     h = hidden.detach().clone().requires_grad_(True)
     res = fused_ce_loss(h, head, labels, torch.zeros_like(weights), chunk=7, block_size=B, num_supervised=0,
-                        compiled=True)
+                        epilogue="compiled")
     res.loss.backward()
     assert res.loss.item() == 0.0 and torch.equal(h.grad, torch.zeros_like(h))
 
