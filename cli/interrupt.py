@@ -12,6 +12,9 @@ threading.Condition.__exit__, after the lock was taken and before it is released
 that needs that lock (a queue's, a future's) then never finishes, and whatever waits for it (a thread pool's
 shutdown, the interpreter's exit) waits forever. So the first Ctrl-C also starts a watchdog: if the command has not
 exited GRACE_S later, it prints the same message, saying so, and exits 130 itself.
+
+The first Ctrl-C is also noted in dflash.ctrl_c: a block that ends normally after one (its KeyboardInterrupt lost
+inside a finalizer) exits as interrupted all the same.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable, Iterator
 
 import click
 
+from dflash import ctrl_c
 from dflash.errors import DflashError, interrupt_in_chain
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a process ended by Ctrl-C
@@ -56,6 +60,7 @@ def _exit_now(_signum, _frame) -> None:
 
 
 def _first_interrupt(_signum, _frame) -> None:
+    ctrl_c.note()   # before the raise: Python loses a KeyboardInterrupt raised inside a finalizer (dflash.ctrl_c)
     signal.signal(signal.SIGINT, _exit_now)
     if _watch is not None:
         timer = threading.Timer(_watch[1], _exit_stuck, args=_watch)
@@ -87,9 +92,12 @@ def exits_on_interrupt(describe: Callable[[KeyboardInterrupt], str], *, grace_s:
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     if ours:
         _watch = (describe, grace_s)
+        ctrl_c.clear()
         signal.signal(signal.SIGINT, _first_interrupt)
     try:
         yield
+        if ours and ctrl_c.came():   # its KeyboardInterrupt was lost on the way (dflash.ctrl_c)
+            raise KeyboardInterrupt
     except Exception as e:
         # a library's own error raised while the interrupt unwound it counts as the interrupt; dflash's own errors
         # say why they stopped the command themselves (a lost lease wakes the main thread with an interrupt)
@@ -104,6 +112,7 @@ def exits_on_interrupt(describe: Callable[[KeyboardInterrupt], str], *, grace_s:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         if ours:
             _watch = None
+            ctrl_c.clear()
 
 
 def interrupted_outside_work(e: KeyboardInterrupt) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
+from dflash import ctrl_c
 from dflash.errors import ConfigError, TrainingDiverged
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import TrainConfig, check_resume_compatible
@@ -233,6 +234,8 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
                 if all(u.finished for u in units):
                     break
                 active = [u for u in units if not u.finished and u.pos.global_step == pos.global_step]
+                if ctrl_c.came():   # a Ctrl-C whose KeyboardInterrupt was lost in a finalizer (dflash.ctrl_c)
+                    raise KeyboardInterrupt
                 if before_step is not None:
                     before_step(pos.global_step)
                 for u in active:

@@ -59,6 +59,23 @@ with exits_on_interrupt(lambda _e: "interrupted: 3 things kept; resume with: dfl
             worker.join()
 """
 
+# a command whose Ctrl-C lands in a finalizer: Python prints "Exception ignored in ..." and goes on, as if none came
+LOST = r"""
+import os, signal, sys
+from cli.interrupt import exits_on_interrupt
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        total = 0
+        for i in range(200_000):   # bytecodes: the handler runs in here
+            total += i
+
+with exits_on_interrupt(lambda _e: "interrupted: 3 things kept; resume with: dflash thing --resume"):
+    Finalized()
+    print("the work went on", file=sys.stderr, flush=True)
+"""
+
 # a dflash command interrupted before its work began (where a real one loads its config and imports torch)
 STARTING = r"""
 import sys, time
@@ -113,6 +130,41 @@ def test_ctrl_c_while_a_command_starts_exits_130_with_one_line_not_clicks_aborte
     # communicate() reads the pipe past _wait_for's text buffer, which holds the newline after "working"
     assert last_line(err).removeprefix("working").startswith("interrupted while the command was starting"), err
     assert "Aborted" not in err and "Traceback" not in err
+
+
+def test_a_ctrl_c_lost_in_a_finalizer_still_exits_130_with_the_message():
+    p = _start(0, LOST)
+    err = p.communicate(timeout=60)[1]
+    assert "Exception ignored in" in err and "KeyboardInterrupt" in err, err   # Python did lose it
+    assert "the work went on" in err
+    assert p.returncode == 130, err
+    assert last_line(err) == "interrupted: 3 things kept; resume with: dflash thing --resume", err
+
+
+def test_training_stops_at_the_next_step_after_a_lost_ctrl_c(tmp_path, monkeypatch):
+    """A Ctrl-C noted (the CLI's handler ran) whose KeyboardInterrupt was lost on the way: the loop raises it at
+    the next step, with the step reached."""
+    from dflash import ctrl_c
+    from dflash.train.interrupted import StepInterrupted
+    from dflash.train.trainer import train
+    from train_helpers import tiny_cache, tiny_config, tiny_target
+
+    monkeypatch.setenv("DFLASH_NO_PROGRESS", "1")
+    target = tiny_target(tmp_path / "target")
+    cfg = tiny_config(cache=str(tiny_cache(tmp_path / "cache", target)), model=str(target), steps=6,
+                      output=str(tmp_path / "run"))
+    seen = []
+
+    def before_step(step):
+        seen.append(step)
+        if step == 2:
+            ctrl_c.note()
+    try:
+        with pytest.raises(StepInterrupted) as e:
+            train(cfg, device="cpu", before_step=before_step)
+    finally:
+        ctrl_c.clear()
+    assert seen == [0, 1, 2] and e.value.global_step == 3
 
 
 def test_a_second_ctrl_c_while_the_message_is_built_exits_at_once():

@@ -1,0 +1,31 @@
+"""Whether a Ctrl-C came during a command's work, as a flag beside its KeyboardInterrupt.
+
+Why: Python loses a KeyboardInterrupt raised while a finalizer runs (an object's __del__, a weakref callback, a
+generator closed by the garbage collector): it prints "Exception ignored in ..." and the code goes on. A run
+whose Ctrl-C landed there would train on for hours. The CLI's handler sets the flag before it raises; the
+training loop checks it at every step and the CLI when the work ends, so a lost interrupt still stops the run
+at the next step, or still exits 130.
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["came", "clear", "note"]
+
+_came = threading.Event()
+
+
+def note() -> None:
+    """A Ctrl-C came (called by the CLI's SIGINT handler)."""
+    _came.set()
+
+
+def came() -> bool:
+    """Whether a Ctrl-C came since the last clear()."""
+    return _came.is_set()
+
+
+def clear() -> None:
+    """Forget earlier Ctrl-Cs (a command's work begins or ends)."""
+    _came.clear()
