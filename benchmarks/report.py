@@ -417,7 +417,8 @@ section("Training", "The 27B drafter shape (5 layers at hidden 5120, vocab 248,3
               "{h100_run.workloads.real.profile.ms_per_step_by_kind[compiled elementwise]:.0f}, optimizer "
               "{h100_run.workloads.real.profile.ms_per_step_by_kind.optimizer:.0f}, copy/fill "
               "{h100_run.workloads.real.profile.ms_per_step_by_kind[copy/fill]:.0f}, eager elementwise "
-              "{h100_run.workloads.real.profile.ms_per_step_by_kind[eager elementwise]:.0f} ms; GPU idle "
+              "{h100_run.workloads.real.profile.ms_per_step_by_kind[eager elementwise]:.0f}, other (the Triton CE "
+              "epilogue's ce_rows among them) {h100_run.workloads.real.profile.ms_per_step_by_kind.other:.0f} ms; GPU idle "
               "{h100_run.workloads.real.profile.gpu_idle_fraction:.2f}",
         target="MFU >= 0.75", device="{h100_run.machine.device}", date="{h100_run.date}",
         command="{h100_run.command}",
@@ -425,7 +426,10 @@ section("Training", "The 27B drafter shape (5 layers at hidden 5120, vocab 248,3
              "{=(j('h100_run.workloads.real.profile.ms_per_step_by_kind.matmul')+j('h100_run.workloads.real.profile.ms_per_step_by_kind[flex attention]'))"
              "/j('h100_run.workloads.real.profile.step_ms')*100:.0f}% of the step); elementwise, optimizer and copies take the rest, and "
              "the burst peak is {=j('h100_run.matmul_peak_flops')/j('h100_run.matmul_sustained_flops'):.2f}x what the "
-             "card sustains under load; wgrad_fusion on (TrainConfig's default on CUDA)"),
+             "card sustains under load; wgrad_fusion, flex_expands_kv and the Triton CE epilogue on (the defaults on CUDA); "
+             "the H100 run before them: MFU {earlier_runs[2].mfu:.3f} of its measured "
+             "{=j('earlier_runs[2].matmul_peak_flops')/1e12:.0f}T, step "
+             "{earlier_runs[2].workloads.real.profile.step_ms:.0f} ms"),
     Fig(id="train-real-lengths-first", what="same, the first run of it (another draw of samples)",
         file="train_real_lengths_h200_first.json",
         value="{=j('mfu')*j('matmul_peak_flops')/1e12:.0f} TFLOP/s achieved: MFU {mfu:.3f} of a measured "
@@ -448,6 +452,14 @@ section("Training", "The 27B drafter shape (5 layers at hidden 5120, vocab 248,3
         value="fused {speedup:.2f}x the chunk-checkpointed loss, its compiled epilogue {compiled_speedup:.2f}x more; "
               "{fused_compiled.peak_extra_gib:.2f} vs {checkpoint.peak_extra_gib:.1f} GiB extra peak",
         baseline="chunk-checkpointed CE", note="loss equal (relative difference {loss_rel_diff})"),
+    Fig(id="fused-ce-triton", what="same, the hand-written Triton epilogue (train.ce_kernel) vs the compiled one",
+        file="fused_ce_triton_h200.json",
+        value="{=1e3*j('fused_triton.time_s'):.1f} vs {=1e3*j('fused_compiled.time_s'):.1f} ms "
+              "(x{triton_speedup_vs_compiled:.3f}); {fused_triton.peak_extra_gib:.2f} vs "
+              "{fused_compiled.peak_extra_gib:.2f} GiB extra peak",
+        baseline="the compiled epilogue, same call", device="{device}",
+        note="forward + backward with the head matmuls; loss equal (relative difference {triton_loss_rel_diff}), "
+             "hidden gradient within {triton_grad_rel_diff:.1e}"),
     Fig(id="block-mask", what="flex-attention block mask of a 16K-token packed batch: from the layout vs evaluated "
         "pair by pair", file="block_mask_h200.json",
         value="{=1e3*j('rows[3].structure_s'):.1f} ms vs {=1e3*j('rows[3].evaluate_s'):.0f} ms ({rows[3].speedup:.0f}x)",

@@ -166,12 +166,13 @@ class TrainConfig:
     """Blocks per LM-head cross-entropy chunk (bounds the logits memory)."""
     loss_impl: str = "fused"
     """LM-head cross-entropy: fused = logits once per supervised row, input-gradient formed in the forward
-    (train.fused_ce; its elementwise work compiled when compile_elementwise compiles the drafter's);
+    (train.fused_ce; its elementwise work, when compile_elementwise compiles the drafter's, one hand-written
+    Triton kernel on CUDA with triton installed, else compiled: fused_ce.train_epilogue);
     fused_eager = the same, never compiled; checkpoint = the chunk-checkpointed path over all rows
     (objective.chunked_ce_loss, three head matmuls per row). Same math up to fp32 summation order."""
     compile_elementwise: str = "auto"
     """Run the drafter's norms, RoPE and SiLU-gating, and the fused LM-head CE's elementwise work (train.fused_ce,
-    with loss_impl=fused), as torch.compile'd fused kernels: auto = on CUDA only (CPU compilation needs a C++
+    with loss_impl=fused; Triton's kernel where it runs), as fused kernels: auto = on CUDA only (CPU compilation needs a C++
     toolchain and gains little), on, off. Same math up to float rounding."""
     wgrad_fusion: str = "auto"
     """Add each linear weight's gradient into its fp32 .grad inside the weight-gradient matmul (train.wgrad)

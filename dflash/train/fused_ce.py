@@ -39,10 +39,10 @@ import torch
 
 from dflash.compiled import compiled_op
 from dflash.errors import ConfigError
-from dflash.train.ce_kernel import ce_rows_inplace
+from dflash.train.ce_kernel import ce_rows_inplace, triton_available
 from dflash.train.objective import CELoss, ce_metrics
 
-__all__ = ["EPILOGUES", "chunk_terms", "chunk_value_terms", "fused_ce_loss", "supervised_rows"]
+__all__ = ["EPILOGUES", "chunk_terms", "chunk_value_terms", "fused_ce_loss", "supervised_rows", "train_epilogue"]
 
 EPILOGUES = ("eager", "compiled", "triton")
 
@@ -148,6 +148,16 @@ class _FusedHeadCE(torch.autograd.Function):
         if grad_NH is None:
             return (None,) * 8
         return grad_NH * grad_ce.to(grad_NH.dtype), None, None, None, None, None, None, None
+
+
+def train_epilogue(loss_impl: str, *, compiled: bool, device: torch.device | str) -> str:
+    """The epilogue a training step runs for loss_impl ("fused" or "fused_eager") when the drafter's element-wise
+    ops are `compiled` (TrainConfig.compile_elementwise): the Triton kernel on CUDA where triton is installed (it
+    times faster than the compiled one: results/fused_ce_triton_h200.json), else the compiled one; eager when
+    nothing is compiled or loss_impl says so."""
+    if loss_impl != "fused" or not compiled:
+        return "eager"
+    return "triton" if triton_available(device) else "compiled"
 
 
 def fused_ce_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: torch.Tensor,

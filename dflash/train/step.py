@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash.train.fused_ce import fused_ce_loss
+from dflash.train.fused_ce import fused_ce_loss, train_epilogue
 from dflash.train.loader import MicroBatch, anchor_seed
 from dflash.train.objective import (build_packed_blocks, chunked_ce_loss, packed_layout_flat, per_sample_mean_weights,
                                    sample_anchors, supervised_slots, visible_keys)
@@ -151,8 +151,8 @@ def micro_batch_loss(drafter: torch.nn.Module, mb: MicroBatch, hb: HostBlocks, *
     if loss_impl in ("fused", "fused_eager"):
         terms = fused_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B,
                               num_supervised=hb.supervised_tokens,
-                              epilogue="compiled" if loss_impl == "fused" and drafter.elementwise_compiled
-                              else "eager")
+                              epilogue=train_epilogue(loss_impl, compiled=drafter.elementwise_compiled,
+                                                      device=hidden_QD.device))
     else:
         assert loss_impl == "checkpoint", loss_impl
         terms = chunked_ce_loss(hidden_QD, lm_head_VD, labels_Q, weights_Q, chunk=loss_chunk_blocks * B, block_size=B)

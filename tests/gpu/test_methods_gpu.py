@@ -244,14 +244,14 @@ def train_probed(monkeypatch, out: pathlib.Path, assets, *, device: str = "cuda"
 
 def check_cuda_paths(probe: Probe, *, attns: set, selector: bool) -> None:
     """The paths the CUDA trainer picks, and that each ran: compiled flex attention for every layer attention of
-    the drafter (never the dense fallback), compiled element-wise ops, the fused CE with its compiled epilogue on
+    the drafter (never the dense fallback), compiled element-wise ops, the fused CE with its Triton epilogue on
     bf16 rows whose host-side supervised count is the device's, and the DFlash 2 selector term when `selector`."""
     assert probe.flex and probe.dense == 0
     assert set(probe.flex) == {(True, torch.bfloat16, "cuda")}, set(probe.flex)
     assert set(probe.masks) == attns
-    for name in ("rms_norm", "apply_rope", "silu_mul", "chunk_terms"):
+    for name in ("rms_norm", "apply_rope", "silu_mul"):
         assert probe.compiled[name] > 0, (name, probe.compiled)
-    assert probe.ce and all(c["epilogue"] == "compiled" and c["dtype"] == torch.bfloat16 for c in probe.ce), probe.ce
+    assert probe.ce and all(c["epilogue"] == "triton" and c["dtype"] == torch.bfloat16 for c in probe.ce), probe.ce
     assert all(c["host_count"] == c["device_count"] for c in probe.ce), probe.ce
     if selector:
         assert probe.selector and all(math.isfinite(s) and s >= 0 for s, _ in probe.selector), probe.selector

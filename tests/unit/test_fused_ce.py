@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import sys
 
@@ -295,3 +296,13 @@ def test_compiled_epilogue_matches_the_eager_fused_path():
     assert drafter.elementwise_compiled is False
     drafter.compile_elementwise()
     assert drafter.elementwise_compiled is True
+
+
+def test_training_runs_the_triton_epilogue_on_cuda_only():
+    from dflash.train.fused_ce import train_epilogue
+
+    assert train_epilogue("fused", compiled=True, device="cpu") == "compiled"
+    assert train_epilogue("fused", compiled=False, device="cuda:0") == "eager"
+    assert train_epilogue("fused_eager", compiled=True, device="cuda") == "eager"
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert train_epilogue("fused", compiled=True, device="cuda:1") == ("triton" if has_triton else "compiled")
