@@ -16,7 +16,7 @@ KERNEL_KINDS = (  # (kind, name fragments), first match wins; names of CUDA kern
                                 "fused_recurrent")),
     ("optimizer", ("adam", "multi_tensor")),
     ("copy/fill", ("memcpy", "memset", "copy_kernel", "fill")),
-    ("softmax/CE", ("softmax", "nll", "log_softmax", "cross_entropy")),
+    ("softmax/CE", ("softmax", "nll", "log_softmax", "cross_entropy", "ce_rows")),  # ce_rows: train.ce_kernel
     ("reduce", ("reduce",)),
     ("eager elementwise", ("elementwise", "vectorized", "unrolled", "cat", "index")),
 )

@@ -68,3 +68,10 @@ def test_a_target_forwards_kernels_by_kind():
     kinds = kernel_profile.summarize_events(events, steps=2, wall_s=0.2)["ms_per_step_by_kind"]
     assert kinds == pytest.approx({"matmul": 50.0, "linear attention (FLA)": 18.0, "attention (SDPA)": 8.0,
                                    "compiled elementwise": 4.0})
+
+
+def test_the_triton_ce_epilogue_is_softmax_ce_not_other():
+    """train.ce_kernel's kernel (`ce_rows`, a hand-written Triton kernel without inductor's triton_ prefix)."""
+    kinds = kernel_profile.summarize_events([ev("ce_rows", 8.0), ev("triton_red_fused_sum_0", 2.0)], steps=2,
+                                            wall_s=0.2)["ms_per_step_by_kind"]
+    assert kinds == pytest.approx({"softmax/CE": 4.0, "compiled elementwise": 1.0})
