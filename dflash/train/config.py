@@ -172,8 +172,8 @@ class TrainConfig:
     (objective.chunked_ce_loss, three head matmuls per row). Same math up to fp32 summation order."""
     compile_elementwise: str = "auto"
     """Run the drafter's norms, RoPE and SiLU-gating, and the fused LM-head CE's elementwise work (train.fused_ce,
-    with loss_impl=fused; Triton's kernel where it runs), as fused kernels: auto = on CUDA only (CPU compilation needs a C++
-    toolchain and gains little), on, off. Same math up to float rounding."""
+    with loss_impl=fused; Triton's kernel where it runs), as fused kernels: auto = on CUDA only (CPU compilation
+    needs a C++ toolchain and gains little), on, off. Same math up to float rounding."""
     wgrad_fusion: str = "auto"
     """Add each linear weight's gradient into its fp32 .grad inside the weight-gradient matmul (train.wgrad)
     instead of autograd's bf16 gradient, cast and add: auto = on CUDA, on, off. Same math up to float rounding;
