@@ -2,10 +2,11 @@
 row's weighted CE, whether its argmax is its label, and d(CE * w)/d logits written over the logits in place.
 
 Why: the epilogue is memory-bound. Its least traffic is one read of the logits and one write of the gradient;
-the torch.compile'd version (fused_ce.chunk_terms) reads them several times (a max pass, an exp-sum pass, an
-argmax, the gradient pass) and writes a second [n, V] buffer. Here each row is one program that reads its logits
+the torch.compile'd version (fused_ce.chunk_terms) took 22 ms of a 581 ms step at the 27B drafter shape on an
+H100, ~5x that bound, and writes a second [n, V] buffer. Here each row is one program that reads its logits
 twice: an online max / sum-exp / argmax pass, then the gradient pass, which overwrites the logits (the caller
-no longer needs them, and the [n, V] gradient buffer is not allocated at all).
+no longer needs them, and the [n, V] gradient buffer is not allocated at all): ~9 ms of the step
+(results/train_real_lengths_h200.json, h100_run against the last of earlier_runs).
 
 Semantics, as fused_ce.chunk_terms: ce = logsumexp(x) - x[label] in fp32 from the logits' dtype; hit = the first
 index of the row's largest logit equals the label (torch.argmax's tie rule: a later tile wins only when strictly
