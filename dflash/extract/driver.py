@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dflash import ctrl_c
 from dflash.cache.format import resolve_storage
 from dflash.compiled import COMPILE_SETTINGS, target_compiles
 from dflash.dtypes import DTYPES, default_dtype, dtype_of
@@ -288,6 +289,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
         eta_s = _calibrated_eta(loop, my_batches, pre, device=device, echo=echo) if rank == 0 else None
         t_first = time.perf_counter()
         for r in range(plan.num_rounds):
+            ctrl_c.raise_if_came()   # a Ctrl-C whose KeyboardInterrupt was lost in a finalizer
             if r < len(my_batches):
                 loop.step(my_batches[r])
             if (r + 1) % cfg.report_every == 0:

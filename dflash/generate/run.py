@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from dflash import ctrl_c
 from dflash.data.skips import SkipCounter
 from dflash.errors import ConfigError
 from dflash.generate.conversations import TURN_MODES, Conversation, load_conversations
@@ -246,6 +247,7 @@ def run_chunks(*, cfg, convs: list[Conversation], out, process_chunks: ProcessCh
     try:
         for i, records, stats in process_chunks(todo, on_batch, may_start):
             out.commit(i, records, stats)
+            ctrl_c.raise_if_came()   # a Ctrl-C whose KeyboardInterrupt was lost in a finalizer
             slowest = max(slowest, time.perf_counter() - started[i])
             counts["records"] += len(records)
             bar.update(planned[i] - stats["turns"])  # turns that ended early were planned but never decoded

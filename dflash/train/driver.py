@@ -234,8 +234,7 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
                 if all(u.finished for u in units):
                     break
                 active = [u for u in units if not u.finished and u.pos.global_step == pos.global_step]
-                if ctrl_c.came():   # a Ctrl-C whose KeyboardInterrupt was lost in a finalizer (dflash.ctrl_c)
-                    raise KeyboardInterrupt
+                ctrl_c.raise_if_came()   # a Ctrl-C whose KeyboardInterrupt was lost in a finalizer
                 if before_step is not None:
                     before_step(pos.global_step)
                 for u in active:

@@ -167,6 +167,77 @@ def test_training_stops_at_the_next_step_after_a_lost_ctrl_c(tmp_path, monkeypat
     assert seen == [0, 1, 2] and e.value.global_step == 3
 
 
+def test_extraction_stops_at_the_next_round_after_a_lost_ctrl_c(tmp_path, monkeypatch):
+    """As training: a Ctrl-C noted during a round whose KeyboardInterrupt was lost stops the extraction before the
+    next round; a rerun resumes it to the whole cache."""
+    from dflash import ctrl_c
+    from dflash.data.assets import sharegpt_conversations
+    from dflash.extract import driver
+    from dflash.extract.driver import ExtractConfig
+    from dflash.extract.launch import launch
+    from train_helpers import tiny_target
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in sharegpt_conversations(8)))
+    cfg = ExtractConfig(model=str(tiny_target(tmp_path / "target")), data=(str(data),), output=str(tmp_path / "c"),
+                        taps=(0, 1), dtype="float32", max_length=96, batch_tokens=128, show_progress=False,
+                        device="cpu")
+    steps = []
+    real_step = driver._BatchLoop.step
+
+    def step(self, batch):
+        steps.append(batch.batch_id)
+        real_step(self, batch)
+        ctrl_c.note()
+    monkeypatch.setattr(driver._BatchLoop, "step", step)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(cfg, num_procs=1, echo=lambda *a, **k: None)
+    finally:
+        ctrl_c.clear()
+    assert steps == [0]   # the first round ran, the second never started
+    monkeypatch.setattr(driver._BatchLoop, "step", real_step)
+    res = launch(cfg, num_procs=1, echo=lambda *a, **k: None)
+    assert res.num_committed_before + res.num_samples == 8 - sum(res.skip_counts.values())
+
+
+def test_generation_stops_after_the_chunk_in_which_a_ctrl_c_was_lost(tmp_path):
+    """As training: the chunk being committed stays committed, the processor is closed, no later chunk starts."""
+    import time
+    from types import SimpleNamespace
+
+    from dflash import ctrl_c
+    from dflash.data.skips import SkipCounter
+    from dflash.generate.dialog import new_chunk_stats
+    from dflash.generate.output import ShardedOutput
+    from dflash.generate.run import run_chunks
+
+    convs = [SimpleNamespace(num_generated=lambda mode: 1) for _ in range(6)]
+    cfg = SimpleNamespace(chunk_conversations=2, turn_mode="all", output=str(tmp_path / "o.jsonl.gz"))
+    started, stopped = [], []
+
+    def chunks(todo, on_batch, may_start):
+        try:
+            for i, chunk in todo:
+                assert may_start(i)
+                started.append(i)
+                on_batch(len(chunk), 10)
+                if i == 0:
+                    ctrl_c.note()
+                yield i, [{"r": i}], new_chunk_stats() | {"records": 1, "turns": len(chunk)}
+        finally:
+            stopped.append(True)
+
+    out = ShardedOutput(cfg.output, job={"model": "m"})
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_chunks(cfg=cfg, convs=convs, out=out, process_chunks=chunks, read_skips=SkipCounter(),
+                       progress=False, t0=time.perf_counter(), stop_after=None)
+    finally:
+        ctrl_c.clear()
+    assert sorted(out.committed) == [0] and started == [0] and stopped == [True]
+
+
 def test_a_second_ctrl_c_while_the_message_is_built_exits_at_once():
     p = _start(60.0)  # describe() would take a minute
     _wait_for(p, "working")
