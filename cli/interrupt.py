@@ -96,8 +96,8 @@ def exits_on_interrupt(describe: Callable[[KeyboardInterrupt], str], *, grace_s:
         signal.signal(signal.SIGINT, _first_interrupt)
     try:
         yield
-        if ours and ctrl_c.came():   # its KeyboardInterrupt was lost on the way (dflash.ctrl_c)
-            raise KeyboardInterrupt
+        if ours:
+            ctrl_c.raise_if_came()   # its KeyboardInterrupt was lost on the way (dflash.ctrl_c)
     except Exception as e:
         # a library's own error raised while the interrupt unwound it counts as the interrupt; dflash's own errors
         # say why they stopped the command themselves (a lost lease wakes the main thread with an interrupt)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["came", "clear", "note", "raise_if_came"]
+__all__ = ["clear", "note", "raise_if_came"]
 
 _came = threading.Event()
 
@@ -21,17 +21,13 @@ def note() -> None:
     _came.set()
 
 
-def came() -> bool:
-    """Whether a Ctrl-C came since the last clear()."""
-    return _came.is_set()
-
-
 def clear() -> None:
     """Forget earlier Ctrl-Cs (a command's work begins or ends)."""
     _came.clear()
 
 
 def raise_if_came() -> None:
-    """Raise KeyboardInterrupt if a Ctrl-C came: a long loop's check before each unit of work."""
+    """Raise KeyboardInterrupt if a Ctrl-C came since the last clear(): a long loop's check before each unit of
+    work, and the CLI's when the work ends."""
     if _came.is_set():
         raise KeyboardInterrupt
