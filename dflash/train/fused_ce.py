@@ -104,42 +104,37 @@ class _FusedHeadCE(torch.autograd.Function):
             l_n = labels_N.index_select(0, r_n).clamp(min=0)
             w_n = weights_N.index_select(0, r_n)
             logits_nV = h_nH @ lm_head_VH.T          # ambient autocast: the same matmul as the checkpointed path
+            g_nV = None                                # d(sum CE*w)/dlogits in the logits' dtype, when need_grad
             if epilogue == "triton":
                 part, correct_R[i:i + chunk] = ce_rows_inplace(logits_nV, l_n, w_n, write_grad=need_grad)
-                if need_grad:   # logits_nV now holds the gradient
-                    grad_NH.index_copy_(0, r_n, (logits_nV @ lm_head_VH).to(grad_NH.dtype))
-                del logits_nV
-                ce_sum = ce_sum + part
-                continue
-            if epilogue == "compiled":
                 if need_grad:
-                    part, correct_R[i:i + chunk], g_nV = compiled_op(chunk_terms)(logits_nV, l_n, w_n)
-                    del logits_nV
-                    grad_NH.index_copy_(0, r_n, (g_nV @ lm_head_VH).to(grad_NH.dtype))
-                    del g_nV
-                else:
-                    part, correct_R[i:i + chunk], _ = compiled_op(chunk_value_terms)(logits_nV, l_n, w_n)
-                ce_sum = ce_sum + part
-                continue
-            low_dtype = logits_nV.dtype
-            x_nV = logits_nV.float()
-            del logits_nV
-            correct_R[i:i + chunk] = x_nV.argmax(-1) == l_n   # on the logits, as chunked_ce_loss (same ties)
-            x_nV = torch.log_softmax(x_nV, dim=-1)            # x_nV's old buffer is freed once this returns
-            ce_sum = ce_sum + (-x_nV.gather(1, l_n[:, None]).squeeze(1) * w_n).sum()
-            if need_grad:
-                # d(sum CE*w)/dlogits = (exp(lsm) - onehot) * w: exp and onehot in place over the log-softmax
-                # buffer, then one pass that multiplies by w and writes the logits' dtype (the cast autograd
-                # would apply) instead of a multiply pass and a cast pass
-                x_nV.exp_().scatter_add_(1, l_n[:, None], x_nV.new_full((l_n.shape[0], 1), -1.0))
-                g_nV = torch.mul(x_nV, w_n[:, None], out=torch.empty(x_nV.shape, dtype=low_dtype,
-                                                                      device=x_nV.device))
-                del x_nV
-                gh_nH = g_nV @ lm_head_VH   # [n,V] @ [V,H]; ambient autocast, as the path it replaces
-                del g_nV
-                grad_NH.index_copy_(0, r_n, gh_nH.to(grad_NH.dtype))
+                    g_nV = logits_nV                   # overwritten by the gradient
+            elif epilogue == "compiled":
+                terms = chunk_terms if need_grad else chunk_value_terms
+                part, correct_R[i:i + chunk], third = compiled_op(terms)(logits_nV, l_n, w_n)
+                g_nV = third if need_grad else None
+                del third                              # else it would hold the gradient into the next chunk
             else:
+                low_dtype = logits_nV.dtype
+                x_nV = logits_nV.float()
+                logits_nV = None                                  # freed before the fp32 log-softmax is formed
+                correct_R[i:i + chunk] = x_nV.argmax(-1) == l_n   # on the logits, as chunked_ce_loss (same ties)
+                x_nV = torch.log_softmax(x_nV, dim=-1)            # x_nV's old buffer is freed once this returns
+                part = (-x_nV.gather(1, l_n[:, None]).squeeze(1) * w_n).sum()
+                if need_grad:
+                    # (exp(lsm) - onehot) * w: exp and onehot in place over the log-softmax buffer, then one pass
+                    # that multiplies by w and writes the logits' dtype (the cast autograd would apply) instead
+                    # of a multiply pass and a cast pass
+                    x_nV.exp_().scatter_add_(1, l_n[:, None], x_nV.new_full((l_n.shape[0], 1), -1.0))
+                    g_nV = torch.mul(x_nV, w_n[:, None], out=torch.empty(x_nV.shape, dtype=low_dtype,
+                                                                          device=x_nV.device))
                 del x_nV
+            del logits_nV
+            ce_sum = ce_sum + part
+            if g_nV is not None:
+                # [n,V] @ [V,H]; ambient autocast, as the path it replaces
+                grad_NH.index_copy_(0, r_n, (g_nV @ lm_head_VH).to(grad_NH.dtype))
+                del g_nV
         ctx.mark_non_differentiable(correct_R)
         ctx.save_for_backward(grad_NH if need_grad else None)
         return ce_sum, correct_R
