@@ -33,8 +33,8 @@ def is_annotation(event) -> bool:
 
 def kernel_summary(prof, *, steps: int, wall_s: float) -> dict:
     """GPU time per step (an optimizer step; bench_extract's: a forward batch) by kernel kind and the top kernels,
-    from a torch.profiler run of `steps` steps that took `wall_s`: where a step's time goes, and how much of it the GPU sits idle; with the eager
-    ops behind the kernels that are not matmuls (eager_ops), by input shape."""
+    from a torch.profiler run of `steps` steps that took `wall_s`: where a step's time goes, and how much of it
+    the GPU sits idle; with the eager ops behind the kernels that are not matmuls (eager_ops), by input shape."""
     out = summarize_events(prof.key_averages(), steps=steps, wall_s=wall_s)  # aggregates the whole trace: once
     out["eager_ops"] = eager_ops(prof.key_averages(group_by_input_shape=True), steps=steps)
     return out
