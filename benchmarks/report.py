@@ -379,6 +379,31 @@ section("Extraction", "The 27B target shape (Qwen3.5-27B, random weights) on one
     Fig(id="extract-first-pass", what="untimed first pass over the batch sizes (compiles, autotuning)",
         file="extract_h200.json", value="{first_pass_compile_s:.1f} s over {distinct_batch_sizes} batch sizes",
         note="a real run pays it once"),
+    Fig(id="extract-profile-h100", what="where the 27B forward's time goes (torch.profiler, 10 batches of ~30K "
+        "tokens, the forward-only pass)", file="extract_h200_profile.json",
+        value="{forward_profile.step_ms:.0f} ms a batch: matmul {forward_profile.ms_per_step_by_kind.matmul:.0f}, "
+              "FLA {forward_profile.ms_per_step_by_kind[linear attention (FLA)]:.0f}, compiled elementwise "
+              "{forward_profile.ms_per_step_by_kind[compiled elementwise]:.0f}, copy/fill "
+              "{forward_profile.ms_per_step_by_kind[copy/fill]:.0f}, eager elementwise "
+              "{forward_profile.ms_per_step_by_kind[eager elementwise]:.0f} ms; GPU idle "
+              "{forward_profile.gpu_idle_fraction:.3f}",
+        baseline="the batch's GPU time", device="{machine.device}",
+        note="forward-only {forward_only_tok_s:,.0f} tok/s = MFU "
+             "{=j('forward_only_tok_s')*j('forward_flops_per_token')/j('matmul_peak_flops'):.3f} of the "
+             "{=j('matmul_peak_flops')/1e12:.0f}T burst peak measured in the run, "
+             "{=j('forward_only_tok_s')*j('forward_flops_per_token')/j('matmul_sustained_flops'):.3f} of the "
+             "{=j('matmul_sustained_flops')/1e12:.0f}T it sustains after it; "
+             "{=sum(o['ms_per_step'] for o in j('forward_profile.eager_ops') "
+             "if len((o['input_shapes'] or [[]])[0]) == 5):.0f} ms of the copies (the five-dimensional ones, "
+             "{=sum(o['calls_per_step'] for o in j('forward_profile.eager_ops') "
+             "if len((o['input_shapes'] or [[]])[0]) == 5):.0f} a batch: q and k "
+             "of each GDN layer) are transformers {versions.transformers} copying the key heads per value head "
+             "(gdn-heads)"),
+    Fig(id="gdn-heads", what="one GDN layer's FLA core, 27B shape, a 16 x 2,003-token batch: key heads grouped vs "
+        "copied per value head", file="gdn_heads_h200.json",
+        value="{grouped_ms:.2f} vs {copied_ms:.2f} ms (x{speedup:.2f}); outputs bit-identical: {identical}",
+        baseline="q and k copied by repeat_interleave (transformers < 5.23)", device="{machine.device}",
+        note="{inputs} inputs; measured by the probe the script was written from (see the file's note)"),
 ])
 
 section("Training", "The 27B drafter shape (5 layers at hidden 5120, vocab 248,320) from a cold fp8 disk cache, "

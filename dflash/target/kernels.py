@@ -10,6 +10,11 @@ crash (DESIGN.md "Test assets"). We therefore rebind the module globals per devi
 - CUDA: whatever transformers bound (FLA when importable); optionally (`fla_conv=True`) FLA's Triton
   `causal_conv1d` in place of the torch conv fallback: measured ~13% faster end to end on the 27B shape
   on an H200 and faithful per op (5e-8 relative in fp32, DESIGN.md "Performance method").
+- Grouped key heads: when a target has fewer GDN key heads than value heads (Qwen3.5-27B: 16 and 48),
+  transformers before GROUPED_KEY_HEADS_SINCE copies q and k to the value heads' count before every GDN
+  kernel; later versions hand FLA the key heads as they are, and FLA's grouped value attention reads key head
+  j // (HV / H) for value head j, the same values without the copy (bit-identical and 1.48x faster per layer
+  on the 27B shape: benchmarks/results/gdn_heads_h200.json). The choice's reason says which one runs.
 
 The rebinding is process-global (the module is shared by every model of that class); extraction runs one
 process per device, so one process never needs two choices at once. Every choice is logged with its reason.
@@ -27,8 +32,10 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import transformers
+from packaging.version import Version
 
-from dflash.target.registry import LAYER_KINDS
+from dflash.target.registry import LAYER_KINDS, text_config
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,28 @@ class KernelChoice:
     """"fla-triton", "causal-conv1d" (Dao's CUDA package), "torch" or "none"."""
     reason: str
     """One line saying why, for the log and the manifest."""
+
+
+GROUPED_KEY_HEADS_SINCE = "5.23"
+"""The first transformers version whose Qwen3.5 GDN layers pass FLA the key heads ungrouped (no repeat copy)."""
+
+
+def key_heads_grouped(transformers_version: str) -> bool:
+    """Whether this transformers version hands the GDN kernel the key heads without copying them per value head."""
+    return Version(transformers_version) >= Version(GROUPED_KEY_HEADS_SINCE)
+
+
+def _key_heads_note(model: torch.nn.Module) -> str | None:
+    """The reason's word on grouped key heads, for a target with fewer GDN key heads than value heads."""
+    cfg = text_config(model.config)
+    hk, hv = getattr(cfg, "linear_num_key_heads", None), getattr(cfg, "linear_num_value_heads", None)
+    if not hk or not hv or hv <= hk:
+        return None
+    if key_heads_grouped(transformers.__version__):
+        return f"{hk} GDN key heads passed grouped to {hv} value heads"
+    return (f"transformers {transformers.__version__} copies the {hk} GDN key heads to {hv} before each kernel: "
+            f">= {GROUPED_KEY_HEADS_SINCE} passes them grouped, the same values ~1.5x faster (pip install "
+            f"'transformers>={GROUPED_KEY_HEADS_SINCE}')")
 
 
 def gdn_modules(model: torch.nn.Module) -> list[ModuleType]:
@@ -140,6 +169,8 @@ def select_kernels(model: torch.nn.Module, device: torch.device | str, *, fla_co
         "FLA Triton kernels (flash-linear-attention importable)" if gdn == "fla"
         else "torch reference GDN kernels: flash-linear-attention is not importable (pip install dflash[gpu])"
     ]
+    if gdn == "fla" and (note := _key_heads_note(model)):
+        reasons.append(note)
     if fla_conv:
         fla_conv1d = _fla_causal_conv1d()
         if fla_conv1d is None:

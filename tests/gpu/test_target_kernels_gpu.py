@@ -41,6 +41,28 @@ def test_fla_conv_matches_torch_conv_per_op(dtype, tol):
     assert rel < tol, f"relative error {rel:.2e}"
 
 
+def test_fla_reads_key_head_j_over_group_for_value_head_j():
+    """What transformers >= 5.23 relies on (dflash.target.kernels.GROUPED_KEY_HEADS_SINCE): FLA given 16 key heads
+    for 48 value heads computes exactly what it computes on the key heads copied by repeat_interleave."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, T, H, HV, K = 2, 300, 4, 12, 64
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+
+    q, k, v = rand(B, T, H, K), rand(B, T, H, K), rand(B, T, HV, K)
+    decay, beta = -0.1 * rand(B, T, HV, dtype=torch.float32).abs(), rand(B, T, HV).sigmoid()
+    copied = chunk_gated_delta_rule(q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2), v,
+                                    g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    grouped = chunk_gated_delta_rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    assert torch.equal(grouped, copied)
+    tiled = chunk_gated_delta_rule(q.repeat(1, 1, HV // H, 1), k.repeat(1, 1, HV // H, 1), v,
+                                   g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    assert not torch.equal(grouped, tiled)  # the mapping is j // group, not j % H
+
+
 def test_select_kernels_on_cuda_and_layer_equivalence(tmp_path):
     from dflash.target.forward import TappedForward
     from dflash.target.load import load_target
@@ -49,6 +71,11 @@ def test_select_kernels_on_cuda_and_layer_equivalence(tmp_path):
     src = tiny_qwen35_dir(tmp_path / "q", num_layers=4)
     model, _ = load_target(src, device="cuda", dtype=torch.float32)
     assert model.dflash_kernels.gated_deltanet == "fla", model.dflash_kernels.reason
+    import transformers
+
+    from dflash.target.kernels import key_heads_grouped  # the tiny target has 2 key heads for 4 value heads
+
+    assert ("key heads passed grouped" in model.dflash_kernels.reason) == key_heads_grouped(transformers.__version__)
     ids = torch.randint(0, 259, (2, 300), device="cuda")
     base = TappedForward(model, (0,))(ids)
     model_fc, _ = load_target(src, device="cuda", dtype=torch.float32, fla_conv=True)
