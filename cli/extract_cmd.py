@@ -54,8 +54,9 @@ def _parse_taps(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
               help="On CUDA with flash-linear-attention: FLA's Triton causal conv1d for Gated-DeltaNet layers "
                    "(faster than transformers' torch fallback). Ignored on CPU.")
 @click.option("--compile-elementwise", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="Qwen3.5 targets: run the layers' RMSNorm, gated RMSNorm and SiLU-gating chains torch.compile'd "
-                   "(one fused kernel each; float rounding only). auto: on CUDA. Other architectures: no effect.")
+              help="Qwen3.5 targets: run the layers' RMSNorm, gated RMSNorm, SiLU-gating and rotary-embedding chains "
+                   "torch.compile'd (one fused kernel each; float rounding only). auto: on CUDA. Other "
+                   "architectures: no effect.")
 @click.option("--compile-layers", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
               help="Run each decoder layer whole under torch.compile (one graph per layer class; float rounding "
                    "only); replaces --compile-elementwise when on. auto: on CUDA. Off until timed on the 27B shape.")

@@ -258,7 +258,7 @@ def _run_rank(cfg: ExtractConfig, *, rank: int, world_size: int, local_rank: int
     chains, layers = target_compiles(cfg.compile_elementwise, cfg.compile_layers, device)
     tapped = TappedForward(model, pre.fingerprint.tap_layer_ids, compile_elementwise=chains, compile_layers=layers)
     if tapped.fused_modules:
-        log.info("compiled norm/gate chains: %s", tapped.fused_modules)
+        log.info("compiled norm/gate/rotary chains: %s", tapped.fused_modules)
     if layers:
         log.info("compiled decoder layers: %d", tapped.num_layers_run)
     pad_id = pre.tokenizer.pad_token_id if pre.tokenizer.pad_token_id is not None else 0

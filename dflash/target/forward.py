@@ -94,7 +94,7 @@ class TappedForward:
     Tap k is the output of decoder layer k, i.e. HF `output_hidden_states[k + 1]` (for the last layer that
     tensor is final-normed, so a tap on the last layer gets the norm applied, as in HF). Not thread-safe (it
     swaps modules of the shared model for the duration of a call); use one per process.
-    compile_elementwise: run the Qwen3.5 norm and gate chains torch.compile'd (dflash.target.fused; off by
+    compile_elementwise: run the Qwen3.5 norm, gate and rotary chains torch.compile'd (dflash.target.fused; off by
     default, and meant for CUDA: on CPU inductor's compile costs more than it saves). compile_layers: run each
     decoder layer it runs whole under torch.compile (compile_decoder_layers). Both change `model`'s modules for
     every user of that model instance.

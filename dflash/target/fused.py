@@ -9,17 +9,23 @@ each). On the 27B shape on an H200 about a quarter of the forward's GPU time is 
 (DESIGN.md "Performance method": an estimated 20-25 us of the ~98 us per token). compile_elementwise
 replaces the forward of each such module instance by the same math written as one pure function, compiled
 once per process with dynamic shapes (dflash.compiled.compiled_op), so each chain becomes one fused kernel.
+The attention layers' rotary embedding (apply_rotary_pos_emb: two concatenations and four element-wise kernels per
+layer, 34 of the 27B forward's 2,468 ms a batch on an H100: results/extract_h200_profile.json) is a function of the
+modeling module that the layers call by name, so that one is swapped in the module (FUSED_FUNCTIONS): process-wide,
+as dflash.target.kernels' GDN ops are; extraction runs one target per process.
 
 Faithful: the functions below are transformers' own forward bodies (transformers 5.x, modeling_qwen3_5),
 same casts in the same order; eager they are bit-identical to the modules (test), compiled they differ by
 float rounding only. Compare them per layer (per_layer_errors), never at the end of a deep random model
 (DESIGN.md). Only the module classes named in FUSED are touched; other architectures are left as they are.
 Tradeoff: the first batch of each new shape pays compile time (seconds; dynamic shapes make that once or
-twice per process), and the swap is per model instance and undone by restore_elementwise.
+twice per process), and the swap is per model instance (the rotary function: per modeling module) and undone by
+restore_elementwise.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable, Sequence
 
@@ -29,8 +35,8 @@ from torch import nn
 
 from dflash.compiled import compiled_op
 
-__all__ = ["FUSED", "compile_elementwise", "gated_rms_norm", "per_layer_errors", "restore_elementwise",
-           "silu_mul", "zero_centered_rms_norm"]
+__all__ = ["FUSED", "FUSED_FUNCTIONS", "compile_elementwise", "gated_rms_norm", "per_layer_errors",
+           "restore_elementwise", "rotary", "silu_mul", "zero_centered_rms_norm"]
 
 
 def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,6 +60,24 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The Qwen3.5 MLP's act_fn(gate_proj(x)) * up_proj(x) with act_fn = silu."""
     return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5's apply_rotary_pos_emb: q, k [B, H, S, d] (unsqueeze_dim 1) rotated in their first cos.shape[-1]
+    dims (partial rotary), the rest passed through."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+    q_rot, q_pass = q[..., :r], q[..., r:]
+    k_rot, k_pass = k[..., :r], k[..., r:]
+    q_embed = (q_rot * cos) + (_rotate_half(q_rot) * sin)
+    k_embed = (k_rot * cos) + (_rotate_half(k_rot) * sin)
+    return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
 
 
 def _norm_forward(self, x):
@@ -84,24 +108,48 @@ FUSED: dict[str, tuple[Callable, Callable[[nn.Module], bool]]] = {
 }
 
 
+def _compiled_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    return compiled_op(rotary)(q, k, cos, sin, unsqueeze_dim)
+
+
+# a module-level function of a modeling module -> (the class whose instances call it, the compiled stand-in)
+FUSED_FUNCTIONS: dict[str, tuple[str, Callable]] = {"apply_rotary_pos_emb": ("Qwen3_5Attention", _compiled_rotary)}
+# what compile_elementwise replaced: (modeling module name, function name) -> transformers' function
+_SWAPPED: dict[tuple[str, str], Callable] = {}
+
+
 def compile_elementwise(model: nn.Module) -> dict[str, int]:
-    """Swap the forward of every FUSED module of `model` for its compiled version; returns the count per class
-    (empty for a model with none of them, e.g. Llama). Idempotent."""
+    """Swap the forward of every FUSED module of `model` for its compiled version, and each FUSED_FUNCTIONS
+    function in the modeling module of the classes that call it; returns the count per class (empty for a model
+    with none of them, e.g. Llama). Idempotent."""
     counts: dict[str, int] = {}
+    users = {cls: (name, fn) for name, (cls, fn) in FUSED_FUNCTIONS.items()}
     for m in model.modules():
-        entry = FUSED.get(type(m).__name__)
-        if entry is None or not entry[1](m):
-            continue
-        m.forward = types.MethodType(entry[0], m)   # an instance attribute: hooks and __call__ still apply
-        counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+        cls = type(m).__name__
+        entry = FUSED.get(cls)
+        if entry is not None and entry[1](m):
+            m.forward = types.MethodType(entry[0], m)   # an instance attribute: hooks and __call__ still apply
+            counts[cls] = counts.get(cls, 0) + 1
+        elif cls in users:
+            name, fn = users[cls]
+            mod = sys.modules[type(m).__module__]
+            if (mod.__name__, name) not in _SWAPPED:
+                _SWAPPED[(mod.__name__, name)] = getattr(mod, name)
+                setattr(mod, name, fn)
+            counts[f"{cls}.{name}"] = counts.get(f"{cls}.{name}", 0) + 1
     return counts
 
 
 def restore_elementwise(model: nn.Module) -> None:
-    """Undo compile_elementwise: every module runs its class's forward again."""
+    """Undo compile_elementwise: every module runs its class's forward again, every swapped function is
+    transformers' own again."""
     for m in model.modules():
         if type(m).__name__ in FUSED and "forward" in m.__dict__:
             del m.forward
+    for (mod_name, name), original in list(_SWAPPED.items()):
+        if any(type(m).__module__ == mod_name for m in model.modules()):
+            setattr(sys.modules[mod_name], name, original)
+            del _SWAPPED[(mod_name, name)]
 
 
 def per_layer_errors(model: nn.Module, layers: Sequence[nn.Module], run: Callable[[], object]) -> list[float]:

@@ -55,16 +55,37 @@ def test_the_functions_are_transformers_forward_bit_for_bit(qwen, dtype):
     assert seen == set(fused.FUSED)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partial", [0.25, 1.0])
+def test_rotary_is_transformers_apply_rotary_pos_emb_bit_for_bit(dtype, partial):
+    import transformers.models.qwen3_5.modeling_qwen3_5 as mq
+
+    g = torch.Generator().manual_seed(4)
+    B, H, Hk, S, d = 2, 6, 2, 9, 32
+    q, k = torch.randn(B, H, S, d, generator=g).to(dtype), torch.randn(B, Hk, S, d, generator=g).to(dtype)
+    angles = torch.randn(B, S, int(d * partial) // 2, generator=g)
+    cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
+    got, want = fused.rotary(q, k, cos, sin), mq.apply_rotary_pos_emb(q, k, cos, sin)
+    assert all(torch.equal(a, b) and a.dtype == dtype for a, b in zip(got, want))
+
+
 def test_swap_counts_the_qwen35_modules_and_restore_undoes_it(qwen):
     # 2 layers (GDN, attention): 2 + 2 layer norms, q/k norms of the attention layer, the final norm;
-    # one gated norm (the GDN layer); 2 MLPs
+    # one gated norm (the GDN layer); 2 MLPs; the attention layer's rotary function, swapped in its module
+    import transformers.models.qwen3_5.modeling_qwen3_5 as mq
+
+    original = mq.apply_rotary_pos_emb
     counts = fused.compile_elementwise(qwen)
     try:
-        assert counts == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1, "Qwen3_5MLP": 2}
+        assert counts == {"Qwen3_5RMSNorm": 7, "Qwen3_5RMSNormGated": 1, "Qwen3_5MLP": 2,
+                          "Qwen3_5Attention.apply_rotary_pos_emb": 1}
         assert all("forward" in m.__dict__ for m in qwen.modules() if type(m).__name__ in fused.FUSED)
+        assert mq.apply_rotary_pos_emb is fused.FUSED_FUNCTIONS["apply_rotary_pos_emb"][1]
+        assert fused.compile_elementwise(qwen) == counts  # idempotent: transformers' function stays the one kept
     finally:
         fused.restore_elementwise(qwen)
     assert not any("forward" in m.__dict__ for m in qwen.modules())
+    assert mq.apply_rotary_pos_emb is original
 
 
 def test_compiled_layers_match_transformers_layers_per_layer(qwen):
