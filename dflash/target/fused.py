@@ -10,9 +10,9 @@ each). On the 27B shape on an H200 about a quarter of the forward's GPU time is 
 replaces the forward of each such module instance by the same math written as one pure function, compiled
 once per process with dynamic shapes (dflash.compiled.compiled_op), so each chain becomes one fused kernel.
 The attention layers' rotary embedding (apply_rotary_pos_emb: two concatenations and four element-wise kernels per
-layer, 34 of the 27B forward's 2,468 ms a batch on an H100: results/extract_h200_profile.json) is a function of the
-modeling module that the layers call by name, so that one is swapped in the module (FUSED_FUNCTIONS): process-wide,
-as dflash.target.kernels' GDN ops are; extraction runs one target per process.
+layer, about 34 of the 27B forward's 2,468 ms a batch on an H100: results/extract_h200_profile.json) is a function of
+the modeling module that the layers call by name, so that one is swapped in the module (FUSED_FUNCTIONS):
+process-wide, as dflash.target.kernels' GDN ops are; extraction runs one target per process.
 
 Faithful: the functions below are transformers' own forward bodies (transformers 5.x, modeling_qwen3_5),
 same casts in the same order; eager they are bit-identical to the modules (test), compiled they differ by
