@@ -59,7 +59,7 @@ class KernelChoice:
 
 
 GROUPED_KEY_HEADS_SINCE = "5.23"
-"""The first transformers version whose Qwen3.5 GDN layers pass FLA the key heads ungrouped (no repeat copy)."""
+"""The first transformers version whose Qwen3.5 GDN layers pass FLA the key heads as they are (no repeat copy)."""
 
 
 def key_heads_grouped(transformers_version: str) -> bool:
