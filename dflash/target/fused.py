@@ -17,7 +17,8 @@ process-wide, as dflash.target.kernels' GDN ops are; extraction runs one target 
 Faithful: the functions below are transformers' own forward bodies (transformers 5.x, modeling_qwen3_5),
 same casts in the same order; eager they are bit-identical to the modules (test), compiled they differ by
 float rounding only. Compare them per layer (per_layer_errors), never at the end of a deep random model
-(DESIGN.md). Only the module classes named in FUSED are touched; other architectures are left as they are.
+(DESIGN.md). Only the module classes named in FUSED and the functions named in FUSED_FUNCTIONS are touched;
+other architectures are left as they are.
 Tradeoff: the first batch of each new shape pays compile time (seconds; dynamic shapes make that once or
 twice per process), and the swap is per model instance (the rotary function: per modeling module) and undone by
 restore_elementwise.
