@@ -96,7 +96,7 @@ def sweep_run(model: str, a: str, b: str, work: pathlib.Path, steps: int) -> dic
     # the floor: each sample any run uses read once, alone, by a fresh reader
     mixed = MixedReader([CacheReader(a), CacheReader(b)])
     costs = plan_costs(mixed.index.length, mixed.index.num_loss_tokens, plan_version=PLAN_VERSION)
-    _, used = plan_uses([r.config for r in spec.runs], [steps] * len(spec.runs), lengths=mixed.index.length,
+    _, used = plan_uses([r.config for r in spec.runs], [steps] * len(spec.runs), index=mixed.index,
                         counts=mixed.counts, costs=costs)
     for g in np.unique(np.concatenate(used)).tolist():
         mixed.read_many([g], taps=TAPS)

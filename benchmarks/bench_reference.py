@@ -24,7 +24,8 @@ generated). Stages:
   e. trainings, paper hyper-parameters (6 epochs, lr 6e-4 cosine, warmup 4%, 512 anchors, block 16, gamma 7),
      every one with `--eval-cache` every --eval-every steps: all_<storage> (the reference), all_<other storage>
      (at the final point), all + feature noise, all seed 1 (the seed-to-seed spread), all with
-     --loss-normalization sequence (all_seqnorm: seqnorm_effect), all_<each --also-storages>
+     --loss-normalization sequence (all_seqnorm: seqnorm_effect), with --shuffle-block N (all_shuffle:
+     shuffle_block_effect, only when given), all_<each --also-storages>
      (e.g. int4 at the reference point: issue 16's check on a drafter that learned), 2K and 8K (data scaling);
      --parallel-runs N trains up to N consecutive runs of one cache at once (concurrent_groups): online runs as one
      `dflash sweep` group (one live target, each run's own rounding: train_shared), others one process each
@@ -361,7 +362,7 @@ def train_config(args, *, model: str, cache, out: pathlib.Path, device: str, ste
                  loss_normalization: str = "token", taps: tuple[int, ...] | None = None,
                  online_compile: str = "off", **method):
     """The TrainConfig of one run (a job: train_once's keyword arguments; `device` is train_once's). `method`:
-    further TrainConfig fields of a --methods run (arch, objective, ...), passed as they are."""
+    further TrainConfig fields (a --methods run's arch, objective, ...; all_shuffle's shuffle_block), passed as they are."""
     from dflash.train.config import TrainConfig
 
     return TrainConfig(cache=str(cache), model=model, output=str(out), num_layers=args.layers,
@@ -751,6 +752,9 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, help="fixed steps instead of epochs (tiny runs)")
     ap.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (GPU 500)")
     ap.add_argument("--noise-start", type=float, default=0.1, help="peak relative feature noise of the noise run")
+    ap.add_argument("--shuffle-block", type=int, default=0, metavar="N",
+                    help="also train all_shuffle: the reference with train's --shuffle-block N (runs of N storage "
+                         "neighbours), read against it as shuffle_block_effect (default 0: no such run)")
     ap.add_argument("--skip", default="", help="comma-separated runs not to train (all_fp8, all_noise, all_seed1, "
                     "all_seqnorm, n2000, ...)")
     ap.add_argument("--storage", choices=STORAGES, help="storage of the training caches (default "
@@ -889,6 +893,8 @@ def runs_plan(args) -> list[tuple[str, str, dict]]:
             ("all_seed1", *all_data(args, {"seed": 1})),  # the spread that tells whether a difference is real
             ("all_noise", *all_data(args, {"noise_start": args.noise_start})),
             ("all_seqnorm", *all_data(args, {"loss_normalization": "sequence"}))]
+    if args.shuffle_block:
+        plan.append(("all_shuffle", *all_data(args, {"shuffle_block": args.shuffle_block})))
     plan += [compared(x) for x in filter(None, args.also_storages.split(",")) if x not in (ref, other)]
     plan += [(f"n{n}", f"train_n{n}", {}) for n in map(int, args.scaling.split(","))]
     skip = set(filter(None, args.skip.split(",")))
@@ -1388,7 +1394,8 @@ def summarise(result: dict) -> None:
         result["seed_spread"] = {ds: (runs["all_seed1"][f"tau_{ds}"] - ref[f"tau_{ds}"]) / ref[f"tau_{ds}"]
                                  for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"]}
     # feature noise, and --loss-normalization sequence against the default token: tau difference on the same data
-    for key, name in (("noise_effect", "all_noise"), ("seqnorm_effect", "all_seqnorm")):
+    for key, name in (("noise_effect", "all_noise"), ("seqnorm_effect", "all_seqnorm"),
+                      ("shuffle_block_effect", "all_shuffle")):
         if ref and runs.get(name):
             result[key] = {ds: runs[name][f"tau_{ds}"] - ref[f"tau_{ds}"]
                            for ds in ("mtbench", "humaneval") if ref[f"tau_{ds}"] is not None}

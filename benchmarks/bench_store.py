@@ -12,7 +12,9 @@ published once. Then `--reps` rounds, each timing in alternating order:
   by the same client and thread count, each object in 8 MB ranged parts (what parallel downloaders do; a whole
   1.7 GB object is one ~250 MB/s stream here), no parsing, no crc, no placement. The floor.
 - plain_whole: the same objects, one whole-object GET each (reported, not the floor: slower here);
-- fetch: `fetch_cache` (the --store-mirror path: store -> local folder).
+- fetch: `fetch_cache` (the --store-mirror path: store -> local folder);
+- direct_blocks: the direct read with the samples in runs of --shuffle-block storage neighbours (train
+  --shuffle-block): read_ratio_shuffle_block.
 read_ratio_vs_plain_get = median over rounds of plain_get seconds / direct seconds (opening included): the same
 cache read in full by both, so the direct side pays for its own extra bytes (whole crc chunks at the ends of a
 sample's rows, ~4.5%) and requests. read_ratio_steady excludes the opening.
@@ -152,9 +154,10 @@ def local_files(root: pathlib.Path) -> list[tuple[str, bytes]]:
 
 
 def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, ...] | None,
-                in_flight: int = 2, verify: bool = True) -> tuple[int, float, float, float]:
+                in_flight: int = 2, verify: bool = True, shuffle_block: int = 0) -> tuple[int, float, float, float]:
     """Every sample of the cache at `url` through CacheReader(url) the way the training loader reads it:
-    shuffled micro-batches (plan_epoch), two read_many calls in flight, each into its own reused buffers.
+    shuffled micro-batches (config_plan; shuffle_block: train's --shuffle-block), two read_many calls in flight,
+    each into its own reused buffers.
     The buffers are allocated and touched outside the clock, as the loader's are: on a GPU box it allocates
     pinned buffers once per epoch (pinning faults every page in), before the first read. Here a round reads
     only ~12 micro-batches, so their ~420 MB of first touches (~110K page faults, 0.2-0.3 CPU s measured) would
@@ -165,11 +168,13 @@ def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, .
 
     from dflash.cache import CacheReader
     from dflash.cache.reader import PackedBuffers
-    from dflash.train.loader import plan_epoch
+    from dflash.train.config import TrainConfig
+    from dflash.train.loader import config_plan
 
+    cfg = TrainConfig(cache=url, model="-", output="-", batch_tokens=batch_tokens, shuffle_block=shuffle_block)
     t0 = time.perf_counter()
     with CacheReader(url, num_threads=threads, verify=verify) as r:
-        plan = plan_epoch(r.index.length, seed=0, epoch=0, batch_tokens=batch_tokens, world_size=1, grad_accum=1)
+        plan = config_plan(cfg, r.index, epoch=0, world_size=1)
         batches = [mb for s in range(plan.num_steps) for mb in plan.rank_step(0, s) if len(mb)]
         k = len(r.tap_positions(taps))
         most = max(int(r.index.length[mb].sum()) for mb in batches)
@@ -237,6 +242,9 @@ def main() -> None:
     ap.add_argument("--shard-tokens", type=int, default=None, help="Default: the extractor's.")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--batch-tokens", type=int, default=8192, help="Tokens per read_many (a micro-batch).")
+    ap.add_argument("--shuffle-block", type=int, default=16,
+                    help="also read the cache as `train --shuffle-block N` does, each round (direct_blocks: runs of "
+                         "N storage neighbours; read_ratio_shuffle_block)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--write-reps", type=int, default=3)
     ap.add_argument("--variants", action="store_true",
@@ -281,8 +289,8 @@ def main() -> None:
                            cpus=server_cpus)
     server.start()
     os.environ.update(server.env())
-    sec: dict[str, list[float]] = {k: [] for k in ("direct", "direct_open", "direct_buffers", "plain_get",
-                                                   "plain_whole", "fetch", "publish", "plain_put")}
+    sec: dict[str, list[float]] = {k: [] for k in ("direct", "direct_open", "direct_buffers", "direct_blocks",
+                                                   "plain_get", "plain_whole", "fetch", "publish", "plain_put")}
     cpu: dict[str, dict[str, list[float]]] = {}  # read step -> client / server -> CPU seconds per round
     try:
         server.create_bucket("dflash-bench")
@@ -316,6 +324,9 @@ def main() -> None:
             fetch_bytes = fetch_cache(url=url, local=str(mirror), num_threads=args.threads).bytes
             shutil.rmtree(mirror)
         steps = [("direct", direct),
+                 ("direct_blocks", lambda: sec["direct_blocks"].append(direct_read(
+                     url, threads=args.threads, batch_tokens=args.batch_tokens, taps=None,
+                     shuffle_block=args.shuffle_block)[2])),
                  ("plain_get", lambda: timed("plain_get", lambda: plain_get(store, sizes, pool, part=PART_BYTES))),
                  ("plain_whole", lambda: timed("plain_whole", lambda: plain_get(store, sizes, pool, part=None))),
                  ("fetch", lambda: timed("fetch", fetch))]
@@ -396,6 +407,9 @@ def main() -> None:
                                "allocation not (direct_buffers_s), vs plain ranged GETs of every shard object; "
                                "per-round ratio of seconds, median over rounds",
         "read_ratio_steady": ratio("plain_get", "direct", minus="direct_open"),
+        "read_ratio_shuffle_block": ratio("plain_get", "direct_blocks"),
+        "read_ratio_shuffle_block_includes": "as read_ratio_vs_plain_get, the samples in runs of `shuffle_block` "
+                                             "storage neighbours (train --shuffle-block)",
         "read_ratio_with_buffers": ratio("plain_get", "direct", plus="direct_buffers"),
         "read_ratio_vs_plain_whole_get": ratio("plain_whole", "direct"),
         "write_ratio_vs_plain_put": ratio("plain_put", "publish"),
@@ -420,7 +434,8 @@ def main() -> None:
                    "taps": list(TAPS), "storage": "fp8", "lengths": "sharegpt_lengths.json",
                    "shard_tokens": shard_tokens, "threads": args.threads, "reps": args.reps,
                    "write_reps": args.write_reps, "batch_tokens": args.batch_tokens, "plain_get_part": PART_BYTES,
-                   "read_order": "plan_epoch(seed=0, epoch=0), 2 in flight", "objects": len(sizes),
+                   "read_order": "config_plan(seed=0, epoch=0), 2 in flight", "shuffle_block": args.shuffle_block,
+                   "objects": len(sizes),
                    "subset_taps": [TAPS[1], TAPS[3]],
                    "server": "SeaweedFS weed server -s3 on 127.0.0.1 (same machine"
                              + (", own cores)" if server_cpus else ", shared cores)"),
@@ -436,7 +451,7 @@ def main() -> None:
           f"write: {write_tokens:,} tokens; {args.threads} threads, median of {args.reps} / {args.write_reps}")
     for k, v in out["mb_per_s"].items():
         print(f"  {k:<12}{v:9.1f} MB/s")
-    for k in ("read_ratio_vs_plain_get", "read_ratio_steady", "read_ratio_with_buffers",
+    for k in ("read_ratio_vs_plain_get", "read_ratio_steady", "read_ratio_shuffle_block", "read_ratio_with_buffers",
               "read_ratio_vs_plain_whole_get",
               "write_ratio_vs_plain_put", "subset_bytes_ratio", "mirror_read_ratio_vs_plain_get",
               "mirror_subset_bytes_ratio", "direct_open_s", "direct_buffers_s"):

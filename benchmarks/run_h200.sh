@@ -10,6 +10,7 @@
 #   sweep | check                    bench_sweep --synthetic; the gpu-marked tests + bench_block_mask
 #   quality GGUF_PART... [--resume]  bench_quality (SmolLM2, bf16 vs fp8, 3 seeds)
 #   reference [ARGS] [--resume]      bench_reference on the committed data (every call after the first: --resume)
+#   shuffleeffect [N]                the reference run with train --shuffle-block N (all_shuffle), across calls
 #   refpair | refone fp8|bf16        fp8 vs bf16 at the reference point: both on a 2-GPU machine, or one per session
 #   evaloverhead                     bench_eval_overhead on the reference run's 8K cache
 #   storage4 extract|train|tau       bench_storage4
@@ -227,6 +228,9 @@ case "$stage" in
          block_mask $((570 - (SECONDS - t0))) || rc=$? ;;
   quality) quality 560 "$@" || rc=$? ;;
   reference) reference "${LIMIT:-570}" "$@" || rc=$? ;;  # LIMIT: under what a session has left
+  # train --shuffle-block N's effect on held-out tau: the reference run again with it (all_shuffle), the finished
+  # runs kept (benchmarks/README.md, "The shuffle block's effect"); every call the same, N default 16
+  shuffleeffect) reference "${LIMIT:-570}" "${REF_DATA[@]}" --shuffle-block "${1:-16}" || rc=$? ;;
   refpair) refpair "${LIMIT:-570}" ;;
   refone) refone "${LIMIT:-570}" "$@" || rc=$? ;;
   evaloverhead) evaloverhead || rc=$? ;;
@@ -245,7 +249,7 @@ case "$stage" in
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stretch ARGS|stretchout PARTS|methods ARGS|stash|flextiles ARGS|storegpu ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|shuffleeffect [N]|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stretch ARGS|stretchout PARTS|methods ARGS|stash|flextiles ARGS|storegpu ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files

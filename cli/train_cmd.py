@@ -23,7 +23,7 @@ FLAGS = {"steps": "--steps", "epochs": "--epochs", "taps": "--taps", "lr": "--lr
          "anchor_positions": "--anchor-positions", "step_samples": "--step-samples", "objective": "--objective",
          "prefix_weight_base": "--prefix-weight-base", "layer_types": "--layer-types",
          "sliding_window": "--sliding-window", "causal": "--causal", "report_to": "--report-to", "arch": "--arch",
-         "selector_weight": "--selector-weight"}
+         "selector_weight": "--selector-weight", "shuffle_block": "--shuffle-block"}
 """TrainConfig fields offered as flags (the rest: --config YAML), and their flag names."""
 CHOICES = {"loss_normalization": LOSS_NORMALIZATIONS, "anchor_positions": ANCHOR_POSITIONS, "objective": OBJECTIVES,
            "arch": ARCHS}

@@ -54,10 +54,13 @@ class MixedReader:
         self.counts = np.array([len(r) for r in self.readers], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
         idx = [r.index for r in self.readers]
+        # shard numbers unique across the caches (cache c's after every earlier cache's), so (shard, offset)
+        # orders the mixture's samples by storage as it does one cache's (permutation.storage_order)
+        first_shard = np.cumsum([0] + [len(i.shard_names) for i in idx[:-1]])
         self.index = SampleIndex(sample_id=np.concatenate([i.sample_id for i in idx]),
                                  length=np.concatenate([i.length for i in idx]),
                                  num_loss_tokens=np.concatenate([i.num_loss_tokens for i in idx]),
-                                 shard=np.concatenate([i.shard for i in idx]),
+                                 shard=np.concatenate([i.shard + f for i, f in zip(idx, first_shard)]),
                                  offset=np.concatenate([i.offset for i in idx]), shard_names=[])
 
     @property

@@ -37,7 +37,8 @@ _ARRAY_CACHE = 1024  # parsed shard indexes kept (hidden index: 16 B per chunk, 
 
 @dataclass
 class SampleIndex:
-    """All int64 [N], sorted by sample_id; shard indexes shard_names."""
+    """All int64 [N], sorted by sample_id; shard indexes shard_names (a MixedReader's: numbered across its
+    caches, shard_names empty)."""
 
     sample_id: np.ndarray
     length: np.ndarray

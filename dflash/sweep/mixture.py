@@ -171,18 +171,19 @@ class Lockstep:
             self._cond.notify_all()
 
 
-def plan_uses(cfgs: Sequence, steps: Sequence[int], *, lengths: np.ndarray, counts: np.ndarray,
+def plan_uses(cfgs: Sequence, steps: Sequence[int], *, index, counts: np.ndarray,
               costs: np.ndarray | None) -> tuple[np.ndarray, list[np.ndarray]]:
     """(uses per global sample over all streams, the unique samples each stream uses): stream k (config
-    cfgs[k]) runs steps[k] optimizer steps of its epoch plans (world size 1, as a sweep group)."""
+    cfgs[k]) runs steps[k] optimizer steps of its epoch plans (world size 1, as a sweep group) over the samples
+    of `index` (the mixed reader's SampleIndex)."""
     from dflash.train.loader import config_plan
 
-    uses = np.zeros(len(lengths), dtype=np.int64)
+    uses = np.zeros(len(index.length), dtype=np.int64)
     used = []
     for cfg, total in zip(cfgs, steps):
         parts, done, epoch = [], 0, 0
         while done < total:
-            plan = config_plan(cfg, lengths, epoch=epoch, world_size=1, costs=costs, counts=counts)
+            plan = config_plan(cfg, index, epoch=epoch, world_size=1, costs=costs, counts=counts)
             take = plan.steps[:total - done]
             parts += [mb for s in take for mb in s]
             done += len(take)

@@ -252,7 +252,7 @@ def _run_mixture_group(index: int, runs: Sequence[RunSpec], *, target, union, in
     lengths = mixed.index.length
     costs = plan_costs(lengths, mixed.index.num_loss_tokens, plan_version=min(u.plan_version for u in units))
     uses, used = plan_uses([sub[0].config for sub in subs], [max(u.total_steps for u in us) for us in sub_units],
-                           lengths=lengths, counts=mixed.counts, costs=costs)
+                           index=mixed.index, counts=mixed.counts, costs=costs)
     shared = SharedReads(mixed, uses)
     views = [shared.view() for _ in subs]
     log.info("group %d: %d mixtures (%s) side by side off one read of each cache", index, len(subs),

@@ -32,8 +32,8 @@ from typing import Any, Mapping, Sequence
 from dflash.errors import ConfigError
 from dflash.train.config import TrainConfig, config_from_dict
 
-STREAM_FIELDS = ("batch_tokens", "grad_accum", "step_samples", "data_seed", "dtype", "num_readers", "prefetch",
-                 "verify_checksums", "save_every", "log_every", "online", "online_compile")
+STREAM_FIELDS = ("batch_tokens", "grad_accum", "step_samples", "data_seed", "shuffle_block", "dtype", "num_readers",
+                 "prefetch", "verify_checksums", "save_every", "log_every", "online", "online_compile")
 """What one loader stream depends on (data_seed = shuffle_seed or seed); save_every/log_every are shared so
 every run of a group checkpoints and logs at the same data position; online: the group's features come from one
 live target instead of the cache (one forward per micro-batch; each run rounds them through its own

@@ -160,6 +160,12 @@ class TrainConfig:
     shuffle_seed: int | None = None
     """Seed of the per-epoch shuffle only; None = `seed`. A sweep sets it so runs of different seeds share one
     data stream (a run alone with the same shuffle_seed sees the same micro-batches)."""
+    shuffle_block: int = 0
+    """Samples kept together in the epoch's order: 0 shuffles every sample; N >= 2 visits runs of N samples that
+    neighbour each other in the cache's storage (the runs in a seeded random order, their boundaries moving every
+    epoch), so a micro-batch reads a few long stretches of a shard instead of one request per sample and tap: for
+    a cache read by URL from an object store, which pays per request (docs/storage.md). A coarser shuffle: storage
+    neighbours were extracted in one length-sorted batch. Not with cache_weights."""
     dtype: str = "auto"
     """Compute dtype for autocast: auto = bfloat16 on CUDA, float32 on CPU; or bfloat16 / float32."""
     loss_chunk_blocks: int = 128
@@ -247,6 +253,12 @@ class TrainConfig:
         if self.step_samples is not None and (not isinstance(self.step_samples, int) or self.step_samples < 1):
             raise ConfigError(f"step_samples={self.step_samples!r}: must be a positive integer (or unset for "
                               "token-budget steps)")
+        if not isinstance(self.shuffle_block, int) or self.shuffle_block < 0:
+            raise ConfigError(f"shuffle_block={self.shuffle_block!r}: must be 0 (shuffle every sample) or the "
+                              "samples a run keeps together")
+        if self.shuffle_block and self.cache_weights is not None:
+            raise ConfigError("shuffle_block with cache_weights: a mixture draws every cache's samples in its own "
+                              "order; set one of them")
         if self.eval_limit is not None and self.eval_limit < 1:
             raise ConfigError(f"eval_limit={self.eval_limit}: must be >= 1 (or unset for the whole eval cache)")
         if self.block_size < 2:

@@ -214,7 +214,7 @@ def run_stream(units: Sequence[DrafterUnit], stream: Stream, *, open_loader: Ope
     steps, stop, terminated = 0, False, False
     pin = info.device.type == "cuda"
     while pos is not None and not stop and any(not u.finished for u in units):
-        plan = config_plan(cfg, lengths, epoch=pos.epoch, world_size=info.world_size, costs=costs,
+        plan = config_plan(cfg, reader.index, epoch=pos.epoch, world_size=info.world_size, costs=costs,
                            counts=getattr(reader, "counts", None))
         if pos.step_in_epoch >= plan.num_steps:
             pos = ckpt.DataPosition(epoch=pos.epoch + 1, step_in_epoch=0, global_step=pos.global_step)

@@ -9,7 +9,8 @@ bins, so lengths stay mixed but bins fill well), then cut the micro-batch list i
 world_size x grad_accum micro-batches; micro-batch j of a step goes to rank j % world_size. The last step is
 padded with empty micro-batches, so every rank runs the same number of steps and micro-batches and every sample
 is seen exactly once per epoch. The packing does not depend on world_size, so 1 rank with grad_accum = W x A sees
-the same global batches as W ranks with grad_accum = A.
+the same global batches as W ranks with grad_accum = A. TrainConfig.shuffle_block replaces the permutation with
+runs of storage neighbours (permutation.block_permutation), so the micro-batches read long stretches of a shard.
 
 Step balance (given per-sample `costs`, and more than one micro-batch per step): the budget counts context
 tokens, but a step's compute is dominated by its block tokens (anchors x block size, which grow with the loss
@@ -40,10 +41,10 @@ import torch
 
 from dflash.errors import ConfigError
 from dflash.train.objective import expected_blocks
-from dflash.train.permutation import epoch_permutation  # noqa: F401  (re-exported: the plan's order)
+from dflash.train.permutation import block_permutation, epoch_permutation, storage_order
 
 if TYPE_CHECKING:
-    from dflash.cache.reader import CacheReader, PackedBuffers, PackedSamples
+    from dflash.cache.reader import CacheReader, PackedBuffers, PackedSamples, SampleIndex
 
 HostBlocksByRule = Mapping[Any, Any]
 """What the host function returns, carried through unread: the loader sits below the step, so it knows the
@@ -204,18 +205,22 @@ def fixed_count_steps(order: np.ndarray, lengths: np.ndarray, *, step_samples: i
     return tuple(steps)
 
 
-def config_plan(cfg, lengths: np.ndarray, *, epoch: int, world_size: int,
-                costs: np.ndarray | None = None, counts: np.ndarray | None = None) -> EpochPlan:
-    """plan_epoch with a TrainConfig's data settings (data_seed, batch_tokens, grad_accum, step_samples, and
-    cache_weights: the mixture order over caches of `counts` samples each, whose indexes `lengths` concatenates;
-    None counts = one cache)."""
+def config_plan(cfg, index: "SampleIndex", *, epoch: int, world_size: int, costs: np.ndarray | None = None,
+                counts: np.ndarray | None = None) -> EpochPlan:
+    """plan_epoch of the samples of `index` (a reader's: lengths, and where each is stored) with a TrainConfig's
+    data settings (data_seed, batch_tokens, grad_accum, step_samples; shuffle_block: runs of storage neighbours,
+    block_permutation; cache_weights: the mixture order over caches of `counts` samples each, whose indexes
+    `index` concatenates; None counts = one cache)."""
     order = None
     if cfg.cache_weights is not None:
         from dflash.train.mixture import mixture_epoch
 
-        order = mixture_epoch(counts=[len(lengths)] if counts is None else counts, weights=cfg.cache_weights,
+        order = mixture_epoch(counts=[len(index.length)] if counts is None else counts, weights=cfg.cache_weights,
                               seed=cfg.data_seed, epoch=epoch).order
-    return plan_epoch(lengths, seed=cfg.data_seed, epoch=epoch, batch_tokens=cfg.batch_tokens,
+    elif cfg.shuffle_block:
+        order = block_permutation(storage_order(index.shard, index.offset), block=cfg.shuffle_block,
+                                  seed=cfg.data_seed, epoch=epoch)
+    return plan_epoch(index.length, seed=cfg.data_seed, epoch=epoch, batch_tokens=cfg.batch_tokens,
                       world_size=world_size, grad_accum=cfg.grad_accum, costs=costs, step_samples=cfg.step_samples,
                       order=order)
 

@@ -258,7 +258,7 @@ def setup_drafter(cfg: TrainConfig, target: TargetSetup, *, info: DistInfo,
                        f"(wgrad_fusion={cfg.wgrad_fusion})")
     reasons.append(describe_drafter(dc, drafter))
     # each epoch planned once for the step count, the CPU estimate and the sample denominator
-    plan_of = functools.cache(lambda e: config_plan(cfg, reader.index.length, epoch=e, world_size=info.world_size,
+    plan_of = functools.cache(lambda e: config_plan(cfg, reader.index, epoch=e, world_size=info.world_size,
                                                     counts=getattr(reader, "counts", None)))
     total = count_total_steps(cfg, plan_of)
     if info.device.type == "cpu" and info.is_main and cfg.num_anchors * dc.block_size >= GPU_SIZED_BLOCK_TOKENS:

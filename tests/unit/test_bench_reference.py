@@ -83,6 +83,9 @@ def test_train_once_with_heldout_curve_summary_and_plot(tmp_path):
     result["runs"]["all_seqnorm"] = base | {"tau_mtbench": 2.05, "tau_humaneval": 1.58}
     br.summarise(result)
     assert result["seqnorm_effect"] == pytest.approx({"mtbench": 0.05, "humaneval": -0.02})
+    result["runs"]["all_shuffle"] = base | {"tau_mtbench": 1.96, "tau_humaneval": 1.61}
+    br.summarise(result)
+    assert result["shuffle_block_effect"] == pytest.approx({"mtbench": -0.04, "humaneval": 0.01})
     png = br.plot_curve("run", c, tmp_path / "curve.png")
     assert pathlib.Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "all_bf16" in br.format_table(result)
@@ -111,6 +114,10 @@ def test_subsets_joined_files_and_runs_plan(tmp_path):
     assert [p[0] for p in plan] == ["all_bf16", "all_fp8", "all_noise", "all_seqnorm", "n4", "n8"]
     assert dict((p[0], p[2]) for p in plan)["all_noise"] == {"noise_start": 0.1}
     assert dict((p[0], p[2]) for p in plan)["all_seqnorm"] == {"loss_normalization": "sequence"}
+    # --shuffle-block N: one more run on all the data, after the reference's own
+    shuffled = br.runs_plan(br.parse_args(["--tiny", "--shuffle-block", "16", "--skip", "all_seed1"]))
+    assert [p[0] for p in shuffled] == ["all_bf16", "all_fp8", "all_noise", "all_seqnorm", "all_shuffle", "n4", "n8"]
+    assert dict((p[0], p[2]) for p in shuffled)["all_shuffle"] == {"shuffle_block": 16}
     gpu = br.parse_args([])
     assert gpu.eval_every == 500 and gpu.epochs == 6 and gpu.steps is None and gpu.max_length == 2048
     assert gpu.scaling == "2000,8000" and gpu.block_size == 16 and gpu.num_anchors == 512

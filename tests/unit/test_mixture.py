@@ -172,7 +172,7 @@ def test_weighted_run_resumes_exactly_and_counts_per_cache(assets, tmp_path):
     steps = []
     epoch = 0
     while len(steps) < 7:
-        steps += list(config_plan(cfg, reader.index.length, epoch=epoch, world_size=1, counts=reader.counts).steps)
+        steps += list(config_plan(cfg, reader.index, epoch=epoch, world_size=1, counts=reader.counts).steps)
         epoch += 1
     idx = np.concatenate([mb for s in steps[:7] for mb in s])
     want_s, want_t = per_cache_counts(idx, offsets=reader.offsets, lengths=reader.index.length, num_caches=2)
@@ -299,7 +299,7 @@ def test_mixture_sweep_trains_each_weighting_off_one_read_of_each_cache(assets, 
     mixed = MixedReader([CacheReader(a), CacheReader(b)])
     cfgs = [spec.runs[0].config, spec.runs[1].config]
     costs = plan_costs(mixed.index.length, mixed.index.num_loss_tokens, plan_version=PLAN_VERSION)
-    _, used = plan_uses(cfgs, [6, 6], lengths=mixed.index.length, counts=mixed.counts, costs=costs)
+    _, used = plan_uses(cfgs, [6, 6], index=mixed.index, counts=mixed.counts, costs=costs)
     for g in np.unique(np.concatenate(used)).tolist():
         mixed.read_many([g], taps=(0, 1, 2))
     assert res.bytes_read <= 1.05 * mixed.bytes_read, (res.bytes_read, mixed.bytes_read)

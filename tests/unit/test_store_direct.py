@@ -161,3 +161,30 @@ def test_one_ranged_get_per_contiguous_run_and_no_chunk_fetched_twice(s3_env, tm
         assert len(got) == len(taps) == sum(len(a.row_runs(37, 37 + 1500, (k, 0))) for k in range(len(taps)))
         per_chunk = int(a.index[0, 1])
         assert r.bytes_read == sum(n for _, _, n in got) == len(taps) * (last - first + 1) * per_chunk
+
+
+def test_a_shuffle_block_plan_reads_the_store_in_fewer_ranged_gets(s3_env, tmp_path, home, monkeypatch):
+    """train --shuffle-block: micro-batches of storage neighbours need far fewer ranged GETs for the same
+    epoch (every sample once, the same bytes per sample) than shuffled samples (one GET per sample and tap)."""
+    from dflash.store import direct
+    from dflash.train.config import TrainConfig
+    from dflash.train.loader import config_plan
+
+    url = published(s3_env, tmp_path, "dflash-direct-blocks", num_samples=60, shard_tokens=1000)
+    gets: list[int] = []
+    read_at = direct.ObjectRanges.read_at
+    monkeypatch.setattr(direct.ObjectRanges, "read_at",
+                        lambda self, off, n, scratch: gets.append(n) or read_at(self, off, n, scratch))
+    requests = {}
+    with CacheReader(url) as r, CacheReader(tmp_path / "local") as local:
+        for block in (0, 8):
+            cfg = TrainConfig(cache=url, model="m", output="o", batch_tokens=300, shuffle_block=block)
+            plan = config_plan(cfg, r.index, epoch=0, world_size=1)
+            mbs = [mb for s in plan.steps for mb in s if len(mb)]
+            assert sorted(np.concatenate(mbs).tolist()) == list(range(60))
+            gets.clear()
+            for mb in mbs:
+                p, want = r.read_many(mb), local.read_many(mb)
+                assert torch.equal(p.hidden, want.hidden) and np.array_equal(p.sample_ids, want.sample_ids)
+            requests[block] = len(gets)
+    assert requests[8] < 0.5 * requests[0], requests

@@ -153,15 +153,18 @@ def test_one_divisor_equals_normalise_then_clip(fused):
 def test_samples_per_step_is_the_first_epochs_mean():
     """The constant of loss_normalization=sample: samples over the optimizer steps of epoch 0's plan (all ranks
     and micro-batches of a step together)."""
+    from dflash.cache.reader import SampleIndex
     from dflash.train.config import TrainConfig
     from dflash.train.loader import config_plan, plan_epoch
     from dflash.train.setup import samples_per_step
 
     lengths = np.array([100, 700, 50, 300, 900, 20, 400, 60, 500, 80], dtype=np.int64)
+    index = SampleIndex(sample_id=np.arange(10), length=lengths, num_loss_tokens=lengths, shard=np.zeros(10, int),
+                        offset=np.cumsum(lengths) - lengths, shard_names=["s"])
     cfg = TrainConfig(cache="c", model="m", output="o", batch_tokens=1000, grad_accum=2)
 
     def per_step(c, world):
-        return samples_per_step(config_plan(c, lengths, epoch=0, world_size=world), len(lengths))
+        return samples_per_step(config_plan(c, index, epoch=0, world_size=world), len(lengths))
 
     for world in (1, 2):
         steps = plan_epoch(lengths, seed=cfg.data_seed, epoch=0, batch_tokens=1000, world_size=world,
