@@ -75,7 +75,7 @@ def main() -> None:
     copied_ms, grouped_ms = statistics.median(ms["copied"]), statistics.median(ms["grouped"])
     print(json.dumps({
         "benchmark": "gdn_heads", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": "python benchmarks/bench_gdn_heads.py" + (" --contiguous" if args.contiguous else ""),
+        "command": " ".join(["python", *sys.argv]),
         "machine": machine_info(dev),
         "versions": {"torch": torch.__version__, "fla": package_version("flash-linear-attention")},
         "shape": {"batch": B, "seq": T, "key_heads": H, "value_heads": HV, "key_dim": K, "value_dim": V},

@@ -399,11 +399,29 @@ section("Extraction", "The 27B target shape (Qwen3.5-27B, random weights) on one
              "if len((o['input_shapes'] or [[]])[0]) == 5):.0f} a batch: q and k "
              "of each GDN layer) are transformers {versions.transformers} copying the key heads per value head "
              "(gdn-heads)"),
+    Fig(id="extract-gva-h100", what="extraction, 27B shape, fp8 storage, with the GDN key heads grouped "
+        "(transformers >= 5.23) and the rotary embedding compiled", file="extract_h200_gva.json",
+        value="{fp8.tok_s:,.0f} tok/s = {fp8.ratio_vs_forward_only:.3f} of forward-only "
+              "({forward_only_tok_s:,.0f}); MFU {fp8.mfu:.3f} of the {=j('matmul_peak_flops')/1e12:.0f}T burst peak "
+              "measured in the run, {fp8.mfu_vs_sustained:.3f} of the {=j('matmul_sustained_flops')/1e12:.0f}T it "
+              "sustains after it; forward-only MFU "
+              "{=j('forward_only_tok_s')*j('forward_flops_per_token')/j('matmul_peak_flops'):.3f}",
+        baseline="forward-only run of the same batches", target=">= 0.97 and MFU >= 0.80",
+        device="{machine.device}",
+        note="its profile: {forward_profile.step_ms:.0f} ms a batch, matmul "
+             "{forward_profile.ms_per_step_by_kind.matmul:.0f}, FLA "
+             "{forward_profile.ms_per_step_by_kind[linear attention (FLA)]:.0f}, compiled elementwise "
+             "{forward_profile.ms_per_step_by_kind[compiled elementwise]:.0f}, copy/fill "
+             "{forward_profile.ms_per_step_by_kind[copy/fill]:.0f}, eager elementwise "
+             "{forward_profile.ms_per_step_by_kind[eager elementwise]:.0f} ms (extract-profile-h100, on another "
+             "H100, before both changes)"),
     Fig(id="gdn-heads", what="one GDN layer's FLA core, 27B shape, a 16 x 2,003-token batch: key heads grouped vs "
         "copied per value head", file="gdn_heads_h200.json",
         value="{grouped_ms:.2f} vs {copied_ms:.2f} ms (x{speedup:.2f}); outputs bit-identical: {identical}",
         baseline="q and k copied by repeat_interleave (transformers < 5.23)", device="{machine.device}",
-        note="{inputs} inputs; measured by the probe the script was written from (see the file's note)"),
+        note="{inputs}; contiguous q, k and v (the probe the script was written from): "
+             "{contiguous_probe.grouped_ms:.2f} vs {contiguous_probe.copied_ms:.2f} ms "
+             "(x{contiguous_probe.speedup:.2f})"),
 ])
 
 section("Training", "The 27B drafter shape (5 layers at hidden 5120, vocab 248,320) from a cold fp8 disk cache, "
@@ -591,6 +609,14 @@ section("Cache I/O", "Reads and writes of a 27B-shape cache on the GPU machine's
         value="{read_ratio_vs_plain_get:.2f} ({read_ratio_steady:.2f} steady)", baseline="plain GETs of the same objects",
         note="the reader's own ranges replayed as plain GETs: {variant_ratios.direct_ranges_as_plain_get:.2f}: the "
              "gap is in the ranges (SeaweedFS chunk alignment), not the client; see docs/storage.md"),
+    Fig(id="store-direct-read-blocks", what="the same read in runs of storage neighbours (train --shuffle-block)",
+        file="store_s3_cpu.json",
+        value="{read_ratio_shuffle_block:.2f} at --shuffle-block {config.shuffle_block}, against "
+              "{read_ratio_vs_plain_get:.2f} with every sample shuffled",
+        baseline="plain GETs of the same objects", target=">= 0.8",
+        note="CPU seconds of the server {cpu_seconds.direct_blocks.server:.2f} vs {cpu_seconds.direct.server:.2f}, "
+             "of the client {cpu_seconds.direct_blocks.client:.2f} vs {cpu_seconds.direct.client:.2f}, a round; "
+             "the effect on held-out tau is not measured yet (bench_reference --shuffle-block)"),
     Fig(id="store-direct-read-16", what="the same on 16 cores: SeaweedFS on 8, the reader and the plain GETs on the "
         "other 8", file="store_s3_gpu.json",
         value="{read_ratio_vs_plain_get:.2f} ({read_ratio_steady:.2f} steady; on 2 shared cores "
