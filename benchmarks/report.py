@@ -617,6 +617,15 @@ section("Cache I/O", "Reads and writes of a 27B-shape cache on the GPU machine's
         note="CPU seconds of the server {cpu_seconds.direct_blocks.server:.2f} vs {cpu_seconds.direct.server:.2f}, "
              "of the client {cpu_seconds.direct_blocks.client:.2f} vs {cpu_seconds.direct.client:.2f}, a round; "
              "the effect on held-out tau is not measured yet (bench_reference --shuffle-block)"),
+    Fig(id="store-direct-read-split", what="the same two reads with the server on a core of its own (--split-cores: "
+        "SeaweedFS on one of the 2 cores, the reader and the plain GETs on the other)", file="store_s3_cpu_split.json",
+        value="{read_ratio_shuffle_block:.2f} at --shuffle-block {config.shuffle_block}, against "
+              "{read_ratio_vs_plain_get:.2f} with every sample shuffled",
+        baseline="plain GETs of the same objects", target=">= 0.8",
+        note="the server's CPU seconds a round: {cpu_seconds.direct_blocks.server:.2f} in runs of neighbours, "
+             "{cpu_seconds.direct.server:.2f} shuffled, {cpu_seconds.plain_get.server:.2f} for the plain GETs; "
+             "the client's: {cpu_seconds.direct_blocks.client:.2f}, {cpu_seconds.direct.client:.2f}, "
+             "{cpu_seconds.plain_get.client:.2f}"),
     Fig(id="store-direct-read-16", what="the same on 16 cores: SeaweedFS on 8, the reader and the plain GETs on the "
         "other 8", file="store_s3_gpu.json",
         value="{read_ratio_vs_plain_get:.2f} ({read_ratio_steady:.2f} steady; on 2 shared cores "
