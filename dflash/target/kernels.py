@@ -13,8 +13,9 @@ crash (DESIGN.md "Test assets"). We therefore rebind the module globals per devi
 - Grouped key heads: when a target has fewer GDN key heads than value heads (Qwen3.5-27B: 16 and 48),
   transformers before GROUPED_KEY_HEADS_SINCE copies q and k to the value heads' count before every GDN
   kernel; later versions hand FLA the key heads as they are, and FLA's grouped value attention reads key head
-  j // (HV / H) for value head j, the same values without the copy (bit-identical and 1.48x faster per layer
-  on the 27B shape: benchmarks/results/gdn_heads_h200.json). The choice's reason says which one runs.
+  j // (HV / H) for value head j, the same values without the copy (bit-identical and 1.33x faster per layer
+  on the 27B shape, given transformers' split views: benchmarks/results/gdn_heads_h200.json). The choice's
+  reason says which one runs.
 
 The rebinding is process-global (the module is shared by every model of that class); extraction runs one
 process per device, so one process never needs two choices at once. Every choice is logged with its reason.
@@ -76,7 +77,7 @@ def _key_heads_note(model: torch.nn.Module) -> str | None:
     if key_heads_grouped(transformers.__version__):
         return f"{hk} GDN key heads passed grouped to {hv} value heads"
     return (f"transformers {transformers.__version__} copies the {hk} GDN key heads to {hv} before each kernel: "
-            f">= {GROUPED_KEY_HEADS_SINCE} passes them grouped, the same values ~1.5x faster (pip install "
+            f">= {GROUPED_KEY_HEADS_SINCE} passes them grouped, the same values ~1.3x faster (pip install "
             f"'transformers>={GROUPED_KEY_HEADS_SINCE}')")
 
 
