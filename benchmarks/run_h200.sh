@@ -7,7 +7,7 @@
 # Stages (what each measures and its result file: benchmarks/README.md):
 #   io | cache | extract [ARGS]      bench_cache (cold reads, ~4 min) and/or bench_extract 600K tokens (~7 min)
 #   train [ARGS] | trainreal [ARGS] | steptail   bench_train, bench_train_real, bench_step_tail (27B drafter)
-#   sweep | check                    bench_sweep --synthetic; the gpu-marked tests + bench_block_mask
+#   sweep | check [ARGS]             bench_sweep --synthetic; the gpu-marked tests + bench_block_mask, across calls
 #   quality GGUF_PART... [--resume]  bench_quality (SmolLM2, bf16 vs fp8, 3 seeds)
 #   reference [ARGS] [--resume]      bench_reference on the committed data (every call after the first: --resume)
 #   shuffleeffect [N]                the reference run with train --shuffle-block N (all_shuffle), across calls
@@ -190,11 +190,11 @@ smollm2step() { gguf_joined || return 1
 storage4() { local stage=$1; shift
              if [ "$stage" = tau ]; then gguf_joined || return 1; set -- --gguf "$GGUF" --workdir /tmp/bs4 "$@"; fi
              capped 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
-gpu_tests() { gguf_joined && export DFLASH_SMOLLM2_GGUF=$GGUF  # the generate tests load SmolLM2 from it
-  capped "${1:-420}" python3 -m pytest -q -p no:cacheprovider -W ignore::Warning -m gpu tests/gpu \
-  tests/unit/test_attention_tiles.py tests/unit/test_drafter_model.py tests/unit/test_sliding_attention.py \
-  tests/unit/test_eval_batched.py tests/unit/test_quant4.py tests/unit/test_quant4_gpu.py; }  # the unit files with gpu tests
-block_mask() { capped "${1:-200}" python3 benchmarks/bench_block_mask.py; }
+# the gpu-marked tests and bench_block_mask in groups that continue across the calls of a warm machine (gpu_check.py:
+# exit 3 while groups are pending); ARGS go to gpu_check.py (--only GROUPS, --fresh)
+gpu_tests() { local t=$1; shift; if [ -n "${LIMIT:-}" ] && [ "$LIMIT" -lt "$t" ]; then t=$LIMIT; fi
+  gguf_joined && export DFLASH_SMOLLM2_GGUF=$GGUF  # the live-target tests load SmolLM2 from it
+  timeout $((t + 30)) python3 benchmarks/gpu_check.py --budget "$t" --out "$LOGS" "$@"; }
 # the object-store read rate where server and client do not share cores: the CPU figure's command with SeaweedFS
 # (joined from the stashed parts of scripts/split_weed.sh) on one half of the physical cores and the client on the
 # other, the CPU figure kept beside it in the JSON. ~6 min on the CPU machine's 2 cores (one each): a bound
@@ -224,8 +224,7 @@ case "$stage" in
   trainreal) trainreal "$@" || rc=$? ;;
   steptail) steptail || rc=$? ;;
   sweep) sweep || rc=$? ;;
-  check) t0=$SECONDS; gpu_tests 420 || rc=$?  # the bench gets what is left of 570 s: both within one call
-         block_mask $((570 - (SECONDS - t0))) || rc=$? ;;
+  check) gpu_tests 560 "$@" || rc=$? ;;  # every call the same until it exits 0 (3: groups pending)
   quality) quality 560 "$@" || rc=$? ;;
   reference) reference "${LIMIT:-570}" "$@" || rc=$? ;;  # LIMIT: under what a session has left
   # train --shuffle-block N's effect on held-out tau: the reference run again with it (all_shuffle), the finished
@@ -249,7 +248,7 @@ case "$stage" in
   pair2) QPARTS=("$@"); both quality "quality_parts 540" sweep "sweep_then_gpu_tests 400" ;;
   pair3) both extract "extract 540" sweep "sweep 540" ;;
   pair4) QPARTS=("$@"); both quality "quality_parts 540" extract "extract 540" ;;
-  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check|quality PARTS [--resume]|reference ARGS|shuffleeffect [N]|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stretch ARGS|stretchout PARTS|methods ARGS|stash|flextiles ARGS|storegpu ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
+  *) echo "usage: $0 io|cache|extract ARGS|train|trainreal|steptail|sweep|check [ARGS]|quality PARTS [--resume]|reference ARGS|shuffleeffect [N]|refpair|refone fp8/bf16|evaloverhead|storage4 STAGE|smollm2step ARGS|peer ARGS|peerx ARGS|peerout PARTS|stretch ARGS|stretchout PARTS|methods ARGS|stash|flextiles ARGS|storegpu ARGS|pair1|pair2 PARTS|pair3|pair4 PARTS" >&2
      exit 2 ;;
 esac
 # only what this call wrote: $OUT brings back at most 8 files
