@@ -414,7 +414,10 @@ section("Extraction", "The 27B target shape (Qwen3.5-27B, random weights) on one
              "{forward_profile.ms_per_step_by_kind[compiled elementwise]:.0f}, copy/fill "
              "{forward_profile.ms_per_step_by_kind[copy/fill]:.0f}, eager elementwise "
              "{forward_profile.ms_per_step_by_kind[eager elementwise]:.0f} ms (extract-profile-h100, on another "
-             "H100, before both changes)"),
+             "H100, before both changes). Without the final drain (the last batch's write and commit, "
+             "{fp8.drain_seconds:.2f} s of the {=j('fp8.loop_seconds')+j('fp8.drain_seconds'):.0f} s run; "
+             "what bench_extract records as fp8.mfu_steady): {fp8.tok_s_steady:,.0f} tok/s, MFU "
+             "{=j('fp8.mfu')*j('fp8.tok_s_steady')/j('fp8.tok_s'):.3f}"),
     Fig(id="gdn-heads", what="one GDN layer's FLA core, 27B shape, a 16 x 2,003-token batch: key heads grouped vs "
         "copied per value head", file="gdn_heads_h200.json",
         value="{grouped_ms:.2f} vs {copied_ms:.2f} ms (x{speedup:.2f}); outputs bit-identical: {identical}",

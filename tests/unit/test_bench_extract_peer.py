@@ -62,6 +62,8 @@ def test_tiny_run_writes_a_complete_result(tmp_path):
     assert got["complete"] and "incomplete" not in got
     assert got["fp8"]["tok_s"] > 0 and got["fp8"]["tokens"] == got["real_tokens"] > 0
     assert 0 < got["fp8"]["ratio_vs_forward_only"] and got["matmul_sustained_flops"] > 0
+    # the steady rate leaves out the setup and the final drain, never more time than the whole run's rate
+    assert got["fp8"]["mfu_steady"] >= got["fp8"]["mfu"] > 0
     assert json.loads(proc.stdout.strip().splitlines()[-1])["fp8"]["tok_s"] == got["fp8"]["tok_s"]
     # --profile: the forward-only pass once more under torch.profiler, per batch (no CUDA kernels on CPU)
     prof = got["forward_profile"]
