@@ -45,3 +45,34 @@ def test_methods_plan_config_and_summary(tmp_path):
     assert m["all_dflash2"]["arch"] == "dflash2" and abs(m["all_dflash2"]["rel_to_dflash_mtbench"] - 0.2) < 1e-12
     assert abs(result["methods_seed_spread"]["all_dflash"]["mtbench"] - 0.01) < 1e-12
     assert abs(result["methods_seed_spread"]["all_dflash2"]["humaneval"] - 0.02) < 1e-12
+
+
+def test_tiny_methods_comparison_end_to_end(tmp_path):
+    """`bench_reference.py --tiny --methods` on CPU, the real SmolLM2 target: every method trains on one cache, is
+    scored by exact held-out tau on the three evals and lands in the result's methods table with its seed spread,
+    and each run trained the architecture and objective its name says (its checkpoint's config)."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "methods_tiny_cpu.json"
+    proc = subprocess.run([sys.executable, str(HERE.parents[1] / "benchmarks" / "bench_reference.py"), "--tiny",
+                           "--methods", "--workdir", str(tmp_path / "w"),
+                           "--json", str(out), "--plot-dir", str(tmp_path / "plots")],
+                          capture_output=True, text=True, timeout=900, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["bench"] == "methods" and set(got["methods"]) == set(br.METHOD_RUNS)
+    for name, over in br.METHOD_RUNS.items():
+        m = got["methods"][name]
+        assert (m["arch"], m["objective"], m["seed"]) == (over.get("arch", "dflash"),
+                                                          over.get("objective", "dflash"), over.get("seed", 0))
+        assert all(m[f"tau_{e}"] >= 1.0 for e in ("mtbench", "humaneval", "sharegpt")), m
+        assert m["step_time_s_median"] > 0
+        run = tmp_path / "w" / f"run_{name}"
+        train = json.loads((run / "config.json").read_text())["train"]
+        assert (train["arch"], train["objective"], train["seed"]) == (m["arch"], m["objective"], m["seed"])
+        exported = json.loads((run / "drafter" / "config.json").read_text())["architectures"]
+        assert exported == [{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[m["arch"]]]
+    assert got["methods"]["all_dflash"]["rel_to_dflash_mtbench"] == 0.0
+    assert set(got["methods_seed_spread"]) == {"all_dflash", "all_dflash2"}
