@@ -4,7 +4,8 @@ Its files' separate runs add up to about a call (10 minutes: the target's compil
 ~100 s, the first ten tests 254 s), so it runs as groups, one process each, and keeps what it ran in a state file
 on the machine: the next call on the warm machine (the same command) runs the groups still pending. A group cut
 at the time limit is pending again and starts only in a call with more time than it was cut at; one cut after a
-whole call's time (WHOLE_CALL_S) does not fit and is reported as failed. Each group's output goes to
+whole call's time (WHOLE_CALL_S) does not fit and is reported as failed. A group whose input is not on the
+machine yet (NEEDS: the SmolLM2 GGUF) waits, pending, for a later call. Each group's output goes to
 OUT/gpu_check_<group>.log, the table of every group so far to OUT/gpu_check.txt.
 
     python3 benchmarks/gpu_check.py --budget 560 --out $OUT          (run_h200.sh check)
@@ -29,17 +30,34 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", 
 GROUPS: dict[str, list[str]] = {
     # the 27B target's compiled layers and kernel choices (~3 min of compiles)
     "target": [*PYTEST, "tests/gpu/test_target_fused_gpu.py", "tests/gpu/test_target_kernels_gpu.py"],
-    # the CUDA trainer: methods, fused CE, wgrad fusion, the agreed stop flag
+    # the CUDA trainer: methods, fused CE, wgrad fusion, the agreed stop flag, online taps
     "train": [*PYTEST, "tests/gpu/test_methods_gpu.py", "tests/gpu/test_fused_ce_gpu.py",
-              "tests/gpu/test_wgrad_gpu.py", "tests/gpu/test_agreed_flag_gpu.py"],
-    # generation and online training from the live SmolLM2 target ($DFLASH_SMOLLM2_GGUF)
-    "target_live": [*PYTEST, "tests/gpu/test_generate_gpu.py", "tests/gpu/test_online_gpu.py"],
+              "tests/gpu/test_wgrad_gpu.py", "tests/gpu/test_agreed_flag_gpu.py", "tests/gpu/test_online_gpu.py"],
+    # compiled decoding of the real SmolLM2 (needs_smollm2)
+    "generate": [*PYTEST, "tests/gpu/test_generate_gpu.py"],
     # the unit files whose tests have a CUDA case
     "unit": [*PYTEST, "tests/unit/test_attention_tiles.py", "tests/unit/test_drafter_model.py",
              "tests/unit/test_sliding_attention.py", "tests/unit/test_eval_batched.py", "tests/unit/test_quant4.py",
              "tests/unit/test_quant4_gpu.py"],
     "block_mask": [sys.executable, "benchmarks/bench_block_mask.py"],
 }
+
+
+def needs_smollm2() -> str | None:
+    """Why the SmolLM2 GGUF is not here (the GPU machine gets it in parts: $DFLASH_SMOLLM2_GGUF), else None."""
+    from dflash.errors import ModelNotFoundError
+    from dflash.target.assets import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except ModelNotFoundError as e:
+        return f"no SmolLM2 GGUF ({e}): carry the GGUF parts"
+    return None
+
+
+NEEDS = {"generate": needs_smollm2}
+"""Group -> what tells why it cannot run on this machine yet (None: it can): it waits, pending, for a later call."""
+
 
 CUT = 124  # timeout's exit status, which run_h200.sh's callers know too
 MIN_START_S = 30.0
@@ -62,13 +80,14 @@ class Outcome:
         return not (self.cut and self.seconds >= WHOLE_CALL_S)
 
 
-def next_group(order: list[str], state: dict[str, Outcome], *, left: float) -> tuple[str | None, str]:
+def next_group(order: list[str], state: dict[str, Outcome], *, left: float,
+               waiting: dict[str, str] | None = None) -> tuple[str | None, str]:
     """The group to start with `left` seconds of this call (None: none now) and why not. Pending: never run, or
     cut; a group cut at t seconds waits for a call with more than t left, and one cut after a whole call's time
-    never starts again (verdict reports it)."""
+    never starts again (verdict reports it). Groups in `waiting` (group -> why) are passed over in this call."""
     for name in order:
         o = state.get(name)
-        if o is not None and (not o.cut or not o.fits):
+        if (o is not None and (not o.cut or not o.fits)) or name in (waiting or {}):
             continue
         if left < MIN_START_S:
             return None, f"{left:.0f} s left: call again for {name} and the groups after it"
@@ -78,8 +97,9 @@ def next_group(order: list[str], state: dict[str, Outcome], *, left: float) -> t
     return None, ""
 
 
-def verdict(order: list[str], state: dict[str, Outcome]) -> tuple[int, str]:
-    """Exit status and a line: 1 if a group failed or does not fit a call, 3 while one is pending, else 0."""
+def verdict(order: list[str], state: dict[str, Outcome], *, waiting: dict[str, str] | None = None) -> tuple[int, str]:
+    """Exit status and a line: 1 if a group failed or does not fit a call, 3 while one is pending (with why a
+    waiting one waits), else 0."""
     failed = [n for n in order if n in state and not state[n].cut and state[n].rc != 0]
     unfit = [n for n in order if n in state and not state[n].fits]
     pending = [n for n in order if n not in state or (state[n].cut and state[n].fits)]
@@ -88,7 +108,8 @@ def verdict(order: list[str], state: dict[str, Outcome]) -> tuple[int, str]:
     if bad:
         return 1, "; ".join(bad)
     if pending:
-        return 3, "pending: " + ", ".join(pending) + " (run the same command again)"
+        why = "; ".join(f"{n} waits: {(waiting or {})[n]}" for n in pending if n in (waiting or {}))
+        return 3, "pending: " + ", ".join(pending) + " (run the same command again" + (f"; {why})" if why else ")")
     return 0, "every group passed"
 
 
@@ -137,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     state = load(state_path)
     if args.fresh:
         state = {k: v for k, v in state.items() if k not in order}
+    waiting = {n: why for n in order if n in NEEDS and (why := NEEDS[n]())}
     t0 = time.monotonic()
     while True:
         left = args.budget - (time.monotonic() - t0)
-        name, why = next_group(order, state, left=left)
+        name, why = next_group(order, state, left=left, waiting=waiting)
         if name is None:
             if why:
                 print(f"gpu_check: {why}", flush=True)
@@ -149,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         state[name] = run_group(GROUPS[name], limit=left, log=out / f"gpu_check_{name}.log")
         print(f"gpu_check: {name}: {table([name], state)}", flush=True)
         state_path.write_text(json.dumps({k: dataclasses.asdict(v) for k, v in state.items()}))
-    rc, line = verdict(order, state)
+    rc, line = verdict(order, state, waiting=waiting)
     text = table(order, state) + f"\n{line}\n"
     (out / "gpu_check.txt").write_text(text)
     print(text, end="")

@@ -29,6 +29,23 @@ def test_next_group_runs_pending_groups_in_order_and_waits_for_time():
     assert gc.next_group(ORDER, {"a": unfit}, left=600) == ("b", "")
 
 
+def test_a_waiting_group_is_passed_over_and_stays_pending():
+    waiting = {"b": "no SmolLM2 GGUF"}
+    assert gc.next_group(ORDER, {"a": Outcome(0, 1)}, left=500, waiting=waiting) == ("c", "")
+    done = {"a": Outcome(0, 1), "c": Outcome(0, 1)}
+    assert gc.next_group(ORDER, done, left=500, waiting=waiting) == (None, "")
+    rc, line = gc.verdict(ORDER, done, waiting=waiting)
+    assert rc == 3 and "pending: b" in line and "b waits: no SmolLM2 GGUF" in line
+    assert gc.verdict(ORDER, done | {"b": Outcome(0, 1)}, waiting=waiting)[0] == 0
+
+
+def test_generate_waits_for_the_smollm2_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    assert "carry the GGUF parts" in gc.NEEDS["generate"]()
+    (tmp_path / "missing.gguf").write_bytes(b"GGUF")
+    assert gc.NEEDS["generate"]() is None
+
+
 def test_verdict():
     ok, cut = Outcome(0, 1), Outcome(gc.CUT, 100)
     assert gc.verdict(ORDER, {n: ok for n in ORDER}) == (0, "every group passed")
@@ -44,6 +61,7 @@ def test_groups_across_calls(tmp_path, monkeypatch, capsys):
                                        "bad": [py, "-c", "import sys; print('1 failed'); sys.exit(1)"],
                                        "slow": [py, "-c", "import time; time.sleep(60)"]})
     monkeypatch.setattr(gc, "MIN_START_S", 0.5)
+    monkeypatch.setattr(gc, "NEEDS", {})
     args = ["--state", str(tmp_path / "state.json"), "--out", str(tmp_path / "out")]
     assert gc.main(["--budget", "4", *args]) == 1     # bad failed; slow cut at the budget's end
     table = (tmp_path / "out" / "gpu_check.txt").read_text()
