@@ -57,8 +57,8 @@ def test_tiny_methods_comparison_end_to_end(tmp_path):
 
     out = tmp_path / "methods_tiny_cpu.json"
     proc = subprocess.run([sys.executable, str(HERE.parents[1] / "benchmarks" / "bench_reference.py"), "--tiny",
-                           "--methods", "--workdir", str(tmp_path / "w"),
-                           "--json", str(out), "--plot-dir", str(tmp_path / "plots")],
+                           "--methods", "--steps", "4", "--eval-every", "4", "--log-every", "2",
+                           "--workdir", str(tmp_path / "w"), "--json", str(out), "--plot-dir", str(tmp_path / "plots")],
                           capture_output=True, text=True, timeout=900, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(out.read_text())
