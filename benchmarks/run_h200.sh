@@ -193,7 +193,7 @@ storage4() { local stage=$1; shift
 # the gpu-marked tests and bench_block_mask in groups that continue across the calls of a warm machine (gpu_check.py:
 # exit 3 while groups are pending); ARGS go to gpu_check.py (--only GROUPS, --fresh)
 gpu_tests() { local t=$1; shift; if [ -n "${LIMIT:-}" ] && [ "$LIMIT" -lt "$t" ]; then t=$LIMIT; fi
-  gguf_joined && export DFLASH_SMOLLM2_GGUF=$GGUF  # the live-target tests load SmolLM2 from it
+  gguf_joined && export DFLASH_SMOLLM2_GGUF=$GGUF  # the generate group decodes SmolLM2 from it (else it waits)
   timeout $((t + 30)) python3 benchmarks/gpu_check.py --budget "$t" --out "$LOGS" "$@"; }
 # the object-store read rate where server and client do not share cores: the CPU figure's command with SeaweedFS
 # (joined from the stashed parts of scripts/split_weed.sh) on one half of the physical cores and the client on the
