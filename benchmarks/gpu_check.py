@@ -1,12 +1,11 @@
 """The GPU machine's check stage: the gpu-marked tests and bench_block_mask in groups, across device calls.
 
-Its files' separate runs add up to about a call (10 minutes: the target's compiled layers ~140 s, the CUDA trainer
-~100 s, the first ten tests 254 s), so it runs as groups, one process each, and keeps what it ran in a state file
-on the machine: the next call on the warm machine (the same command) runs the groups still pending. A group cut
-at the time limit is pending again and starts only in a call with more time than it was cut at; one cut after a
-whole call's time (WHOLE_CALL_S) does not fit and is reported as failed. A group whose input is not on the
-machine yet (NEEDS: the SmolLM2 GGUF) waits, pending, for a later call. Each group's output goes to
-OUT/gpu_check_<group>.log, the table of every group so far to OUT/gpu_check.txt.
+The whole set takes about a call's time (10 minutes) or more, so it runs as groups, one process each, and keeps
+what it ran in a state file on the machine: the next call on the warm machine (the same command) runs the groups
+still pending. A group cut at the time limit is pending again and starts only in a call with more time than it
+was cut at; one cut after a whole call's time (WHOLE_CALL_S) does not fit and is reported as failed. A group
+whose input is not on the machine yet (NEEDS: the SmolLM2 GGUF) waits, pending, for a later call. Each group's
+output goes to OUT/gpu_check_<group>.log, the table of every group so far to OUT/gpu_check.txt.
 
     python3 benchmarks/gpu_check.py --budget 560 --out $OUT          (run_h200.sh check)
     python3 benchmarks/gpu_check.py --only train --fresh             (one group again)
@@ -80,6 +79,11 @@ class Outcome:
         return not (self.cut and self.seconds >= WHOLE_CALL_S)
 
 
+def pending(o: Outcome | None) -> bool:
+    """Still to run: never run, or cut and fits a call."""
+    return o is None or (o.cut and o.fits)
+
+
 def next_group(order: list[str], state: dict[str, Outcome], *, left: float,
                waiting: dict[str, str] | None = None) -> tuple[str | None, str]:
     """The group to start with `left` seconds of this call (None: none now) and why not. Pending: never run, or
@@ -87,7 +91,7 @@ def next_group(order: list[str], state: dict[str, Outcome], *, left: float,
     never starts again (verdict reports it). Groups in `waiting` (group -> why) are passed over in this call."""
     for name in order:
         o = state.get(name)
-        if (o is not None and (not o.cut or not o.fits)) or name in (waiting or {}):
+        if not pending(o) or name in (waiting or {}):
             continue
         if left < MIN_START_S:
             return None, f"{left:.0f} s left: call again for {name} and the groups after it"
@@ -102,14 +106,14 @@ def verdict(order: list[str], state: dict[str, Outcome], *, waiting: dict[str, s
     waiting one waits), else 0."""
     failed = [n for n in order if n in state and not state[n].cut and state[n].rc != 0]
     unfit = [n for n in order if n in state and not state[n].fits]
-    pending = [n for n in order if n not in state or (state[n].cut and state[n].fits)]
+    todo = [n for n in order if pending(state.get(n))]
     bad = ([f"failed: {', '.join(failed)}"] if failed else []) + \
         ([f"cut after a whole call ({WHOLE_CALL_S:.0f} s): {', '.join(unfit)}; split it"] if unfit else [])
     if bad:
         return 1, "; ".join(bad)
-    if pending:
-        why = "; ".join(f"{n} waits: {(waiting or {})[n]}" for n in pending if n in (waiting or {}))
-        return 3, "pending: " + ", ".join(pending) + " (run the same command again" + (f"; {why})" if why else ")")
+    if todo:
+        why = "; ".join(f"{n} waits: {(waiting or {})[n]}" for n in todo if n in (waiting or {}))
+        return 3, "pending: " + ", ".join(todo) + " (run the same command again" + (f"; {why})" if why else ")")
     return 0, "every group passed"
 
 
