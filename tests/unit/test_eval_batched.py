@@ -69,9 +69,10 @@ def test_chunk_index_is_the_mask_rule():
 
 def tiny_drafter(seed, *, B=4, V=48, D=32):
     torch.manual_seed(seed)
+    # head_dim 16: compiled flex attention (the CUDA path) refuses head dims under 16
     cfg = DrafterConfig(hidden_size=D, intermediate_size=48, target_layer_ids=(0, 2), num_target_layers=4,
                         mask_token_id=V - 1, vocab_size=V, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, block_size=B)
+                        num_key_value_heads=2, head_dim=16, block_size=B)
     dr = DFlashDrafter(cfg)
     dr.reset_parameters(std=0.3)
     return dr
