@@ -539,8 +539,11 @@ def write_result(args, device, *, complete: bool, results: dict, peer: dict, com
     fo_tok_s = real / fo_s
     rows = [("forward only (same batches)", fo_tok_s, "")]
     summary = {}
+    def mfu_at(tok_s: float) -> float:
+        return tok_s * total_flops / real / peak
+
     for storage, r in results.items():
-        mfu = r["tok_s"] * total_flops / real / peak
+        mfu = mfu_at(r["tok_s"])
         summary[storage] = {
             "tok_s": r["tok_s"], "tok_s_end_to_end": r["tok_s_end_to_end"],
             "ratio_end_to_end_vs_forward_only": r["tok_s_end_to_end"] / fo_tok_s,
@@ -553,7 +556,7 @@ def write_result(args, device, *, complete: bool, results: dict, peer: dict, com
             "ratio_steady_vs_forward_only": r["tok_s_steady"] / fo_tok_s if r["tok_s_steady"] else None,
             # the final drain (the last batch's write and commit) is a fixed cost: its share of a 50 s bench is
             # ~2%, of an hours-long extraction nil, so the steady MFU is what a long extraction converges to
-            "mfu_steady": r["tok_s_steady"] * total_flops / real / peak if r["tok_s_steady"] else None,
+            "mfu_steady": mfu_at(r["tok_s_steady"]) if r["tok_s_steady"] else None,
             "ratio_vs_peer_style": peer_ratio(r["tok_s"], peer),
             "padding_fraction": 1 - real / padded, "storage": storage,
             "bytes_per_token": r["bytes_per_token"], "disk_write_MB_s": r["disk_write_MB_s"],

@@ -42,8 +42,8 @@ START=$(mktemp /tmp/run_h200_start.XXXXXX)
 
 # every stage's time limit, capped by LIMIT=<seconds> when set: a call under the device time a session has left (or
 # under the call's own limit) stops the bench itself, so the results it wrote still come back through $OUT below
-capped() { local t=$1; shift; if [ -n "${LIMIT:-}" ] && [ "$LIMIT" -lt "$t" ]; then t=$LIMIT; fi
-           timeout "$t" "$@"; }
+limit() { if [ -n "${LIMIT:-}" ] && [ "$LIMIT" -lt "$1" ]; then echo "$LIMIT"; else echo "$1"; fi; }
+capped() { local t; t=$(limit "$1"); shift; timeout "$t" "$@"; }
 cache() { capped 330 python3 benchmarks/bench_cache.py --tokens 200000 --drop-caches --threads 16 --reps 3 \
             --cache-threads 32,64 --result-name h200
           rm -rf /tmp/dflash_bench_cache; }
@@ -192,7 +192,7 @@ storage4() { local stage=$1; shift
              capped 570 python3 benchmarks/bench_storage4.py --stage "$stage" "$@"; }
 # the gpu-marked tests and bench_block_mask in groups that continue across the calls of a warm machine (gpu_check.py:
 # exit 3 while groups are pending); ARGS go to gpu_check.py (--only GROUPS, --fresh)
-gpu_tests() { local t=$1; shift; if [ -n "${LIMIT:-}" ] && [ "$LIMIT" -lt "$t" ]; then t=$LIMIT; fi
+gpu_tests() { local t; t=$(limit "$1"); shift
   gguf_joined && export DFLASH_SMOLLM2_GGUF=$GGUF  # the generate group decodes SmolLM2 from it (else it waits)
   timeout $((t + 30)) python3 benchmarks/gpu_check.py --budget "$t" --out "$LOGS" "$@"; }
 # the object-store read rate where server and client do not share cores: the CPU figure's command with SeaweedFS
