@@ -154,10 +154,12 @@ def local_files(root: pathlib.Path) -> list[tuple[str, bytes]]:
 
 
 def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, ...] | None,
-                in_flight: int = 2, verify: bool = True, shuffle_block: int = 0) -> tuple[int, float, float, float]:
+                in_flight: int = 2, verify: bool = True, shuffle_block: int = 0,
+                pieces: int | None = None) -> tuple[int, float, float, float]:
     """Every sample of the cache at `url` through CacheReader(url) the way the training loader reads it:
     shuffled micro-batches (config_plan; shuffle_block: train's --shuffle-block), two read_many calls in flight,
-    each into its own reused buffers.
+    each into its own reused buffers. pieces: a tap's contiguous runs longer than this many bytes are fetched in
+    near-equal ranged GETs of at most this size (the reader's piece_bytes; default: one GET per run).
     The buffers are allocated and touched outside the clock, as the loader's are: on a GPU box it allocates
     pinned buffers once per epoch (pinning faults every page in), before the first read. Here a round reads
     only ~12 micro-batches, so their ~420 MB of first touches (~110K page faults, 0.2-0.3 CPU s measured) would
@@ -174,6 +176,8 @@ def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, .
     cfg = TrainConfig(cache=url, model="-", output="-", batch_tokens=batch_tokens, shuffle_block=shuffle_block)
     t0 = time.perf_counter()
     with CacheReader(url, num_threads=threads, verify=verify) as r:
+        if pieces:
+            r.source.piece_bytes = pieces
         plan = config_plan(cfg, r.index, epoch=0, world_size=1)
         batches = [mb for s in range(plan.num_steps) for mb in plan.rank_step(0, s) if len(mb)]
         k = len(r.tap_positions(taps))
@@ -249,8 +253,9 @@ def main() -> None:
     ap.add_argument("--write-reps", type=int, default=3)
     ap.add_argument("--variants", action="store_true",
                     help="also time the direct read with the crc check off and with 2x threads, 2x micro-batches in "
-                         "flight, and the direct read's own ranged GETs as plain GETs, each round (where its gap to "
-                         "the plain GET goes; variant_ratios in the JSON)")
+                         "flight, the shuffle-block read with its runs in 8 MB ranged GETs (direct_blocks_pieces), "
+                         "and the direct read's own ranged GETs as plain GETs, each round (where its gap to the plain "
+                         "GET goes; variant_ratios in the JSON)")
     ap.add_argument("--weed-arg", action="append", default=[], metavar="FLAG",
                     help="an extra `weed server` flag for the test server, e.g. -s3.cacheCapacityMB=512 "
                          "(repeatable; recorded in the JSON's config.server_args)")
@@ -331,7 +336,10 @@ def main() -> None:
                  ("plain_whole", lambda: timed("plain_whole", lambda: plain_get(store, sizes, pool, part=None))),
                  ("fetch", lambda: timed("fetch", fetch))]
         variants = {"direct_no_crc": dict(threads=args.threads, verify=False),
-                    "direct_wide": dict(threads=2 * args.threads, in_flight=4)} if args.variants else {}
+                    "direct_wide": dict(threads=2 * args.threads, in_flight=4),
+                    # the shuffle-block read with its long neighbour runs in 8 MB ranged GETs, several threads a run
+                    "direct_blocks_pieces": dict(threads=args.threads, shuffle_block=args.shuffle_block,
+                                                 pieces=PART_BYTES)} if args.variants else {}
         for name, kw in variants.items():
             sec[name] = []
             steps.append((name, lambda name=name, kw=kw: sec[name].append(direct_read(

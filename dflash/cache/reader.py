@@ -27,7 +27,7 @@ import torch
 
 from dflash.cache import commit as cm
 from dflash.cache.format import Fingerprint, decode_bf16, decode_stored, stored_layout
-from dflash.cache.shardfile import ArrayFile, ByteRanges, FileRanges
+from dflash.cache.shardfile import ArrayFile, ByteRanges, FileRanges, split_rows
 from dflash.errors import CacheFormatError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,8 @@ class ShardSource(Protocol):
     default_threads: int
     """read_many's parallel requests when the caller does not say."""
     piece_bytes: int | None
-    """Most bytes of one read task per tap (a local file's reads go through a scratch buffer of this size);
-    None: tasks end only where the file breaks a tap's rows (a store's ranged GETs need no scratch)."""
+    """Most bytes of one read task per tap: longer contiguous runs are cut (split_rows) into parts read side by
+    side (a local file's reads go through a scratch buffer of this size); None: one task per run."""
 
     def manifest(self) -> dict: ...
 
@@ -276,8 +276,8 @@ class CacheReader:
 
         # merge samples that follow each other in one shard (sequential reads), then cut each tap's rows where
         # the file breaks them (row_runs: one request each; on a store a request costs ~1 MB of payload time,
-        # bench_store) and, for a local file, at multiples of ~piece_bytes (whole chunks: no chunk is read by
-        # two tasks) so threads share the work and scratch stays small
+        # bench_store) and cut runs longer than piece_bytes into near-equal whole-chunk parts (split_rows) so
+        # threads share the work and a local file's scratch stays small
         sh, off = self.index.shard[idx], self.index.offset[idx]
         brk = np.flatnonzero((sh[1:] != sh[:-1]) | (off[1:] != off[:-1] + lengths[:-1])) + 1
         seg_first = np.concatenate([[0], brk]).astype(np.int64)
@@ -294,11 +294,9 @@ class CacheReader:
             piece = None if self.source.piece_bytes is None else \
                 max(1, self.source.piece_bytes // row_bytes // cr) * cr
             for kk, k in enumerate(pos):
-                for r0, r1 in hid.row_runs(o0, o0 + t1 - t0, (k, 0)):
-                    while r0 < r1:
-                        q1 = r1 if piece is None else min(r1, (r0 // piece + 1) * piece)
-                        tasks.append((s, r0, t0 + r0 - o0, t0 + q1 - o0, (kk, k)))
-                        r0 = q1
+                for run in hid.row_runs(o0, o0 + t1 - t0, (k, 0)):
+                    for r0, r1 in split_rows(*run, piece, cr):
+                        tasks.append((s, r0, t0 + r0 - o0, t0 + r1 - o0, (kk, k)))
 
         def task(t) -> int:
             s, o, p0, p1, tap = t

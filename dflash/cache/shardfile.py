@@ -244,6 +244,21 @@ def index_nbytes(meta: dict, label: str = "array") -> int:
     return int(np.prod([s // c for s, c in zip(shard, inner)])) * 16 + CRC_BYTES
 
 
+def split_rows(start: int, stop: int, piece: int | None, align: int) -> list[tuple[int, int]]:
+    """Rows [start, stop) in the fewest near-equal parts of at most max(piece, align) rows (None: one part), every
+    inner cut on a multiple of `align` (the chunk rows: no chunk is read by two parts). A run no longer than
+    `piece` stays one request; a longer one becomes parts that threads fetch side by side (on a store a ranged
+    GET is one ~100-250 MB/s stream: a 32 MB run read whole holds one thread for all of it)."""
+    if piece is None or stop - start <= piece:
+        return [(start, stop)]
+    # the run's chunk cells (the first and last may be partial), grouped k to a part: k cells never exceed piece
+    edges = [start, *range((start // align + 1) * align, stop, align), stop]
+    cells, k = len(edges) - 1, max(1, piece // align)
+    parts = -(-cells // k)
+    cut = [edges[i * cells // parts] for i in range(parts + 1)]
+    return list(zip(cut[:-1], cut[1:]))
+
+
 class ByteRanges(Protocol):
     """Byte ranges of one shard file, wherever it lives (a local file, an object on a store)."""
 
