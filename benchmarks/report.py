@@ -647,7 +647,9 @@ section("Cache I/O", "Reads and writes of a 27B-shape cache on the GPU machine's
               "{config.shuffle_block}", baseline="plain GETs of the same objects", target=">= 0.8",
         device="NVIDIA H100 machine's CPUs",
         note="{mb_per_s.direct:,.0f} vs {mb_per_s.plain_get:,.0f} MB/s; the reader's ranges replayed as plain GETs: "
-             "{variant_ratios.direct_ranges_as_plain_get:.2f}; CPU seconds a round, server / client: shuffled "
+             "{variant_ratios.direct_ranges_as_plain_get:.2f}; the runs of neighbours in 8 MB ranged GETs: "
+             "{variant_ratios.direct_blocks_pieces:.2f} (server {cpu_seconds.direct_blocks_pieces.server:.2f} CPU s); "
+             "CPU seconds a round, server / client: shuffled "
              "{cpu_seconds.direct.server:.2f} / {cpu_seconds.direct.client:.2f}, in runs of neighbours "
              "{cpu_seconds.direct_blocks.server:.2f} / {cpu_seconds.direct_blocks.client:.2f}, plain GETs "
              "{cpu_seconds.plain_get.server:.2f} / {cpu_seconds.plain_get.client:.2f}"),
