@@ -653,6 +653,15 @@ section("Cache I/O", "Reads and writes of a 27B-shape cache on the GPU machine's
              "{cpu_seconds.direct.server:.2f} / {cpu_seconds.direct.client:.2f}, in runs of neighbours "
              "{cpu_seconds.direct_blocks.server:.2f} / {cpu_seconds.direct_blocks.client:.2f}, plain GETs "
              "{cpu_seconds.plain_get.server:.2f} / {cpu_seconds.plain_get.client:.2f}"),
+    Fig(id="store-direct-read-16-1mib", what="the same with SeaweedFS's 1 MiB chunks (-filer.maxMB=1, default 4)",
+        file="store_s3_maxmb1_gpu.json",
+        value="{read_ratio_vs_plain_get:.2f}; {read_ratio_shuffle_block:.2f} at --shuffle-block "
+              "{config.shuffle_block}", baseline="plain GETs of the same objects on the same server",
+        target=">= 0.8", device="NVIDIA H100 machine's CPUs",
+        note="{mb_per_s.direct:,.0f} vs {mb_per_s.plain_get:,.0f} MB/s, {config.reps} rounds; server CPU seconds a "
+             "round: shuffled {cpu_seconds.direct.server:.2f}, in runs of neighbours "
+             "{cpu_seconds.direct_blocks.server:.2f}, plain GETs {cpu_seconds.plain_get.server:.2f}: smaller chunks "
+             "cost the plain GETs more and the direct reads no less"),
 ])
 
 section("Generation and evaluation", "SmolLM2-135M-Instruct on one H200 unless marked.", [
