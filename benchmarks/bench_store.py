@@ -79,6 +79,11 @@ def default_shard_tokens() -> int:
     return ExtractConfig.__dataclass_fields__["shard_tokens"].default
 
 
+def default_batch_tokens() -> int:
+    from dflash.train.config import TrainConfig
+    return TrainConfig.__dataclass_fields__["batch_tokens"].default
+
+
 def make_cache(path: pathlib.Path, *, tokens: int, hidden: int, shard_tokens: int) -> int:
     """A random fp8 cache of ShareGPT-length samples totalling <= `tokens`; returns its token count."""
     import numpy as np
@@ -162,8 +167,9 @@ def direct_read(url: str, *, threads: int, batch_tokens: int, taps: tuple[int, .
     near-equal ranged GETs of at most this size (the reader's piece_bytes; default: one GET per run).
     The buffers are allocated and touched outside the clock, as the loader's are: on a GPU box it allocates
     pinned buffers once per epoch (pinning faults every page in), before the first read. Here a round reads
-    only ~12 micro-batches, so their ~420 MB of first touches (~110K page faults, 0.2-0.3 CPU s measured) would
-    be charged to 2.6 GB of reads instead of to an epoch's TBs; their seconds are returned apart.
+    only ~6 micro-batches of 16K tokens, so their first touches (~840 MB; at 8K tokens ~420 MB, ~110K page
+    faults, 0.2-0.3 CPU s measured) would be charged to 2.6 GB of reads instead of to an epoch's TBs; their
+    seconds are returned apart.
     Returns (bytes fetched, seconds opening the reader and the first batch's shard indexes, seconds in all but
     the buffers, seconds allocating and touching the buffers)."""
     import queue
@@ -245,7 +251,8 @@ def main() -> None:
     ap.add_argument("--hidden-size", type=int, default=5120)
     ap.add_argument("--shard-tokens", type=int, default=None, help="Default: the extractor's.")
     ap.add_argument("--threads", type=int, default=16)
-    ap.add_argument("--batch-tokens", type=int, default=8192, help="Tokens per read_many (a micro-batch).")
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="Tokens per read_many (a micro-batch). Default: train's --batch-tokens default.")
     ap.add_argument("--shuffle-block", type=int, default=16,
                     help="also read the cache as `train --shuffle-block N` does, each round (direct_blocks: runs of "
                          "N storage neighbours; read_ratio_shuffle_block)")
@@ -279,6 +286,7 @@ def main() -> None:
         # the one that made it (the server's own are set where it is spawned)
         os.sched_setaffinity(0, client_cpus)
     shard_tokens = args.shard_tokens or default_shard_tokens()
+    args.batch_tokens = args.batch_tokens or default_batch_tokens()
 
     import obstore
     from store_server import SeaweedServer, weed_version

@@ -625,7 +625,8 @@ section("Cache I/O", "Reads and writes of a 27B-shape cache on the GPU machine's
              "gap is in the ranges (SeaweedFS chunk alignment), not the client; see docs/storage.md"),
     Fig(id="store-direct-read-blocks", what="the same read in runs of storage neighbours (train --shuffle-block)",
         file="store_s3_cpu.json",
-        value="{read_ratio_shuffle_block:.2f} at --shuffle-block {config.shuffle_block}, against "
+        value="{read_ratio_shuffle_block:.2f} at --shuffle-block {config.shuffle_block} "
+              "({config.batch_tokens:,}-token micro-batches), against "
               "{read_ratio_vs_plain_get:.2f} with every sample shuffled",
         baseline="plain GETs of the same objects", target=">= 0.8",
         note="CPU seconds of the server {cpu_seconds.direct_blocks.server:.2f} vs {cpu_seconds.direct.server:.2f}, "
@@ -633,7 +634,8 @@ section("Cache I/O", "Reads and writes of a 27B-shape cache on the GPU machine's
              "the effect on held-out tau is not measured yet (bench_reference --shuffle-block)"),
     Fig(id="store-direct-read-split", what="the same two reads with the server on a core of its own (--split-cores: "
         "SeaweedFS on one of the 2 cores, the reader and the plain GETs on the other)", file="store_s3_cpu_split.json",
-        value="{read_ratio_shuffle_block:.2f} at --shuffle-block {config.shuffle_block}, against "
+        value="{read_ratio_shuffle_block:.2f} at --shuffle-block {config.shuffle_block} "
+              "({config.batch_tokens:,}-token micro-batches), against "
               "{read_ratio_vs_plain_get:.2f} with every sample shuffled",
         baseline="plain GETs of the same objects", target=">= 0.8",
         note="the server's CPU seconds a round: {cpu_seconds.direct_blocks.server:.2f} in runs of neighbours, "
@@ -644,7 +646,8 @@ section("Cache I/O", "Reads and writes of a 27B-shape cache on the GPU machine's
         "other 8", file="store_s3_gpu.json",
         value="{read_ratio_vs_plain_get:.2f} ({read_ratio_steady:.2f} steady; on 2 shared cores "
               "{beside.read_ratio_vs_plain_get:.2f}); {read_ratio_shuffle_block:.2f} at --shuffle-block "
-              "{config.shuffle_block}", baseline="plain GETs of the same objects", target=">= 0.8",
+              "{config.shuffle_block} ({config.batch_tokens:,}-token micro-batches)",
+        baseline="plain GETs of the same objects", target=">= 0.8",
         device="NVIDIA H100 machine's CPUs",
         note="{mb_per_s.direct:,.0f} vs {mb_per_s.plain_get:,.0f} MB/s; the reader's ranges replayed as plain GETs: "
              "{variant_ratios.direct_ranges_as_plain_get:.2f}; the runs of neighbours in 8 MB ranged GETs: "
@@ -656,7 +659,8 @@ section("Cache I/O", "Reads and writes of a 27B-shape cache on the GPU machine's
     Fig(id="store-direct-read-16-1mib", what="the same with SeaweedFS's 1 MiB chunks (-filer.maxMB=1, default 4)",
         file="store_s3_maxmb1_gpu.json",
         value="{read_ratio_vs_plain_get:.2f}; {read_ratio_shuffle_block:.2f} at --shuffle-block "
-              "{config.shuffle_block}", baseline="plain GETs of the same objects on the same server",
+              "{config.shuffle_block} ({config.batch_tokens:,}-token micro-batches)",
+        baseline="plain GETs of the same objects on the same server",
         target=">= 0.8", device="NVIDIA H100 machine's CPUs",
         note="{mb_per_s.direct:,.0f} vs {mb_per_s.plain_get:,.0f} MB/s, {config.reps} rounds; server CPU seconds a "
              "round: shuffled {cpu_seconds.direct.server:.2f}, in runs of neighbours "
