@@ -247,8 +247,8 @@ def index_nbytes(meta: dict, label: str = "array") -> int:
 def split_rows(start: int, stop: int, piece: int | None, align: int) -> list[tuple[int, int]]:
     """Rows [start, stop) in the fewest near-equal parts of at most max(piece, align) rows (None: one part), every
     inner cut on a multiple of `align` (the chunk rows: no chunk is read by two parts). A run no longer than
-    `piece` stays one request; a longer one becomes parts that threads fetch side by side (on a store a ranged
-    GET is one ~100-250 MB/s stream: a 32 MB run read whole holds one thread for all of it)."""
+    `piece` stays one request; a longer one becomes parts that threads read side by side, each through a scratch
+    buffer of `piece` rows at most."""
     if piece is None or stop - start <= piece:
         return [(start, stop)]
     # the run's chunk cells (the first and last may be partial), grouped k to a part: k cells never exceed piece
