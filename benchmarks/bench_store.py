@@ -74,16 +74,6 @@ PART_BYTES = 8 << 20  # the plain GET's ranged part (AWS CLI / s5cmd default mul
 TAPS = (1, 8, 15, 22, 29)
 
 
-def default_shard_tokens() -> int:
-    from dflash.extract.driver import ExtractConfig
-    return ExtractConfig.__dataclass_fields__["shard_tokens"].default
-
-
-def default_batch_tokens() -> int:
-    from dflash.train.config import TrainConfig
-    return TrainConfig.__dataclass_fields__["batch_tokens"].default
-
-
 def make_cache(path: pathlib.Path, *, tokens: int, hidden: int, shard_tokens: int) -> int:
     """A random fp8 cache of ShareGPT-length samples totalling <= `tokens`; returns its token count."""
     import numpy as np
@@ -285,8 +275,10 @@ def main() -> None:
         # before the imports: numpy's BLAS starts its threads when loaded, and every thread starts on the cores of
         # the one that made it (the server's own are set where it is spawned)
         os.sched_setaffinity(0, client_cpus)
-    shard_tokens = args.shard_tokens or default_shard_tokens()
-    args.batch_tokens = args.batch_tokens or default_batch_tokens()
+    from dflash.extract.driver import ExtractConfig
+    from dflash.train.config import TrainConfig
+    shard_tokens = args.shard_tokens or ExtractConfig.shard_tokens  # the dataclasses' defaults
+    args.batch_tokens = args.batch_tokens or TrainConfig.batch_tokens
 
     import obstore
     from store_server import SeaweedServer, weed_version
